@@ -1,0 +1,1 @@
+"""orthon.launch"""

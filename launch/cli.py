@@ -1,0 +1,47 @@
+"""The ``orthon`` command line.
+
+Each subcommand lives in its own module with ``register(parser)`` and
+``run(args) -> int``; this file only maps names to modules, imported lazily so
+``orthon --help`` stays fast and a command's heavy imports cost only its users.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from orthon.launch.config import ConfigError
+
+COMMANDS = {
+    "model-info": ("orthon.launch.cmd_model_info", "parameter counts per component (meta device)"),
+    "export": ("orthon.launch.cmd_hf", "write a run's model in the Hugging Face glm_moe_dsa layout"),
+    "import": ("orthon.launch.cmd_hf", "read a Hugging Face glm_moe_dsa directory into an orthon checkpoint"),
+    "smoke": ("orthon.launch.cmd_smoke", "build the model of a recipe, train a few steps, print the loss"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="orthon", description="GLM-5-style LLM training.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        if argv and argv[0] not in ("-h", "--help"):
+            parser.error(f"unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}")
+        parser.print_help()
+        return 0 if argv else 2
+    name = argv[0]
+    module = importlib.import_module(COMMANDS[name][0])
+    cmd_parser = argparse.ArgumentParser(prog=f"orthon {name}", description=COMMANDS[name][1])
+    module.register(cmd_parser, name)
+    args = cmd_parser.parse_args(argv[1:])
+    try:
+        return int(module.run(args, name) or 0)
+    except ConfigError as exc:
+        print(f"orthon {name}: config error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""The orthon distribution.
+
+The repository's root folders are the subpackages of the ``orthon`` import
+namespace (``pretrain/`` is ``orthon.pretrain`` and so on). ``orthon`` itself
+is a namespace package, so nothing installs a top-level ``data``, ``optim``
+or ``launch`` module.
+"""
+from setuptools import setup
+
+SUBPACKAGES = ["pretrain", "optim", "data", "midtrain", "rl", "launch"]
+
+setup(
+    name="orthon",
+    version="0.1.0",
+    description="GLM-5-style LLM training: Muon pretraining, long-context mid-training, async RL",
+    python_requires=">=3.10",
+    packages=[f"orthon.{name}" for name in SUBPACKAGES],
+    package_dir={f"orthon.{name}": name for name in SUBPACKAGES},
+    install_requires=[
+        # torch is pinned by the README's install line (CPU wheel); a range here
+        # keeps pip from replacing it with a CUDA build.
+        "torch>=2.6",
+        "numpy",
+        "safetensors",
+        "pyyaml",
+        "tqdm",
+        "tensorboard",
+        "matplotlib",
+    ],
+    extras_require={
+        "test": ["pytest", "transformers>=5.20"],
+        "data": ["datasets", "sentencepiece", "tokenizers", "datasketch"],
+        "rl": ["ray", "zstandard", "math-verify"],
+        "mindspore": ["mindspore"],
+        "megatron": ["megatron-core"],
+        "sglang": ["sglang"],
+        "te": ["transformer-engine"],
+    },
+    entry_points={"console_scripts": ["orthon = orthon.launch.cli:main"]},
+)
