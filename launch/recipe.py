@@ -1,0 +1,34 @@
+"""The recipe: one typed config tree for every orthon command; configs/*.yaml fill it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from orthon.launch import config as config_io
+from orthon.pretrain.config import ModelConfig
+
+
+@dataclass
+class SmokeConfig:
+    """The few training steps of `orthon smoke` (plain AdamW on random tokens; the pretraining loop
+    is `orthon pretrain`)."""
+
+    steps: int = 5
+    batch_size: int = 4
+    seq_len: int = 64
+    lr: float = 1e-3
+    seed: int = 0
+
+
+@dataclass
+class Recipe:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    smoke: SmokeConfig = field(default_factory=SmokeConfig)
+
+
+def load_recipe(path=None, overrides=()) -> Recipe:
+    return config_io.load(Recipe, path, overrides)
+
+
+def add_recipe_args(parser) -> None:
+    parser.add_argument("-c", "--config", help="YAML recipe (configs/*.yaml)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.hidden_size=512")

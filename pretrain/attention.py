@@ -1,0 +1,219 @@
+"""Multi-head latent attention (MLA) with the DSA lightning indexer.
+
+Parameters are laid out as transformers' ``GlmMoeDsaAttention`` (q_a_proj, q_a_layernorm, q_b_proj,
+kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj, indexer.*). Three ways to compute the
+attention itself, all the same function of the weights:
+
+- expanded: per-head keys/values from W_KVB, fused SDPA, causal or with a top-k mask. Fastest for
+  short sequences (T near index_topk).
+- absorbed (MQA form): keys and values are the per-token latent [c_kv; k_rope] shared by all heads;
+  W_KVB's key half is folded into the queries, its value half applied after attention. With top-k
+  indices, each query gathers only its k latents, in query chunks, so memory is chunk x k x latent.
+  This is also the decode path: the KV cache holds exactly that latent.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from orthon.pretrain.config import ModelConfig
+from orthon.pretrain.layers import RMSNorm, apply_rope
+from orthon.pretrain.topk import deterministic_topk
+
+
+# ---------------------------------------------------------------- pure functions
+def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """Lightning-indexer scores I[t, s] = sum_j w[t, j] * ReLU(scale * q[t, j] . k[s]).
+
+    q: (B, C, n, d) indexer queries; w: (B, C, n) head weights; k: (B, S, d) keys -> (B, C, S), fp32.
+    """
+    logits = torch.einsum("bcnd,bsd->bcns", q.float(), k.float()) * scale
+    return torch.einsum("bcn,bcns->bcs", w.float(), F.relu(logits))
+
+
+def causal_mask(q_slots: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """(C, S) bool: key slot s is visible to the query at slot q_slots[c]."""
+    return torch.arange(num_keys, device=q_slots.device) <= q_slots[:, None]
+
+
+def select_topk(scores: torch.Tensor, q_slots: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k key indices per query among causal keys (ties to the lower position). (B, C, S) -> (B, C, k).
+
+    Rows with fewer than k visible keys also return some future keys; attention masks those out.
+    """
+    scores = scores.masked_fill(~causal_mask(q_slots, scores.shape[-1]), float("-inf"))
+    return deterministic_topk(scores, k)
+
+
+def absorbed_attention(
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    q_slots: torch.Tensor,
+    indices: torch.Tensor | None,
+    scale: float,
+    chunk: int,
+) -> torch.Tensor:
+    """Attention in the absorbed (MQA) form.
+
+    q: (B, T, H, D) queries already mapped into latent space ([W_UK^T q_nope; q_rope]);
+    latent: (B, S, D) per-token keys [c_kv; k_rope]; values are latent[..., :R] (R = D - rope),
+    taken by the caller as the first R numbers of the output; q_slots: (T,) key slot of each query
+    (causality); indices: (B, T, k) selected key slots or None for all causal keys.
+    Returns (B, T, H, D) attention-weighted latents (caller keeps [..., :R]).
+    """
+    B, T, H, D = q.shape
+    S = latent.shape[1]
+    outputs = []
+    for start in range(0, T, chunk):
+        qc = q[:, start : start + chunk]
+        slots = q_slots[start : start + chunk]
+        if indices is None:
+            scores = torch.einsum("bchd,bsd->bchs", qc, latent) * scale
+            visible = causal_mask(slots, S)[None, :, None, :]
+            probs = torch.softmax(scores.float().masked_fill(~visible, float("-inf")), dim=-1).to(q.dtype)
+            outputs.append(torch.einsum("bchs,bsd->bchd", probs, latent))
+        else:
+            idx = indices[:, start : start + chunk]  # (B, C, k)
+            C, K = idx.shape[1], idx.shape[2]
+            flat = idx + (torch.arange(B, device=idx.device) * S)[:, None, None]
+            picked = latent.reshape(B * S, D).index_select(0, flat.reshape(-1)).view(B, C, K, D)
+            scores = torch.einsum("bchd,bckd->bchk", qc, picked) * scale
+            visible = (idx <= slots[None, :, None])[:, :, None, :]
+            probs = torch.softmax(scores.float().masked_fill(~visible, float("-inf")), dim=-1).to(q.dtype)
+            outputs.append(torch.einsum("bchk,bckd->bchd", probs, picked))
+    return torch.cat(outputs, dim=1)
+
+
+def topk_mask(indices: torch.Tensor, q_slots: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """(B, 1, T, S) bool SDPA mask: the selected keys that are causal."""
+    B, T, _ = indices.shape
+    chosen = torch.zeros(B, T, num_keys, dtype=torch.bool, device=indices.device)
+    chosen.scatter_(-1, indices, True)
+    return (chosen & causal_mask(q_slots, num_keys)).unsqueeze(1)
+
+
+# ---------------------------------------------------------------- modules
+class Indexer(nn.Module):
+    """DSA lightning indexer (parameter names as transformers' GlmMoeDsaIndexer). Trainable: nothing
+    here runs under no_grad, so mid-training can fit it with its KL objective."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        self.scale = self.head_dim**-0.5
+
+    def _rope_first(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # The indexer rotates its first rope_dim numbers and passes the rest.
+        return torch.cat([apply_rope(x[..., : self.rope_dim], cos, sin), x[..., self.rope_dim :]], dim=-1)
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """(B, T, d) indexer keys of new tokens (what the cache stores)."""
+        return self._rope_first(self.k_norm(self.wk(x)), cos, sin)
+
+    def queries(self, x, q_resid, cos, sin):
+        """(B, T, n, d) queries and (B, T, n) head weights."""
+        B, T, _ = x.shape
+        q = self._rope_first(self.wq_b(q_resid).view(B, T, self.n_heads, self.head_dim), cos, sin)
+        w = self.weights_proj(x).float() * self.n_heads**-0.5
+        return q, w
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.config = config
+        self.layer = layer
+        c = config
+        self.n_heads = c.num_attention_heads
+        self.nope, self.rope, self.v_dim, self.rank = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+        self.scale = c.qk_head_dim**-0.5
+        self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
+        self.q_a_layernorm = RMSNorm(c.q_lora_rank)
+        self.q_b_proj = nn.Linear(c.q_lora_rank, self.n_heads * c.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, self.rank + self.rope, bias=c.attention_bias)
+        self.kv_a_layernorm = RMSNorm(self.rank)
+        self.kv_b_proj = nn.Linear(self.rank, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.v_dim, c.hidden_size, bias=c.attention_bias)
+        self.indexer = Indexer(c) if c.indexer_type(layer) == "full" else None
+
+    # -- the pieces
+    def _project(self, x, cos, sin):
+        B, T, _ = x.shape
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(B, T, self.n_heads, self.nope + self.rope)
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        latent = torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_rope, cos, sin)], dim=-1)
+        return q_resid, q_nope, apply_rope(q_rope, cos, sin), latent
+
+    def _select(self, x, q_resid, cos, sin, index_keys, q_slots, prev_topk, want_scores):
+        """Top-k indices for this layer (own indexer or the shared previous one) and, when asked, the
+        differentiable index scores."""
+        if self.indexer is None:
+            return prev_topk, None
+        q_idx, w_idx = self.indexer.queries(x, q_resid, cos, sin)
+        chunk = self.config.query_chunk
+        picks, kept = [], []
+        for start in range(0, x.shape[1], chunk):
+            scores = index_scores(
+                q_idx[:, start : start + chunk], w_idx[:, start : start + chunk], index_keys, self.indexer.scale
+            )
+            picks.append(select_topk(scores.detach(), q_slots[start : start + chunk], self.config.index_topk))
+            if want_scores:
+                kept.append(scores)
+        return torch.cat(picks, dim=1), (torch.cat(kept, dim=1) if want_scores else None)
+
+    def _expanded(self, q_nope, q_rope, latent, mask):
+        B, T, H, _ = q_nope.shape
+        S = latent.shape[1]
+        kv = self.kv_b_proj(latent[..., : self.rank]).view(B, S, H, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, latent[..., None, self.rank :].expand(B, S, H, self.rope)], dim=-1)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=mask, is_causal=mask is None, scale=self.scale,
+        )
+        return out.transpose(1, 2)  # (B, T, H, v)
+
+    def _absorbed(self, q_nope, q_rope, latent, q_slots, indices):
+        w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
+        q_lat = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)
+        q = torch.cat([q_lat, q_rope], dim=-1)
+        o = absorbed_attention(q, latent, q_slots, indices, self.scale, self.config.query_chunk)
+        return torch.einsum("bthr,hvr->bthv", o[..., : self.rank], w_uv)
+
+    # -- the layer
+    def forward(self, x, cos, sin, q_slots, cache=None, prev_topk=None, want_index_scores=False):
+        """x: (B, T, hidden); q_slots: (T,) cache slots of the new tokens. Returns (out, topk, index_scores)."""
+        B, T, _ = x.shape
+        q_resid, q_nope, q_rope, latent = self._project(x, cos, sin)
+        index_keys = None
+        if self.indexer is not None and self.config.sparse_attention:
+            index_keys = self.indexer.keys(x, cos, sin)
+        if cache is not None:
+            latent, index_keys = cache.append(self.layer, latent, index_keys)
+        S = latent.shape[1]
+        topk, scores = None, None
+        if self.config.sparse_attention and (S > self.config.index_topk or want_index_scores):
+            topk, scores = self._select(x, q_resid, cos, sin, index_keys, q_slots, prev_topk, want_index_scores)
+            if S <= self.config.index_topk:
+                topk = None  # every causal key is selected: plain causal attention
+        if cache is not None or (topk is not None and self._use_gather(T)):
+            out = self._absorbed(q_nope, q_rope, latent, q_slots, topk)
+        else:
+            mask = None if topk is None else topk_mask(topk, q_slots, S)
+            out = self._expanded(q_nope, q_rope, latent, mask)
+        return self.o_proj(out.reshape(B, T, -1)), topk, scores
+
+    def _use_gather(self, T: int) -> bool:
+        impl = self.config.sparse_impl
+        return impl == "gather" or (impl == "auto" and T >= self.config.gather_min_len)

@@ -1,0 +1,46 @@
+"""KV cache for incremental decoding: per layer, the MLA latent [c_kv; k_rope] of every token (the
+whole of what absorbed attention reads) and, for layers with an indexer, the indexer keys."""
+from __future__ import annotations
+
+import torch
+
+from orthon.pretrain.config import ModelConfig
+
+
+class KVCache:
+    def __init__(self, config: ModelConfig, batch_size: int, capacity: int, device=None, dtype=torch.float32):
+        width = config.kv_lora_rank + config.qk_rope_head_dim
+        self.capacity = capacity
+        self.length = 0  # tokens committed; the forward in progress writes at [length, length + T)
+        self.latent = [torch.zeros(batch_size, capacity, width, device=device, dtype=dtype)
+                       for _ in range(config.num_hidden_layers)]
+        self.index_keys = [
+            torch.zeros(batch_size, capacity, config.index_head_dim, device=device, dtype=dtype)
+            if config.indexer_type(i) == "full" else None
+            for i in range(config.num_hidden_layers)
+        ]
+
+    def slots(self, num_new: int, device=None) -> torch.Tensor:
+        if self.length + num_new > self.capacity:
+            raise ValueError(
+                f"KV cache is full: {self.length} cached + {num_new} new tokens exceed its capacity {self.capacity}"
+            )
+        return torch.arange(self.length, self.length + num_new, device=device)
+
+    def append(self, layer: int, latent: torch.Tensor, index_keys: torch.Tensor | None):
+        """Write this layer's new entries; return everything cached so far for it (views)."""
+        end = self.length + latent.shape[1]
+        self.latent[layer][:, self.length : end] = latent
+        keys = None
+        if index_keys is not None and self.index_keys[layer] is not None:
+            self.index_keys[layer][:, self.length : end] = index_keys
+            keys = self.index_keys[layer][:, :end]
+        return self.latent[layer][:, :end], keys
+
+    def advance(self, num_new: int) -> None:
+        self.length += num_new
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only these batch rows (e.g. drop finished sequences)."""
+        self.latent = [t.index_select(0, rows) for t in self.latent]
+        self.index_keys = [None if t is None else t.index_select(0, rows) for t in self.index_keys]

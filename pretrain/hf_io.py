@@ -1,0 +1,149 @@
+"""Hugging Face interop: the ``GlmMoeDsaForCausalLM`` directory layout (config.json + safetensors
+shards + index), read and written without importing transformers."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from orthon.pretrain.config import ModelConfig
+from orthon.pretrain.model import GLMForCausalLM
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """An HF directory that does not hold the model its config.json describes."""
+
+
+def _atomic_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def _persistent_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    # state_dict() drops non-persistent buffers; tied weights appear once under the embedding name.
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return {k: v.detach().contiguous() for k, v in state.items()}
+
+
+def save_hf(model: GLMForCausalLM, directory, max_shard_bytes: int = 5 * 1024**3) -> None:
+    """Write config.json and safetensors shards; each file is written to a temp name then renamed,
+    config.json last, so a crash never leaves a directory that looks complete."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = _persistent_state(model)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.cpu()
+        size += nbytes
+    names = [SINGLE_NAME] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
+    ]
+    weight_map = {}
+    for shard, fname in zip(shards, names):
+        tmp = directory / (fname + ".tmp")
+        save_file(shard, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, directory / fname)
+        weight_map.update({k: fname for k in shard})
+    stale = directory / (SINGLE_NAME if len(shards) > 1 else INDEX_NAME)
+    if stale.exists():
+        stale.unlink()
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        _atomic_json(directory / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    config = model.config.to_hf_dict()
+    config["dtype"] = str(model.lm_head.weight.dtype).replace("torch.", "")
+    _atomic_json(directory / "config.json", config)
+
+
+def read_hf_config(directory) -> dict:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{directory}: no config.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index = directory / INDEX_NAME
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (directory / SINGLE_NAME).is_file():
+        files = [SINGLE_NAME]
+    else:
+        raise CheckpointError(f"{directory}: no {SINGLE_NAME} or {INDEX_NAME}")
+    missing = [f for f in files if not (directory / f).is_file()]
+    if missing:
+        raise CheckpointError(f"{directory}: weight files listed in the index are missing: {missing}")
+    return [directory / f for f in files]
+
+
+def load_hf_state(directory) -> dict[str, torch.Tensor]:
+    state = {}
+    for path in _weight_files(Path(directory)):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                state[key] = f.get_tensor(key)
+    return state
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def check_state(model: GLMForCausalLM, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors of ``state`` the model takes, after checking that none is missing or mis-shaped.
+    Extra layers past num_hidden_layers (GLM-5 ships a multi-token-prediction layer there) are dropped."""
+    expected = _persistent_state(model)
+    n_layers = model.config.num_hidden_layers
+    extra = []
+    for key in state:
+        if key not in expected:
+            m = _LAYER.match(key)
+            if not (m and int(m.group(1)) >= n_layers):
+                extra.append(key)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise CheckpointError(f"missing tensors ({len(missing)}): {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if extra:
+        raise CheckpointError(f"unexpected tensors ({len(extra)}): {sorted(extra)[:8]}")
+    for key, ref in expected.items():
+        if tuple(state[key].shape) != tuple(ref.shape):
+            raise CheckpointError(
+                f"tensor {key}: shape {tuple(state[key].shape)} does not match the config's {tuple(ref.shape)}"
+            )
+    return {k: state[k] for k in expected}
+
+
+def from_hf(directory, device="cpu", dtype: torch.dtype | None = None, **orthon_fields) -> GLMForCausalLM:
+    """Build the model from an HF-layout directory (config.json + safetensors).
+
+    orthon_fields set the orthon-only ModelConfig fields (e.g. sparse_impl="gather")."""
+    config = ModelConfig.from_hf_dict(read_hf_config(directory), **orthon_fields)
+    with torch.device("meta"):
+        model = GLMForCausalLM(config, init=False)
+    state = check_state(model, load_hf_state(directory))
+    model.to_empty(device=device)
+    model.load_state_dict(state, strict=False)  # non-persistent buffers are absent from checkpoints
+    for router in model.moe_routers():
+        router.expert_load.zero_()
+    if dtype is not None:
+        model.to(dtype)
+    return model

@@ -1,0 +1,58 @@
+"""Small building blocks: RMSNorm, interleaved RoPE, the SwiGLU MLP."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the activation dtype, then scale in the input dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+
+def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin of shape (B or 1, T, dim // 2) for positions (T,) or (B, T): one angle per rotated pair."""
+    if positions.dim() == 1:
+        positions = positions[None]
+    inv_freq = rope_inv_freq(dim, theta).to(positions.device)
+    angles = positions.float()[..., None] * inv_freq
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of the last dim (GLM-5 / DeepSeek layout).
+
+    x: (B, T, dim) or (B, T, heads, dim); cos/sin: (B or 1, T, dim // 2).
+    The result holds the rotated evens then the rotated odds (the de-interleaved layout transformers
+    uses); dot products between two tensors rotated this way are those of the interleaved rotation.
+    """
+    if x.dim() == 4:
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,194 @@
+"""The GLM-5 model: the one model code that pretraining, mid-training, the rollout engine, the RL
+trainer, OPD teachers and the HF exporter all build from ``ModelConfig``.
+
+Parameter names are those of transformers' ``GlmMoeDsaForCausalLM`` (``model.layers.N...``,
+``lm_head.weight``), so a state_dict is an HF checkpoint as it stands.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import nn
+
+from orthon.pretrain.attention import Indexer, MLAttention
+from orthon.pretrain.cache import KVCache
+from orthon.pretrain.config import ModelConfig
+from orthon.pretrain.layers import MLP, RMSNorm, rope_cos_sin
+from orthon.pretrain.moe import MoE, Experts, Router
+from orthon.pretrain.param_spec import ParamSpec
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor | None
+    loss: torch.Tensor | None = None
+    # Per full-indexer layer, the differentiable index scores (B, T, S), when asked for.
+    index_scores: dict[int, torch.Tensor] | None = None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = MLAttention(config, layer)
+        self.mlp = MoE(config) if config.is_moe_layer(layer) else MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, q_slots, cache, prev_topk, want_index_scores):
+        attn, topk, scores = self.self_attn(
+            self.input_layernorm(x), cos, sin, q_slots, cache, prev_topk, want_index_scores
+        )
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, topk, scores
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class GLMForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, init: bool = True):
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # Activation checkpointing per decoder layer (recompute in backward), for long sequences.
+        self.checkpoint_layers = False
+        if init and not any(p.is_meta for p in self.parameters()):
+            self.reset_parameters()
+
+    # ------------------------------------------------------------ construction
+    @torch.no_grad()
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Normal(0, initializer_range) for every weight matrix and embedding, ones for norm scales,
+        zeros for biases and the router bias (as transformers initialises glm_moe_dsa)."""
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.lm_head.weight.device).manual_seed(seed)
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std, generator=generator)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+                module.weight.fill_(1.0)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, Experts):
+                module.gate_up_proj.normal_(0.0, std, generator=generator)
+                module.down_proj.normal_(0.0, std, generator=generator)
+            elif isinstance(module, Router):
+                module.weight.normal_(0.0, std, generator=generator)
+                module.e_score_correction_bias.zero_()
+
+    def param_specs(self) -> dict[str, ParamSpec]:
+        """What each parameter is, for the optimizer's routing (see ParamSpec). Muon Split is declared
+        here: W_QB and W_KVB split into one row block per attention head."""
+        kinds: dict[int, ParamSpec] = {}
+        heads = self.config.num_attention_heads
+        for module in self.modules():
+            if isinstance(module, nn.Embedding):
+                kinds[id(module.weight)] = ParamSpec("embedding")
+            elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+                kinds[id(module.weight)] = ParamSpec("norm")
+                if getattr(module, "bias", None) is not None:
+                    kinds[id(module.bias)] = ParamSpec("bias")
+            elif isinstance(module, Experts):
+                kinds[id(module.gate_up_proj)] = ParamSpec("expert_stack")
+                kinds[id(module.down_proj)] = ParamSpec("expert_stack")
+            elif isinstance(module, Router):
+                kinds[id(module.weight)] = ParamSpec("matrix")
+            elif isinstance(module, nn.Linear):
+                if module.bias is not None:
+                    kinds[id(module.bias)] = ParamSpec("bias")
+                kinds.setdefault(id(module.weight), ParamSpec("matrix"))
+            if isinstance(module, MLAttention):
+                kinds[id(module.q_b_proj.weight)] = ParamSpec("matrix", split_rows=heads)
+                kinds[id(module.kv_b_proj.weight)] = ParamSpec("matrix", split_rows=heads)
+        if not self.config.tie_word_embeddings:
+            kinds[id(self.lm_head.weight)] = ParamSpec("output_head")
+        return {name: kinds[id(p)] for name, p in self.named_parameters()}
+
+    # ------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        position_ids: torch.Tensor | None = None,
+        want_index_scores: bool = False,
+        return_logits: bool = True,
+    ) -> CausalLMOutput:
+        """input_ids: (B, T). labels: (B, T) next-token targets aligned with input_ids (already shifted;
+        -100 = ignore); with labels the output carries the mean cross-entropy. With a cache, the new
+        tokens continue the cached ones. position_ids (RoPE positions) default to the cache slots."""
+        hidden, index_scores = self.hidden_states(input_ids, cache, position_ids, want_index_scores)
+        logits = self.lm_head(hidden) if return_logits or labels is None else None
+        loss = None
+        if labels is not None:
+            if logits is None:
+                loss = F.cross_entropy(self.lm_head(hidden).float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+            else:
+                loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return CausalLMOutput(logits=logits, loss=loss, index_scores=index_scores)
+
+    def hidden_states(self, input_ids, cache=None, position_ids=None, want_index_scores=False):
+        """Final-norm hidden states (B, T, hidden) and the index scores when asked for."""
+        self._check_ids(input_ids)
+        B, T = input_ids.shape
+        device = input_ids.device
+        q_slots = cache.slots(T, device) if cache is not None else torch.arange(T, device=device)
+        positions = q_slots if position_ids is None else position_ids
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, self.config.qk_rope_head_dim, self.config.rope_theta, x.dtype)
+        topk, all_scores = None, {}
+        for i, layer in enumerate(self.model.layers):
+            if self.checkpoint_layers and self.training and torch.is_grad_enabled() and cache is None:
+                x, topk, scores = torch.utils.checkpoint.checkpoint(
+                    layer, x, cos, sin, q_slots, None, topk, want_index_scores, use_reentrant=False
+                )
+            else:
+                x, topk, scores = layer(x, cos, sin, q_slots, cache, topk, want_index_scores)
+            if scores is not None:
+                all_scores[i] = scores
+        if cache is not None:
+            cache.advance(T)
+        return self.model.norm(x), (all_scores if want_index_scores else None)
+
+    def _check_ids(self, input_ids: torch.Tensor) -> None:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids: expected shape (batch, seq), got {tuple(input_ids.shape)}")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids: expected an integer tensor, got {input_ids.dtype}")
+        if input_ids.numel():
+            low, high = int(input_ids.min()), int(input_ids.max())
+            if low < 0 or high >= self.config.vocab_size:
+                bad = low if low < 0 else high
+                raise ValueError(f"input_ids: token id {bad} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+
+    # ------------------------------------------------------------ helpers
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        p = self.lm_head.weight
+        return KVCache(self.config, batch_size, capacity, device=p.device, dtype=p.dtype)
+
+    def moe_routers(self) -> list[Router]:
+        return [m for m in self.modules() if isinstance(m, Router)]
+
+    def indexers(self) -> list[Indexer]:
+        return [m for m in self.modules() if isinstance(m, Indexer)]
+
+    def save_hf(self, directory, max_shard_bytes: int = 5 * 1024**3) -> None:
+        from orthon.pretrain.hf_io import save_hf
+
+        save_hf(self, directory, max_shard_bytes=max_shard_bytes)

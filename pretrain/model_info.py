@@ -1,0 +1,67 @@
+"""Parameter counts per component, total and active per token, from the config alone (meta device)."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from orthon.pretrain.config import ModelConfig
+from orthon.pretrain.model import GLMForCausalLM
+
+COMPONENTS = ("embedding", "attention", "indexer", "dense_mlp", "router", "routed_experts", "shared_experts",
+              "norms", "output_head")
+
+
+def component_of(name: str) -> str:
+    if name.startswith("model.embed_tokens"):
+        return "embedding"
+    if name.startswith("lm_head"):
+        return "output_head"
+    if ".indexer." in name:
+        return "indexer"
+    if ".self_attn." in name:
+        return "norms" if "layernorm" in name else "attention"
+    if ".mlp.experts." in name:
+        return "routed_experts"
+    if ".mlp.shared_experts." in name:
+        return "shared_experts"
+    if ".mlp.gate." in name:
+        return "router"
+    if ".mlp." in name:
+        return "dense_mlp"
+    return "norms"
+
+
+def meta_model(config: ModelConfig) -> GLMForCausalLM:
+    with torch.device("meta"):
+        return GLMForCausalLM(config, init=False)
+
+
+def parameter_counts(config: ModelConfig) -> dict[str, dict[str, int]]:
+    """{component: {"total": n, "active": n}}; routed experts are active top-k of n_routed per token."""
+    model = meta_model(config)
+    counts = defaultdict(lambda: {"total": 0, "active": 0})
+    for name, p in model.named_parameters():
+        comp = component_of(name)
+        counts[comp]["total"] += p.numel()
+        active = p.numel()
+        if comp == "routed_experts":
+            active = p.numel() * config.num_experts_per_tok // config.n_routed_experts
+        counts[comp]["active"] += active
+    return {c: dict(counts[c]) for c in COMPONENTS if c in counts}
+
+
+def format_counts(counts: dict[str, dict[str, int]]) -> str:
+    def human(n):
+        return f"{n / 1e9:,.2f}B" if n >= 1e9 else f"{n / 1e6:,.2f}M"
+
+    lines = [f"{'component':<16}{'total':>14}{'active':>14}"]
+    for comp, c in counts.items():
+        lines.append(f"{comp:<16}{human(c['total']):>14}{human(c['active']):>14}")
+    total = sum(c["total"] for c in counts.values())
+    active = sum(c["active"] for c in counts.values())
+    lines.append(f"{'TOTAL':<16}{human(total):>14}{human(active):>14}")
+    embed = sum(counts.get(c, {"active": 0})["active"] for c in ("embedding", "output_head"))
+    lines.append(f"(exact: {total:,} total, {active:,} active per token; "
+                 f"{human(active - embed)} active without embedding and output head)")
+    return "\n".join(lines)

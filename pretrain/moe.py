@@ -1,0 +1,121 @@
+"""Mixture of experts: sigmoid router with selection bias (aux-loss-free balancing), grouped routed
+experts, one always-on shared expert. Names and layouts as transformers' GlmMoeDsaMoE."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from orthon.pretrain.config import ModelConfig
+from orthon.pretrain.layers import MLP
+
+
+def route(
+    logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+    norm_topk_prob: bool, scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """noaux_tc routing. logits: (N, E) fp32 -> (weights (N, k), expert indices (N, k)).
+
+    The bias shifts which experts are chosen, never the weights they get: weights are the plain
+    sigmoid scores of the chosen experts (normalised to sum 1 if norm_topk_prob), times scaling.
+    """
+    scores = logits.sigmoid()
+    choice = scores + bias
+    if n_group > 1:
+        N, E = choice.shape
+        grouped = choice.view(N, n_group, E // n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(N, E)
+    indices = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, indices)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, indices
+
+
+def update_expert_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
+    """Aux-loss-free balancing step: raise the bias of under-loaded experts, lower the over-loaded.
+    bias_i += rate * sign(mean(load) - load_i). Returns the new bias."""
+    return bias + rate * torch.sign(load.float().mean() - load.float())
+
+
+def grouped_experts(
+    x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """Routed-expert SwiGLU, computed expert by expert over the tokens sorted by expert.
+
+    x: (N, H); indices/weights: (N, k); gate_up: (E, 2I, H) (gate rows then up rows); down: (E, H, I).
+    One matmul pair per expert that received tokens (grouped GEMM on CUDA), never a loop over tokens.
+    """
+    N, k = indices.shape
+    E = gate_up.shape[0]
+    flat = indices.reshape(-1)
+    order = flat.argsort(stable=True)
+    token = order // k
+    counts = torch.bincount(flat, minlength=E)
+    xs = x.index_select(0, token)
+    if x.is_cuda and hasattr(F, "grouped_mm"):
+        offs = counts.cumsum(0).to(torch.int32)
+        h = F.grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)
+        g, u = h.chunk(2, dim=-1)
+        ys = F.grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs)
+    else:
+        pieces = []
+        for e, part in enumerate(xs.split(counts.tolist())):
+            if part.shape[0] == 0:
+                continue
+            g, u = F.linear(part, gate_up[e]).chunk(2, dim=-1)
+            pieces.append(F.linear(F.silu(g) * u, down[e]))
+        ys = torch.cat(pieces) if pieces else xs.new_zeros(0, x.shape[1])
+    ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
+    return torch.zeros_like(x).index_add_(0, token, ys)
+
+
+class Router(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts))
+        # Tokens routed to each expert since the trainer last read it (for the bias update).
+        self.register_buffer("expert_load", torch.zeros(config.n_routed_experts), persistent=False)
+
+    def forward(self, x: torch.Tensor):
+        c = self.config
+        logits = F.linear(x.float(), self.weight.float())
+        weights, indices = route(
+            logits, self.e_score_correction_bias.float(), c.num_experts_per_tok, c.n_group, c.topk_group,
+            c.norm_topk_prob, c.routed_scaling_factor,
+        )
+        if self.training:
+            with torch.no_grad():
+                self.expert_load += torch.bincount(indices.reshape(-1), minlength=c.n_routed_experts)
+        return weights, indices
+
+
+class Experts(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        E, H, I = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+    def forward(self, x, indices, weights):
+        return grouped_experts(x, indices, weights, self.gate_up_proj, self.down_proj)
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.experts = Experts(config)
+        self.gate = Router(config)
+        shared = config.moe_intermediate_size * config.n_shared_experts
+        self.shared_experts = MLP(config.hidden_size, shared) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, indices = self.gate(flat)
+        routed = self.experts(flat, indices, weights).view_as(x)
+        return routed if self.shared_experts is None else routed + self.shared_experts(x)

@@ -1,0 +1,30 @@
+"""Deterministic top-k: the same indices on every run and device, ties broken by lower position.
+
+torch.topk promises nothing about which of several equal values it returns, and the DSA indexer
+produces many exact ties (its ReLU makes scores exactly 0). A non-deterministic selection made
+GLM-5's first RL steps collapse, so selection goes through a total order instead: each fp32 score
+becomes an int64 key (order-preserving integer image of the float in the high 32 bits, reversed
+position in the low 32 bits). All keys are distinct, so any correct top-k returns the same set.
+"""
+from __future__ import annotations
+
+import torch
+
+_LOW = 1 << 32
+
+
+def ordered_key(scores: torch.Tensor) -> torch.Tensor:
+    """int64 keys, strictly monotone in (score, -position) along the last dim."""
+    s = scores.float() + 0.0  # -0.0 -> +0.0 so the two zeros tie, as they compare equal
+    bits = s.contiguous().view(torch.int32).to(torch.int64)
+    # Negative floats order backwards as signed ints: flip their magnitude bits.
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    positions = torch.arange(scores.shape[-1], device=scores.device, dtype=torch.int64)
+    return key * _LOW + (_LOW - 1 - positions)
+
+
+def deterministic_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices (int64) of the k largest scores along the last dim, ties to the lower position,
+    ordered from the largest score down."""
+    k = min(k, scores.shape[-1])
+    return ordered_key(scores).topk(k, dim=-1).indices
