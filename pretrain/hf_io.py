@@ -36,12 +36,63 @@ def _persistent_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous() for k, v in state.items()}
 
 
+_STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def experts_to_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """orthon keeps routed experts stacked (E, 2I, H) / (E, H, I) for grouped compute; published
+    glm_moe_dsa checkpoints (and transformers' save_pretrained) hold one gate/up/down per expert."""
+    out = {}
+    for key, tensor in state.items():
+        m = _STACKED.match(key)
+        if not m:
+            out[key] = tensor
+            continue
+        prefix, kind = m.groups()
+        for e in range(tensor.shape[0]):
+            if kind == "down_proj":
+                out[f"{prefix}.{e}.down_proj.weight"] = tensor[e].contiguous()
+            else:
+                gate, up = tensor[e].chunk(2, dim=0)
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate.contiguous()
+                out[f"{prefix}.{e}.up_proj.weight"] = up.contiguous()
+    return out
+
+
+def experts_from_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert tensors back into orthon's stacks (stacked checkpoints pass through)."""
+    out, experts = {}, {}
+    for key, tensor in state.items():
+        m = _PER_EXPERT.match(key)
+        if m:
+            prefix, e, kind = m.groups()
+            experts.setdefault(prefix, {}).setdefault(int(e), {})[kind] = tensor
+        else:
+            out[key] = tensor
+    for prefix, by_expert in experts.items():
+        ids = sorted(by_expert)
+        if ids != list(range(len(ids))):
+            raise CheckpointError(f"{prefix}: expert numbers are not 0..{len(ids) - 1}: {ids[:8]}")
+        for e in ids:
+            absent = {"gate_proj", "up_proj", "down_proj"} - set(by_expert[e])
+            if absent:
+                raise CheckpointError(f"{prefix}.{e}: missing {sorted(absent)}")
+        try:
+            out[f"{prefix}.gate_up_proj"] = torch.stack(
+                [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]]) for e in ids])
+            out[f"{prefix}.down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in ids])
+        except RuntimeError as exc:
+            raise CheckpointError(f"{prefix}: expert tensors of different shapes ({exc})") from None
+    return out
+
+
 def save_hf(model: GLMForCausalLM, directory, max_shard_bytes: int = 5 * 1024**3) -> None:
     """Write config.json and safetensors shards; each file is written to a temp name then renamed,
     config.json last, so a crash never leaves a directory that looks complete."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = _persistent_state(model)
+    state = experts_to_hf(_persistent_state(model))
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in state.items():
@@ -102,7 +153,7 @@ def load_hf_state(directory) -> dict[str, torch.Tensor]:
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 state[key] = f.get_tensor(key)
-    return state
+    return experts_from_hf(state)
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")

@@ -1,0 +1,81 @@
+"""The recipe layer: YAML + dotted overrides into typed dataclasses, errors by dotted path."""
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pytest
+from pathlib import Path
+
+from orthon.launch.config import ConfigError, build, load
+from orthon.launch.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Inner:
+    rate: float = 0.1
+    kind: Literal["a", "b"] = "a"
+    sizes: list[int] = field(default_factory=lambda: [1, 2])
+
+
+@dataclass
+class Outer:
+    name: str = "x"
+    inner: Inner = field(default_factory=Inner)
+    steps: int | None = None
+
+
+def test_overrides_and_types(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: run\ninner:\n  rate: 2e-4\n  sizes: [3, 4]\n")
+    cfg = load(Outer, recipe, ["inner.kind=b", "steps=1_000", "inner.sizes=[5]"])
+    assert cfg == Outer(name="run", inner=Inner(rate=2e-4, kind="b", sizes=[5]), steps=1000)
+
+
+@pytest.mark.parametrize(
+    "mapping, message",
+    [
+        ({"inner": {"rat": 1}}, "inner.rat: unknown key"),
+        ({"inner": {"rate": "fast"}}, "inner.rate: expected a number"),
+        ({"inner": {"kind": "c"}}, "inner.kind: 'c' is not one of"),
+        ({"inner": {"sizes": [1, "x"]}}, r"inner.sizes\[1\]: expected an integer"),
+        ({"steps": 1.5}, "steps: expected an integer"),
+        ({"inner": 3}, "inner: expected a mapping"),
+    ],
+)
+def test_bad_keys_and_values_name_their_path(mapping, message):
+    with pytest.raises(ConfigError, match=message):
+        build(Outer, mapping)
+
+
+def test_model_validation_error_carries_the_section_path():
+    with pytest.raises(ConfigError, match=r"^model\.num_experts_per_tok: 99 must be in"):
+        load_recipe(str(ROOT / "configs/tiny.yaml"), ["model.num_experts_per_tok=99"])
+
+
+def test_shipped_recipes_load():
+    tiny = load_recipe(str(ROOT / "configs/tiny.yaml"))
+    glm5 = load_recipe(str(ROOT / "configs/glm5.yaml"))
+    assert tiny.model.hidden_size == 256
+    assert (glm5.model.hidden_size, glm5.model.num_hidden_layers, glm5.model.index_topk) == (6144, 78, 2048)
+
+
+def test_model_info_reports_glm5_size():
+    out = subprocess.run(
+        [sys.executable, "-m", "orthon.launch.cli", "model-info", "-c", str(ROOT / "configs/glm5.yaml")],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+    ).stdout
+    total = int(out.split("(exact: ")[1].split(" total")[0].replace(",", ""))
+    active = int(out.split(" total, ")[1].split(" active")[0].replace(",", ""))
+    assert 740e9 < total < 748e9  # published: 744B
+    assert 39e9 < active < 43e9  # published: 40B (39.9B without embedding and head)
+
+
+def test_cli_config_error_exit_code():
+    proc = subprocess.run(
+        [sys.executable, "-m", "orthon.launch.cli", "model-info", "-c", str(ROOT / "configs/tiny.yaml"), "model.hiden=3"],
+        capture_output=True, text=True, cwd=ROOT,
+    )
+    assert proc.returncode == 2 and "model.hiden: unknown key" in proc.stderr
