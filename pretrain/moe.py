@@ -63,11 +63,13 @@ def grouped_experts(
         ys = F.grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs)
     else:
         pieces = []
-        for e, part in enumerate(xs.split(counts.tolist())):
+        # unbind once: indexing gate_up[e] per expert would make autograd build a full-size
+        # zero gradient for every expert.
+        for part, w_gu, w_down in zip(xs.split(counts.tolist()), gate_up.unbind(0), down.unbind(0)):
             if part.shape[0] == 0:
                 continue
-            g, u = F.linear(part, gate_up[e]).chunk(2, dim=-1)
-            pieces.append(F.linear(F.silu(g) * u, down[e]))
+            g, u = F.linear(part, w_gu).chunk(2, dim=-1)
+            pieces.append(F.linear(F.silu(g) * u, w_down))
         ys = torch.cat(pieces) if pieces else xs.new_zeros(0, x.shape[1])
     ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
     return torch.zeros_like(x).index_add_(0, token, ys)

@@ -106,3 +106,18 @@ def test_indexer_selects_hf_keys_on_untied_rows():
                 untied += 1
                 assert set(our_idx[b, t].tolist()) == set(hf_idx[b, t].tolist()), (trial, b, t)
     assert untied > 100 and tied > 0  # the test saw both kinds of rows
+
+
+def test_cli_import_export_round_trip(tmp_path):
+    import subprocess
+    import sys
+
+    model = GLMForCausalLM(small_config("indexshare"))
+    model.save_hf(tmp_path / "hf")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "orthon.launch.cli", *map(str, a)], check=True,
+                                    capture_output=True, text=True)
+    run("import", tmp_path / "hf", "--out", tmp_path / "orthon")
+    run("export", tmp_path / "orthon", "--out", tmp_path / "hf2")
+    a, b = load_hf_state(tmp_path / "hf"), load_hf_state(tmp_path / "hf2")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert from_hf(tmp_path / "hf2").config == model.config

@@ -1,0 +1,89 @@
+"""Training-step throughput: orthon's model against transformers' GlmMoeDsaForCausalLM.
+
+Same config (configs/tiny.yaml's model with DSA on: hidden 256, 4 layers, 8 experts top-2,
+index_topk 64), same weights, same batch, AdamW on both; forward + backward + optimizer step.
+transformers runs its default attention (SDPA with a dense T x T top-k mask).
+
+    python bench/model_step.py [--repeats 5] [--shapes 8x256,2x1024]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import median_time, report  # noqa: E402
+
+from orthon.launch.recipe import load_recipe  # noqa: E402
+from orthon.pretrain.model import GLMForCausalLM  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def step_fn(model, ids, forward):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        loss = forward(model, ids)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def orthon_forward(model, ids):
+    return model(ids[:, :-1], labels=ids[:, 1:], return_logits=False).loss
+
+
+def hf_forward(model, ids):
+    # transformers shifts labels itself; give it the same T input tokens and targets.
+    logits = model(ids[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--shapes", default="8x256,2x1024")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import GlmMoeDsaForCausalLM
+
+    config = load_recipe(ROOT / "configs/tiny.yaml", ["model.sparse_attention=true"]).model
+    torch.manual_seed(0)
+    ours = GLMForCausalLM(config).train()
+    with tempfile.TemporaryDirectory() as d:
+        ours.save_hf(d)
+        theirs = GlmMoeDsaForCausalLM.from_pretrained(d, dtype=torch.float32).train()
+    n_params = sum(p.numel() for p in ours.parameters())
+    print(f"config: {n_params / 1e6:.2f}M parameters, hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
+          f"{config.n_routed_experts} experts top-{config.num_experts_per_tok}, index_topk {config.index_topk}; "
+          f"{args.threads} threads")
+    figures, ratios = {}, {}
+    print(f"{'batch x seq':<12}{'orthon tok/s':>14}{'hf tok/s':>12}{'ratio':>8}")
+    for shape in args.shapes.split(","):
+        b, t = (int(v) for v in shape.split("x"))
+        ids = torch.randint(0, config.vocab_size, (b, t + 1))
+        tokens = b * t
+        # Alternate the two so drift in machine load hits both alike.
+        times = {"orthon": [], "hf": []}
+        steps = {"orthon": step_fn(ours, ids, orthon_forward), "hf": step_fn(theirs, ids, hf_forward)}
+        for _ in range(2):
+            for name in ("orthon", "hf"):
+                times[name].append(median_time(steps[name], max(1, args.repeats // 2 + 1)))
+        o, h = tokens / min(times["orthon"]), tokens / min(times["hf"])
+        print(f"{shape:<12}{o:>14,.0f}{h:>12,.0f}{o / h:>8.2f}")
+        figures[f"orthon_tokens_per_s_{shape}"] = round(o, 1)
+        figures[f"hf_tokens_per_s_{shape}"] = round(h, 1)
+        ratios[f"tokens_per_s_vs_hf_{shape}"] = round(o / h, 3)
+    report("model_step", figures, ratios)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""orthon's own weights directory: recipe.yaml (the resolved model section) + model.safetensors.
+
+This is what `orthon import` writes and `orthon export` reads; run directories hold one per saved
+model, so every run's weights move to the HF layout with one command.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import yaml
+from safetensors.torch import load_file, save_file
+
+from orthon.launch import config as config_io
+from orthon.pretrain.config import ModelConfig
+from orthon.pretrain.hf_io import check_state
+from orthon.pretrain.model import GLMForCausalLM
+
+RECIPE = "recipe.yaml"
+WEIGHTS = "model.safetensors"
+
+
+def save_weights_dir(model: GLMForCausalLM, directory) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    tmp = directory / (WEIGHTS + ".tmp")
+    save_file(state, str(tmp))
+    os.replace(tmp, directory / WEIGHTS)
+    tmp = directory / (RECIPE + ".tmp")
+    tmp.write_text(yaml.safe_dump({"model": asdict(model.config)}, sort_keys=False))
+    os.replace(tmp, directory / RECIPE)
+
+
+def load_weights_dir(directory, device="cpu") -> GLMForCausalLM:
+    directory = Path(directory)
+    for name in (RECIPE, WEIGHTS):
+        if not (directory / name).is_file():
+            raise FileNotFoundError(f"{directory}: no {name} (expected an orthon weights directory)")
+    section = config_io.read_yaml(directory / RECIPE).get("model", {})
+    config = config_io.build(ModelConfig, section, "model")
+    model = GLMForCausalLM(config, init=False).to(device)
+    model.load_state_dict(check_state(model, load_file(str(directory / WEIGHTS))), strict=False)
+    return model
