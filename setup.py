@@ -5,17 +5,31 @@ namespace (``pretrain/`` is ``orthon.pretrain`` and so on). ``orthon`` itself
 is a namespace package, so nothing installs a top-level ``data``, ``optim``
 or ``launch`` module.
 """
+from pathlib import Path
+
 from setuptools import setup
 
 SUBPACKAGES = ["pretrain", "optim", "data", "midtrain", "rl", "launch"]
+
+
+def package_dirs() -> dict[str, str]:
+    """orthon.<folder>[.<sub>...] -> folder path, for every folder holding an __init__.py."""
+    here = Path(__file__).parent
+    dirs = {}
+    for top in SUBPACKAGES:
+        for init in sorted((here / top).rglob("__init__.py")):
+            rel = init.parent.relative_to(here)
+            dirs["orthon." + ".".join(rel.parts)] = rel.as_posix()
+    return dirs
+
 
 setup(
     name="orthon",
     version="0.1.0",
     description="GLM-5-style LLM training: Muon pretraining, long-context mid-training, async RL",
     python_requires=">=3.10",
-    packages=[f"orthon.{name}" for name in SUBPACKAGES],
-    package_dir={f"orthon.{name}": name for name in SUBPACKAGES},
+    packages=list(package_dirs()),
+    package_dir=package_dirs(),
     install_requires=[
         # torch is pinned by the README's install line (CPU wheel); a range here
         # keeps pip from replacing it with a CUDA build.

@@ -37,13 +37,20 @@ def causal_mask(q_slots: torch.Tensor, num_keys: int) -> torch.Tensor:
     return torch.arange(num_keys, device=q_slots.device) <= q_slots[:, None]
 
 
-def select_topk(scores: torch.Tensor, q_slots: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k key indices per query among causal keys (ties to the lower position). (B, C, S) -> (B, C, k).
+def select_topk(scores: torch.Tensor, q_slots: torch.Tensor, k: int, visible: torch.Tensor | None = None) -> torch.Tensor:
+    """Top-k key indices per query among visible keys (ties to the lower position). (B, C, S) -> (B, C, k).
 
-    Rows with fewer than k visible keys also return some future keys; attention masks those out.
+    visible: (B, C, S) bool, default causal. Rows with fewer than k visible keys also return some
+    invisible keys; attention masks those out.
     """
-    scores = scores.masked_fill(~causal_mask(q_slots, scores.shape[-1]), float("-inf"))
-    return deterministic_topk(scores, k)
+    if visible is None:
+        visible = causal_mask(q_slots, scores.shape[-1])
+    return deterministic_topk(scores.masked_fill(~visible, float("-inf")), k)
+
+
+def document_mask(q_docs: torch.Tensor, k_docs: torch.Tensor, q_slots: torch.Tensor) -> torch.Tensor:
+    """(B, C, S) bool: causal and within the same document (packed sequences)."""
+    return causal_mask(q_slots, k_docs.shape[1])[None] & (q_docs[:, :, None] == k_docs[:, None, :])
 
 
 def absorbed_attention(
@@ -53,13 +60,15 @@ def absorbed_attention(
     indices: torch.Tensor | None,
     scale: float,
     chunk: int,
+    doc_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention in the absorbed (MQA) form.
 
     q: (B, T, H, D) queries already mapped into latent space ([W_UK^T q_nope; q_rope]);
     latent: (B, S, D) per-token keys [c_kv; k_rope]; values are latent[..., :R] (R = D - rope),
     taken by the caller as the first R numbers of the output; q_slots: (T,) key slot of each query
-    (causality); indices: (B, T, k) selected key slots or None for all causal keys.
+    (causality); indices: (B, T, k) selected key slots or None for all causal keys; doc_ids: (B, S)
+    document of each key slot (the queries are the last T slots), to stop attention at boundaries.
     Returns (B, T, H, D) attention-weighted latents (caller keeps [..., :R]).
     """
     B, T, H, D = q.shape
@@ -70,7 +79,10 @@ def absorbed_attention(
         slots = q_slots[start : start + chunk]
         if indices is None:
             scores = torch.einsum("bchd,bsd->bchs", qc, latent) * scale
-            visible = causal_mask(slots, S)[None, :, None, :]
+            if doc_ids is None:
+                visible = causal_mask(slots, S)[None, :, None, :]
+            else:
+                visible = document_mask(doc_ids[:, slots], doc_ids, slots)[:, :, None, :]
             probs = torch.softmax(scores.float().masked_fill(~visible, float("-inf")), dim=-1).to(q.dtype)
             outputs.append(torch.einsum("bchs,bsd->bchd", probs, latent))
         else:
@@ -79,18 +91,30 @@ def absorbed_attention(
             flat = idx + (torch.arange(B, device=idx.device) * S)[:, None, None]
             picked = latent.reshape(B * S, D).index_select(0, flat.reshape(-1)).view(B, C, K, D)
             scores = torch.einsum("bchd,bckd->bchk", qc, picked) * scale
-            visible = (idx <= slots[None, :, None])[:, :, None, :]
+            visible = idx <= slots[None, :, None]
+            if doc_ids is not None:
+                visible = visible & (doc_ids.gather(1, idx.reshape(B, -1)).view(B, C, K) == doc_ids[:, slots, None])
+            visible = visible[:, :, None, :]
             probs = torch.softmax(scores.float().masked_fill(~visible, float("-inf")), dim=-1).to(q.dtype)
             outputs.append(torch.einsum("bchk,bckd->bchd", probs, picked))
     return torch.cat(outputs, dim=1)
 
 
-def topk_mask(indices: torch.Tensor, q_slots: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """(B, 1, T, S) bool SDPA mask: the selected keys that are causal."""
-    B, T, _ = indices.shape
-    chosen = torch.zeros(B, T, num_keys, dtype=torch.bool, device=indices.device)
-    chosen.scatter_(-1, indices, True)
-    return (chosen & causal_mask(q_slots, num_keys)).unsqueeze(1)
+def attention_mask(indices, q_slots, num_keys, doc_ids=None):
+    """(B or 1, 1, T, S) bool SDPA mask: causal, within the document if doc_ids, the selected keys if indices;
+    None when plain causal attention does."""
+    if indices is None and doc_ids is None:
+        return None
+    if doc_ids is None:
+        allowed = causal_mask(q_slots, num_keys)[None]
+    else:
+        allowed = document_mask(doc_ids, doc_ids, q_slots)
+    if indices is not None:
+        B, T, _ = indices.shape
+        chosen = torch.zeros(B, T, num_keys, dtype=torch.bool, device=indices.device)
+        chosen.scatter_(-1, indices, True)
+        allowed = allowed & chosen
+    return allowed.unsqueeze(1)
 
 
 # ---------------------------------------------------------------- modules
@@ -153,7 +177,7 @@ class MLAttention(nn.Module):
         latent = torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_rope, cos, sin)], dim=-1)
         return q_resid, q_nope, apply_rope(q_rope, cos, sin), latent
 
-    def _select(self, x, q_resid, cos, sin, index_keys, q_slots, prev_topk, want_scores):
+    def _select(self, x, q_resid, cos, sin, index_keys, q_slots, prev_topk, want_scores, doc_ids=None):
         """Top-k indices for this layer (own indexer or the shared previous one) and, when asked, the
         differentiable index scores."""
         if self.indexer is None:
@@ -165,12 +189,14 @@ class MLAttention(nn.Module):
             scores = index_scores(
                 q_idx[:, start : start + chunk], w_idx[:, start : start + chunk], index_keys, self.indexer.scale
             )
-            picks.append(select_topk(scores.detach(), q_slots[start : start + chunk], self.config.index_topk))
+            slots = q_slots[start : start + chunk]
+            visible = None if doc_ids is None else document_mask(doc_ids[:, slots], doc_ids, slots)
+            picks.append(select_topk(scores.detach(), slots, self.config.index_topk, visible))
             if want_scores:
                 kept.append(scores)
         return torch.cat(picks, dim=1), (torch.cat(kept, dim=1) if want_scores else None)
 
-    def _expanded(self, q_nope, q_rope, latent, mask):
+    def _expanded(self, q_nope, q_rope, latent, mask, causal=True):
         B, T, H, _ = q_nope.shape
         S = latent.shape[1]
         kv = self.kv_b_proj(latent[..., : self.rank]).view(B, S, H, self.nope + self.v_dim)
@@ -179,21 +205,22 @@ class MLAttention(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask, is_causal=mask is None, scale=self.scale,
+            attn_mask=mask, is_causal=mask is None and causal, scale=self.scale,
         )
         return out.transpose(1, 2)  # (B, T, H, v)
 
-    def _absorbed(self, q_nope, q_rope, latent, q_slots, indices):
+    def _absorbed(self, q_nope, q_rope, latent, q_slots, indices, doc_ids=None):
         w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
         q_lat = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)
         q = torch.cat([q_lat, q_rope], dim=-1)
-        o = absorbed_attention(q, latent, q_slots, indices, self.scale, self.config.query_chunk)
+        o = absorbed_attention(q, latent, q_slots, indices, self.scale, self.config.query_chunk, doc_ids)
         return torch.einsum("bthr,hvr->bthv", o[..., : self.rank], w_uv)
 
     # -- the layer
-    def forward(self, x, cos, sin, q_slots, cache=None, prev_topk=None, want_index_scores=False):
-        """x: (B, T, hidden); q_slots: (T,) cache slots of the new tokens. Returns (out, topk, index_scores)."""
+    def forward(self, x, cos, sin, q_slots, cache=None, prev_topk=None, want_index_scores=False, doc_ids=None):
+        """x: (B, T, hidden); q_slots: (T,) cache slots of the new tokens; doc_ids: (B, T) document of each
+        token of a packed sequence (no cache), attention stops at boundaries. Returns (out, topk, index_scores)."""
         B, T, _ = x.shape
         q_resid, q_nope, q_rope, latent = self._project(x, cos, sin)
         index_keys = None
@@ -204,14 +231,13 @@ class MLAttention(nn.Module):
         S = latent.shape[1]
         topk, scores = None, None
         if self.config.sparse_attention and (S > self.config.index_topk or want_index_scores):
-            topk, scores = self._select(x, q_resid, cos, sin, index_keys, q_slots, prev_topk, want_index_scores)
+            topk, scores = self._select(x, q_resid, cos, sin, index_keys, q_slots, prev_topk, want_index_scores, doc_ids)
             if S <= self.config.index_topk:
                 topk = None  # every causal key is selected: plain causal attention
         if cache is not None or (topk is not None and self._use_gather(T)):
-            out = self._absorbed(q_nope, q_rope, latent, q_slots, topk)
+            out = self._absorbed(q_nope, q_rope, latent, q_slots, topk, doc_ids)
         else:
-            mask = None if topk is None else topk_mask(topk, q_slots, S)
-            out = self._expanded(q_nope, q_rope, latent, mask)
+            out = self._expanded(q_nope, q_rope, latent, attention_mask(topk, q_slots, S, doc_ids))
         return self.o_proj(out.reshape(B, T, -1)), topk, scores
 
     def _use_gather(self, T: int) -> bool:

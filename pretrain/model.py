@@ -37,9 +37,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, q_slots, cache, prev_topk, want_index_scores):
+    def forward(self, x, cos, sin, q_slots, cache, prev_topk, want_index_scores, doc_ids=None):
         attn, topk, scores = self.self_attn(
-            self.input_layernorm(x), cos, sin, q_slots, cache, prev_topk, want_index_scores
+            self.input_layernorm(x), cos, sin, q_slots, cache, prev_topk, want_index_scores, doc_ids
         )
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
@@ -129,21 +129,24 @@ class GLMForCausalLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         want_index_scores: bool = False,
         return_logits: bool = True,
+        doc_ids: torch.Tensor | None = None,
+        loss_reduction: str = "mean",
     ) -> CausalLMOutput:
         """input_ids: (B, T). labels: (B, T) next-token targets aligned with input_ids (already shifted;
-        -100 = ignore); with labels the output carries the mean cross-entropy. With a cache, the new
-        tokens continue the cached ones. position_ids (RoPE positions) default to the cache slots."""
-        hidden, index_scores = self.hidden_states(input_ids, cache, position_ids, want_index_scores)
+        -100 = ignore); with labels the output carries the cross-entropy ("mean" over counted tokens,
+        or "sum"). With a cache, the new tokens continue the cached ones. position_ids (RoPE positions)
+        default to the cache slots. doc_ids (B, T): documents of a packed sequence; attention stays
+        inside each (RoPE positions still count from the sequence start)."""
+        hidden, index_scores = self.hidden_states(input_ids, cache, position_ids, want_index_scores, doc_ids)
         logits = self.lm_head(hidden) if return_logits or labels is None else None
         loss = None
         if labels is not None:
-            if logits is None:
-                loss = F.cross_entropy(self.lm_head(hidden).float().flatten(0, 1), labels.flatten(), ignore_index=-100)
-            else:
-                loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+            full = logits if logits is not None else self.lm_head(hidden)
+            loss = F.cross_entropy(full.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                   reduction=loss_reduction)
         return CausalLMOutput(logits=logits, loss=loss, index_scores=index_scores)
 
-    def hidden_states(self, input_ids, cache=None, position_ids=None, want_index_scores=False):
+    def hidden_states(self, input_ids, cache=None, position_ids=None, want_index_scores=False, doc_ids=None):
         """Final-norm hidden states (B, T, hidden) and the index scores when asked for."""
         self._check_ids(input_ids)
         B, T = input_ids.shape
@@ -153,13 +156,15 @@ class GLMForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.config.qk_rope_head_dim, self.config.rope_theta, x.dtype)
         topk, all_scores = None, {}
+        if doc_ids is not None and cache is not None:
+            raise ValueError("doc_ids: document masking is for packed training sequences, not cached decoding")
         for i, layer in enumerate(self.model.layers):
             if self.checkpoint_layers and self.training and torch.is_grad_enabled() and cache is None:
                 x, topk, scores = torch.utils.checkpoint.checkpoint(
-                    layer, x, cos, sin, q_slots, None, topk, want_index_scores, use_reentrant=False
+                    layer, x, cos, sin, q_slots, None, topk, want_index_scores, doc_ids, use_reentrant=False
                 )
             else:
-                x, topk, scores = layer(x, cos, sin, q_slots, cache, topk, want_index_scores)
+                x, topk, scores = layer(x, cos, sin, q_slots, cache, topk, want_index_scores, doc_ids)
             if scores is not None:
                 all_scores[i] = scores
         if cache is not None:

@@ -106,3 +106,18 @@ def test_indexer_is_trainable():
     for indexer in model.indexers():
         for name, p in indexer.named_parameters():
             assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("case, impl", [("moe", "auto"), ("dsa", "mask"), ("dsa", "gather")])
+def test_document_mask_equals_separate_documents(case, impl):
+    """A packed sequence with doc_ids gives each document the logits it has alone (same positions)."""
+    model = GLMForCausalLM(small_config(case, sparse_impl=impl)).eval()
+    a, b = torch.randint(0, 257, (1, 14)), torch.randint(0, 257, (1, 26))
+    packed = torch.cat([a, b], dim=1)
+    docs = torch.tensor([[0] * 14 + [1] * 26])
+    with torch.no_grad():
+        out = model(packed, doc_ids=docs).logits
+        alone_a = model(a).logits
+        alone_b = model(b, position_ids=torch.arange(14, 40)).logits
+    torch.testing.assert_close(out[:, :14], alone_a, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[:, 14:], alone_b, atol=1e-5, rtol=0)

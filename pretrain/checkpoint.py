@@ -1,0 +1,118 @@
+"""Checkpoints: model + optimizer through torch.distributed.checkpoint (reshards between world sizes
+and FSDP layouts), trainer state as JSON, a manifest of sha256 checksums, written atomically.
+
+Layout: RUN_DIR/checkpoints/step_00000120/{*.distcp, .metadata, trainer_state.json, manifest.json}.
+A checkpoint is written into ``step_N.tmp`` and renamed once its manifest is complete, so a crash
+leaves no directory that looks finished. Loading verifies every checksum; a truncated or corrupted
+checkpoint is reported and the previous good one is used.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _barrier():
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def verify(path: Path) -> None:
+    """Raise CheckpointError unless every file of the manifest is present with its checksum."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        raise CheckpointError(f"{path}: no {MANIFEST} (incomplete checkpoint)")
+    try:
+        entries = json.loads(manifest.read_text())["files"]
+    except (json.JSONDecodeError, KeyError) as exc:
+        raise CheckpointError(f"{manifest}: unreadable ({exc})") from None
+    for name, expected in entries.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{path}: file {name} is missing")
+        if f.stat().st_size != expected["size"]:
+            raise CheckpointError(f"{path}: file {name} is {f.stat().st_size} bytes, expected {expected['size']} (truncated?)")
+        if _sha256(f) != expected["sha256"]:
+            raise CheckpointError(f"{path}: file {name} fails its checksum (corrupted)")
+
+
+class Checkpointer:
+    def __init__(self, run_dir, keep_last: int = 3, log=print):
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep_last = keep_last
+        self.log = log
+
+    def step_dirs(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        dirs = [p for p in self.root.iterdir() if p.is_dir() and p.name.startswith("step_") and p.suffix != ".tmp"]
+        return sorted(dirs, key=lambda p: int(p.name.split("_")[1]))
+
+    def save(self, step: int, model: torch.nn.Module, optimizers: list, trainer_state: dict) -> Path:
+        """Collective when distributed: every rank calls it."""
+        final = self.root / f"step_{step:08d}"
+        tmp = final.with_suffix(".tmp")
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        model_state, optim_state = get_state_dict(model, optimizers)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+        _barrier()
+        if _rank() == 0:
+            (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state))
+            files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
+            (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for old in self.step_dirs()[: -self.keep_last] if self.keep_last > 0 else []:
+                shutil.rmtree(old, ignore_errors=True)
+        _barrier()
+        return final
+
+    def latest_good(self) -> Path | None:
+        """The newest checkpoint that verifies; bad ones are reported and skipped."""
+        for path in reversed(self.step_dirs()):
+            try:
+                verify(path)
+                return path
+            except CheckpointError as exc:
+                self.log(f"checkpoint {path.name} is unusable, falling back: {exc}")
+        return None
+
+    def load(self, path: Path, model: torch.nn.Module, optimizers: list) -> dict:
+        """Load into an already-built (and already-sharded) model and optimizers; returns trainer state."""
+        model_state, optim_state = get_state_dict(model, optimizers)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=True))
+        return json.loads((path / TRAINER_STATE).read_text())

@@ -1,0 +1,113 @@
+"""Typed configs of the RL core: buffer, loss, OPD, rewards, DP scheduling.
+
+Defaults are SPEC.md sections 4 and 5 (GLM-5): G = 32 samples per prompt,
+IcePop beta = 2, asymmetric clip 0.2 / 0.28, KL coefficient 0, binary rewards,
+OPD form 2 with lambda = 1.0, group size 1 and batch 1024.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from orthon.launch.config import ConfigError
+
+
+def _positive(obj, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not value > 0:
+            raise ConfigError(f"{name}: must be positive, got {value}")
+
+
+@dataclass
+class BufferConfig:
+    """The Data Buffer: a group of one prompt is ready when it holds G samples."""
+
+    num_repeat_per_sample: int = 32  # G
+    task_type: str = "math"
+
+    def __post_init__(self):
+        _positive(self, "num_repeat_per_sample")
+        if not self.task_type:
+            raise ConfigError("task_type: must be a non-empty string")
+
+
+@dataclass
+class LossConfig:
+    """GRPO advantage and the IcePop + asymmetric-clip policy loss."""
+
+    # std_G(r) of the advantage: "unbiased" (divide by G-1, torch's default) or "population" (by G).
+    advantage_std: Literal["unbiased", "population"] = "unbiased"
+    icepop_beta: float = 2.0  # tokens with rho outside [1/beta, beta] get zero gradient
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    kl_coef: float = 0.0
+    aggregation: Literal["token", "sequence"] = "token"
+    # "one": SPEC's m_t in {0, 1}. "rho": peers' pop(rho) = rho on kept tokens (see orthon.rl.loss).
+    keep_weight: Literal["one", "rho"] = "one"
+
+    def __post_init__(self):
+        if not self.icepop_beta > 1.0:
+            raise ConfigError(f"icepop_beta: must be > 1, got {self.icepop_beta}")
+        if not 0.0 <= self.eps_low < 1.0:
+            raise ConfigError(f"eps_low: must be in [0, 1), got {self.eps_low}")
+        if not self.eps_high >= 0.0:
+            raise ConfigError(f"eps_high: must be >= 0, got {self.eps_high}")
+        if not self.kl_coef >= 0.0:
+            raise ConfigError(f"kl_coef: must be >= 0, got {self.kl_coef}")
+
+
+@dataclass
+class OPDConfig:
+    """On-policy distillation (SPEC.md section 5)."""
+
+    # "sampled": form 2, A' = sg[log pi_T(a) - log pi_S(a)] (GLM-5's choice).
+    # "kl_penalty": form 1, A' = A - coef * KL(pi_T || pi_S) exact over the vocabulary.
+    form: Literal["sampled", "kl_penalty"] = "sampled"
+    coef: float = 1.0  # lambda
+    # Direction of the form-1 KL; SPEC.md writes KL(teacher || student).
+    kl_direction: Literal["teacher_student", "student_teacher"] = "teacher_student"
+    group_size: int = 1
+    batch_size: int = 1024
+
+    def __post_init__(self):
+        _positive(self, "group_size", "batch_size")
+        if not self.coef >= 0.0:
+            raise ConfigError(f"coef: must be >= 0, got {self.coef}")
+
+
+@dataclass
+class RewardConfig:
+    """Binary outcome rewards; ``name`` is "math", "code" or a dotted path to a function."""
+
+    name: str = "math"
+    timeout_s: float = 30.0  # per call; a reward that runs longer gives 0 and is counted
+    binary: bool = True  # a value other than 0 or 1 is invalid (0, counted)
+    code_timeout_s: float = 10.0  # CPU and wall limit of one code-test subprocess
+    code_memory_mb: int = 1024  # address-space limit of that subprocess
+
+    def __post_init__(self):
+        if not self.name:
+            raise ConfigError("name: must be 'math', 'code' or a dotted path")
+        _positive(self, "timeout_s", "code_timeout_s", "code_memory_mb")
+
+
+@dataclass
+class DPScheduleConfig:
+    """Pack samples into token-capacity micro-batches, then spread micro-batches over DP ranks."""
+
+    micro_batch_tokens: int = 16384
+    # first_fit + karmarkar_karp balances ranks best on heavy-tailed lengths (bench/dp_schedule.py):
+    # first-fit leaves light micro-batches that Karmarkar-Karp uses to even out the ranks, while
+    # "flops" packing makes micro-batches alike (what a pipeline wants) and leaves it none.
+    packing: Literal["first_fit", "flops"] = "first_fit"
+    distribution: Literal["round_robin", "karmarkar_karp"] = "karmarkar_karp"
+    # FLOPs of a sample of length L taken as L * (1 + L / attention_crossover_tokens): the length at
+    # which attention costs as much per token as the linear layers. GLM-5 with dense attention:
+    # 2 * 40e9 active params / (78 layers * (16384 + 16384) qk+v width) ~ 31k (see dp_schedule).
+    attention_crossover_tokens: float = 32768.0
+    # Every rank gets the same number of micro-batches (FSDP and pipelines need it).
+    equal_micro_batches: bool = True
+
+    def __post_init__(self):
+        _positive(self, "micro_batch_tokens", "attention_crossover_tokens")
