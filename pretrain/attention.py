@@ -60,15 +60,17 @@ def absorbed_attention(
     indices: torch.Tensor | None,
     scale: float,
     chunk: int,
-    doc_ids: torch.Tensor | None = None,
+    q_docs: torch.Tensor | None = None,
+    k_docs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention in the absorbed (MQA) form.
 
     q: (B, T, H, D) queries already mapped into latent space ([W_UK^T q_nope; q_rope]);
     latent: (B, S, D) per-token keys [c_kv; k_rope]; values are latent[..., :R] (R = D - rope),
     taken by the caller as the first R numbers of the output; q_slots: (T,) key slot of each query
-    (causality); indices: (B, T, k) selected key slots or None for all causal keys; doc_ids: (B, S)
-    document of each key slot (the queries are the last T slots), to stop attention at boundaries.
+    (causality); indices: (B, T, k) selected key slots or None for all causal keys; q_docs (B, T) and
+    k_docs (B, S): document of each query and key, attention stays within a document (packed
+    sequences; left padding is a document of its own).
     Returns (B, T, H, D) attention-weighted latents (caller keeps [..., :R]).
     """
     B, T, H, D = q.shape
@@ -79,10 +81,10 @@ def absorbed_attention(
         slots = q_slots[start : start + chunk]
         if indices is None:
             scores = torch.einsum("bchd,bsd->bchs", qc, latent) * scale
-            if doc_ids is None:
+            if k_docs is None:
                 visible = causal_mask(slots, S)[None, :, None, :]
             else:
-                visible = document_mask(doc_ids[:, slots], doc_ids, slots)[:, :, None, :]
+                visible = document_mask(q_docs[:, start : start + chunk], k_docs, slots)[:, :, None, :]
             probs = torch.softmax(scores.float().masked_fill(~visible, float("-inf")), dim=-1).to(q.dtype)
             outputs.append(torch.einsum("bchs,bsd->bchd", probs, latent))
         else:
@@ -92,23 +94,24 @@ def absorbed_attention(
             picked = latent.reshape(B * S, D).index_select(0, flat.reshape(-1)).view(B, C, K, D)
             scores = torch.einsum("bchd,bckd->bchk", qc, picked) * scale
             visible = idx <= slots[None, :, None]
-            if doc_ids is not None:
-                visible = visible & (doc_ids.gather(1, idx.reshape(B, -1)).view(B, C, K) == doc_ids[:, slots, None])
+            if k_docs is not None:
+                picked_docs = k_docs.gather(1, idx.reshape(B, -1)).view(B, C, K)
+                visible = visible & (picked_docs == q_docs[:, start : start + chunk, None])
             visible = visible[:, :, None, :]
             probs = torch.softmax(scores.float().masked_fill(~visible, float("-inf")), dim=-1).to(q.dtype)
             outputs.append(torch.einsum("bchk,bckd->bchd", probs, picked))
     return torch.cat(outputs, dim=1)
 
 
-def attention_mask(indices, q_slots, num_keys, doc_ids=None):
-    """(B or 1, 1, T, S) bool SDPA mask: causal, within the document if doc_ids, the selected keys if indices;
-    None when plain causal attention does."""
-    if indices is None and doc_ids is None:
+def attention_mask(indices, q_slots, num_keys, q_docs=None, k_docs=None):
+    """(B or 1, 1, T, S) bool SDPA mask: causal, within the document if docs are given, the selected keys
+    if indices; None when plain causal attention does."""
+    if indices is None and k_docs is None:
         return None
-    if doc_ids is None:
+    if k_docs is None:
         allowed = causal_mask(q_slots, num_keys)[None]
     else:
-        allowed = document_mask(doc_ids, doc_ids, q_slots)
+        allowed = document_mask(q_docs, k_docs, q_slots)
     if indices is not None:
         B, T, _ = indices.shape
         chosen = torch.zeros(B, T, num_keys, dtype=torch.bool, device=indices.device)
@@ -177,7 +180,7 @@ class MLAttention(nn.Module):
         latent = torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_rope, cos, sin)], dim=-1)
         return q_resid, q_nope, apply_rope(q_rope, cos, sin), latent
 
-    def _select(self, x, q_resid, cos, sin, index_keys, q_slots, prev_topk, want_scores, doc_ids=None):
+    def _select(self, x, q_resid, cos, sin, index_keys, q_slots, prev_topk, want_scores, q_docs=None, k_docs=None):
         """Top-k indices for this layer (own indexer or the shared previous one) and, when asked, the
         differentiable index scores."""
         if self.indexer is None:
@@ -190,7 +193,7 @@ class MLAttention(nn.Module):
                 q_idx[:, start : start + chunk], w_idx[:, start : start + chunk], index_keys, self.indexer.scale
             )
             slots = q_slots[start : start + chunk]
-            visible = None if doc_ids is None else document_mask(doc_ids[:, slots], doc_ids, slots)
+            visible = None if k_docs is None else document_mask(q_docs[:, start : start + chunk], k_docs, slots)
             picks.append(select_topk(scores.detach(), slots, self.config.index_topk, visible))
             if want_scores:
                 kept.append(scores)
@@ -209,35 +212,38 @@ class MLAttention(nn.Module):
         )
         return out.transpose(1, 2)  # (B, T, H, v)
 
-    def _absorbed(self, q_nope, q_rope, latent, q_slots, indices, doc_ids=None):
+    def _absorbed(self, q_nope, q_rope, latent, q_slots, indices, q_docs=None, k_docs=None):
         w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
         q_lat = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)
         q = torch.cat([q_lat, q_rope], dim=-1)
-        o = absorbed_attention(q, latent, q_slots, indices, self.scale, self.config.query_chunk, doc_ids)
+        o = absorbed_attention(q, latent, q_slots, indices, self.scale, self.config.query_chunk, q_docs, k_docs)
         return torch.einsum("bthr,hvr->bthv", o[..., : self.rank], w_uv)
 
     # -- the layer
     def forward(self, x, cos, sin, q_slots, cache=None, prev_topk=None, want_index_scores=False, doc_ids=None):
         """x: (B, T, hidden); q_slots: (T,) cache slots of the new tokens; doc_ids: (B, T) document of each
-        token of a packed sequence (no cache), attention stops at boundaries. Returns (out, topk, index_scores)."""
+        new token (packed sequences, left padding), attention stays inside documents. Returns
+        (out, topk, index_scores)."""
         B, T, _ = x.shape
         q_resid, q_nope, q_rope, latent = self._project(x, cos, sin)
         index_keys = None
         if self.indexer is not None and self.config.sparse_attention:
             index_keys = self.indexer.keys(x, cos, sin)
+        k_docs = doc_ids
         if cache is not None:
             latent, index_keys = cache.append(self.layer, latent, index_keys)
+            k_docs = cache.docs_until(q_slots[-1] + 1) if doc_ids is not None else None
         S = latent.shape[1]
         topk, scores = None, None
         if self.config.sparse_attention and (S > self.config.index_topk or want_index_scores):
-            topk, scores = self._select(x, q_resid, cos, sin, index_keys, q_slots, prev_topk, want_index_scores, doc_ids)
+            topk, scores = self._select(x, q_resid, cos, sin, index_keys, q_slots, prev_topk, want_index_scores, doc_ids, k_docs)
             if S <= self.config.index_topk:
                 topk = None  # every causal key is selected: plain causal attention
         if cache is not None or (topk is not None and self._use_gather(T)):
-            out = self._absorbed(q_nope, q_rope, latent, q_slots, topk, doc_ids)
+            out = self._absorbed(q_nope, q_rope, latent, q_slots, topk, doc_ids, k_docs)
         else:
-            out = self._expanded(q_nope, q_rope, latent, attention_mask(topk, q_slots, S, doc_ids))
+            out = self._expanded(q_nope, q_rope, latent, attention_mask(topk, q_slots, S, doc_ids, k_docs))
         return self.o_proj(out.reshape(B, T, -1)), topk, scores
 
     def _use_gather(self, T: int) -> bool:

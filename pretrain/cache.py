@@ -19,6 +19,23 @@ class KVCache:
             if config.indexer_type(i) == "full" else None
             for i in range(config.num_hidden_layers)
         ]
+        # Document of each slot, once any forward passed doc_ids (left padding is document -1).
+        self.docs: torch.Tensor | None = None
+        self.batch_size, self.device = batch_size, device
+
+    def write_docs(self, doc_ids: torch.Tensor | None, num_new: int) -> torch.Tensor | None:
+        """Record the new tokens' documents; returns them (default document 0 once docs are in use)."""
+        if doc_ids is None and self.docs is None:
+            return None
+        if self.docs is None:
+            self.docs = torch.zeros(self.batch_size, self.capacity, dtype=torch.long, device=self.device)
+        if doc_ids is None:
+            doc_ids = torch.zeros(self.batch_size, num_new, dtype=torch.long, device=self.device)
+        self.docs[:, self.length : self.length + num_new] = doc_ids
+        return doc_ids
+
+    def docs_until(self, end) -> torch.Tensor | None:
+        return None if self.docs is None else self.docs[:, : int(end)]
 
     def slots(self, num_new: int, device=None) -> torch.Tensor:
         if self.length + num_new > self.capacity:
@@ -44,3 +61,6 @@ class KVCache:
         """Keep only these batch rows (e.g. drop finished sequences)."""
         self.latent = [t.index_select(0, rows) for t in self.latent]
         self.index_keys = [None if t is None else t.index_select(0, rows) for t in self.index_keys]
+        if self.docs is not None:
+            self.docs = self.docs.index_select(0, rows)
+        self.batch_size = len(rows)

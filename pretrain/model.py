@@ -135,8 +135,9 @@ class GLMForCausalLM(nn.Module):
         """input_ids: (B, T). labels: (B, T) next-token targets aligned with input_ids (already shifted;
         -100 = ignore); with labels the output carries the cross-entropy ("mean" over counted tokens,
         or "sum"). With a cache, the new tokens continue the cached ones. position_ids (RoPE positions)
-        default to the cache slots. doc_ids (B, T): documents of a packed sequence; attention stays
-        inside each (RoPE positions still count from the sequence start)."""
+        default to the cache slots. doc_ids (B, T): documents of a packed sequence, attention stays inside
+        each (RoPE positions still count from the sequence start); with a cache, left padding is given
+        as document -1 (and position_ids shifted), and the cache remembers the documents."""
         hidden, index_scores = self.hidden_states(input_ids, cache, position_ids, want_index_scores, doc_ids)
         logits = self.lm_head(hidden) if return_logits or labels is None else None
         loss = None
@@ -156,8 +157,8 @@ class GLMForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.config.qk_rope_head_dim, self.config.rope_theta, x.dtype)
         topk, all_scores = None, {}
-        if doc_ids is not None and cache is not None:
-            raise ValueError("doc_ids: document masking is for packed training sequences, not cached decoding")
+        if cache is not None:
+            doc_ids = cache.write_docs(doc_ids, T)
         for i, layer in enumerate(self.model.layers):
             if self.checkpoint_layers and self.training and torch.is_grad_enabled() and cache is None:
                 x, topk, scores = torch.utils.checkpoint.checkpoint(

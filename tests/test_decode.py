@@ -48,3 +48,28 @@ def test_cache_capacity_error():
         assert "capacity 4" in str(exc)
     else:
         raise AssertionError("expected a capacity error")
+
+
+def test_left_padded_batch_decodes_like_each_prompt_alone():
+    """Batched generation with prompts of different lengths: pads are document -1, positions shifted."""
+    model = GLMForCausalLM(small_config("dsa")).eval()
+    prompts = [torch.randint(0, 257, (n,)) for n in (5, 12)]
+    width = max(len(p) for p in prompts)
+    ids = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), p]) for p in prompts])
+    pads = torch.tensor([width - len(p) for p in prompts])
+    slots = torch.arange(width)
+    docs = torch.where(slots[None] < pads[:, None], -1, 0)
+    positions = (slots[None] - pads[:, None]).clamp(min=0)
+    steps = 20
+    cache = model.new_cache(2, width + steps)
+    with torch.no_grad():
+        logits = model(ids, cache=cache, doc_ids=docs, position_ids=positions).logits[:, -1]
+        out = [logits.argmax(-1)]
+        for t in range(steps - 1):
+            pos = (width + t - pads)[:, None]
+            logits = model(out[-1][:, None], cache=cache, position_ids=pos).logits[:, -1]
+            out.append(logits.argmax(-1))
+    batched = torch.stack(out, dim=1)
+    for row, prompt in enumerate(prompts):
+        alone = _greedy(model, prompt[None], steps, use_cache=True)[0, len(prompt):]
+        assert torch.equal(batched[row], alone), row
