@@ -17,6 +17,8 @@ COMMANDS = {
     "export": ("orthon.launch.cmd_hf", "write a run's model in the Hugging Face glm_moe_dsa layout"),
     "import": ("orthon.launch.cmd_hf", "read a Hugging Face glm_moe_dsa directory into an orthon checkpoint"),
     "smoke": ("orthon.launch.cmd_smoke", "build the model of a recipe, train a few steps, print the loss"),
+    "pretrain": ("orthon.launch.cmd_pretrain", "pretrain (or --resume) a model; the built-in corpus by default"),
+    "generate": ("orthon.launch.cmd_generate", "sample text from a run's final model"),
 }
 
 

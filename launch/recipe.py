@@ -3,8 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from orthon.data.config import BuiltinConfig, DataConfig
 from orthon.launch import config as config_io
+from orthon.optim.config import BatchRampConfig, OptimConfig, ScheduleConfig
 from orthon.pretrain.config import ModelConfig
+from orthon.pretrain.train_config import TrainConfig
 
 
 @dataclass
@@ -22,6 +25,12 @@ class SmokeConfig:
 @dataclass
 class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    batch: BatchRampConfig = field(default_factory=BatchRampConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    builtin: BuiltinConfig = field(default_factory=BuiltinConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     smoke: SmokeConfig = field(default_factory=SmokeConfig)
 
 

@@ -120,6 +120,15 @@ def attention_mask(indices, q_slots, num_keys, q_docs=None, k_docs=None):
     return allowed.unsqueeze(1)
 
 
+@torch.no_grad()
+def _max_logit(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """max over attended (query, key, head) of q.k * scale; q: (B, T, H, D), k: (B, S, H, D)."""
+    logits = torch.einsum("bthd,bshd->bhts", q, k) * scale
+    if mask is None:
+        mask = causal_mask(torch.arange(q.shape[1], device=q.device), k.shape[1])
+    return logits.masked_fill(~mask, float("-inf")).amax()
+
+
 # ---------------------------------------------------------------- modules
 class Indexer(nn.Module):
     """DSA lightning indexer (parameter names as transformers' GlmMoeDsaIndexer). Trainable: nothing
@@ -169,6 +178,10 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.rank, self.n_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, c.hidden_size, bias=c.attention_bias)
         self.indexer = Indexer(c) if c.indexer_type(layer) == "full" else None
+        # When set, full forwards record the largest attention logit q.k * scale over the pairs attended
+        # (the quantity Muon Split keeps bounded); read by GLMForCausalLM.max_attention_logit().
+        self.track_max_logit = False
+        self.max_logit: torch.Tensor | None = None
 
     # -- the pieces
     def _project(self, x, cos, sin):
@@ -206,6 +219,8 @@ class MLAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, latent[..., None, self.rank :].expand(B, S, H, self.rope)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
+        if self.track_max_logit:
+            self.max_logit = _max_logit(q, k, mask, self.scale)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             attn_mask=mask, is_causal=mask is None and causal, scale=self.scale,

@@ -188,6 +188,17 @@ class GLMForCausalLM(nn.Module):
         p = self.lm_head.weight
         return KVCache(self.config, batch_size, capacity, device=p.device, dtype=p.dtype)
 
+    def track_max_logit(self, on: bool = True) -> None:
+        for module in self.modules():
+            if isinstance(module, MLAttention):
+                module.track_max_logit = on
+                module.max_logit = None
+
+    def max_attention_logit(self) -> float | None:
+        """Largest attention logit of the last full forward over all layers (needs track_max_logit)."""
+        values = [m.max_logit for m in self.modules() if isinstance(m, MLAttention) and m.max_logit is not None]
+        return float(torch.stack(values).max()) if values else None
+
     def moe_routers(self) -> list[Router]:
         return [m for m in self.modules() if isinstance(m, Router)]
 

@@ -1,0 +1,261 @@
+"""Optimizer step time: orthon's Muon against torch.optim.Muon, and Newton-Schulz against bare matmul.
+
+Three parameter sets, each run through both optimizers in this process:
+
+  tiny   every Muon parameter of configs/tiny.yaml's model (Muon Split on
+         W_QB/W_KVB, expert stacks). torch.optim.Muon only takes 2-D
+         parameters, so it gets each Newton-Schulz block as its own 2-D
+         parameter: the same arithmetic, one call per block.
+  large  24 x (1024 x 1024) + 24 x (1024 x 4096) matrices.
+  mla    Muon Split against plain Muon on MLA matrices (W_QB, W_KVB of 4
+         layers, the tiny model's and GLM-5 head dims with 8 heads).
+
+Newton-Schulz throughput (FLOPs / step time, so it includes the momentum
+and update passes) is compared with the bare matmul rate of the kernel
+Newton-Schulz runs on, measured here on the same shapes: bf16 GEMM where it
+is native, the fp32 GEMM where bf16 is emulated (CPUs without AVX512-BF16/AMX,
+see orthon.optim.newton_schulz). The bare bf16 GEMM rate is printed too.
+
+On such CPUs torch.optim.Muon's bf16 GEMM runs at ~0.3-5 GFLOP/s, so its
+large-set step would take about 1.5 hours. There the bench by default times
+orthon on ``--large-count`` 2+2 of the matrices and estimates torch's full
+set as its Newton-Schulz FLOPs over the bare bf16 GEMM rate measured here
+(a lower bound on torch's time: its step is those GEMMs and more), and says
+so in the keys (``_estimated``). ``--torch-large-count N`` times torch on
+N+N matrices instead; both optimizers handle the large matrices one shape
+batch or one matrix at a time, so times scale linearly to 24+24. Timings:
+warm-up steps, then the median of ``--repeats``.
+
+    python bench/muon_step.py [--sets tiny,large,mla] [--device cuda] [--threads 1]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from orthon.optim import Muon, OptimConfig, plan_for_model
+from orthon.optim.newton_schulz import bf16_gemm_is_native, newton_schulz_flops
+
+ROOT = Path(__file__).resolve().parents[1]
+HYPER = dict(lr=2e-4, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_it(fn, device, warmup, repeats):
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# ------------------------------------------------------------------ parameter sets
+# A set is a list of (shape, split_rows): orthon takes the parameters as they are,
+# torch each Newton-Schulz block as a separate 2-D matrix.
+
+
+def tiny_set():
+    from orthon.launch.recipe import load_recipe
+    from orthon.pretrain.model_info import meta_model
+
+    plan = plan_for_model(meta_model(load_recipe(ROOT / "configs" / "tiny.yaml").model), OptimConfig())
+    return [(r.shape, r.split_rows) for r in plan.select("muon")]
+
+
+def large_set(count):
+    return [((1024, 1024), 1)] * count + [((1024, 4096), 1)] * count
+
+
+def mla_set(heads, qk_head, v_head, qk_nope, q_lora, kv_lora, layers=4, split=True):
+    q_b = ((heads * qk_head, q_lora), heads if split else 1)
+    kv_b = ((heads * (qk_nope + v_head), kv_lora), heads if split else 1)
+    return [q_b, kv_b] * layers
+
+
+def blocks_of(shape, split):
+    rows, cols = shape[-2] // split, shape[-1]
+    return math.prod(shape[:-2]) * split, (rows, cols)
+
+
+def set_flops(entries):
+    total = 0
+    for shape, split in entries:
+        count, (rows, cols) = blocks_of(shape, split)
+        total += count * newton_schulz_flops(rows, cols)
+    return total
+
+
+def make_params(entries, device, as_blocks):
+    """Parameters and fixed gradients; as_blocks: one 2-D tensor per Newton-Schulz block (for torch)."""
+    gen = torch.Generator().manual_seed(0)
+    params = []
+    for shape, split in entries:
+        count, (rows, cols) = blocks_of(shape, split)
+        weight = torch.randn(shape, generator=gen) * 0.02
+        grad = torch.randn(shape, generator=gen)
+        pieces = [(weight, grad)]
+        if as_blocks:
+            pieces = list(zip(weight.reshape(count, rows, cols).unbind(0), grad.reshape(count, rows, cols).unbind(0)))
+        for w, g in pieces:
+            p = nn.Parameter(w.contiguous().to(device))
+            p.grad = g.contiguous().to(device)
+            params.append((p, split if not as_blocks else 1))
+    return params
+
+
+def orthon_step_time(entries, device, args, bf16_matmul="auto"):
+    params = make_params(entries, device, as_blocks=False)
+    by_split = {}
+    for p, split in params:
+        by_split.setdefault(split, []).append(p)
+    groups = [{"params": ps, "split_rows": s} for s, ps in by_split.items()]
+    opt = Muon(groups, bf16_matmul=bf16_matmul, **HYPER)
+    return time_it(opt.step, device, args.warmup, args.repeats), params
+
+
+def torch_step_time(entries, device, args, repeats=None):
+    params = make_params(entries, device, as_blocks=True)
+    opt = torch.optim.Muon([p for p, _ in params], adjust_lr_fn="match_rms_adamw", **HYPER)
+    return time_it(opt.step, device, args.warmup if repeats is None else 1, repeats or args.repeats), params
+
+
+def matmul_rate(entries, device, dtype, warmup, repeats):
+    """GFLOP/s of the three bare GEMMs of one Newton-Schulz iteration on every block, batched by shape."""
+    stacks = {}
+    for shape, split in entries:
+        count, (rows, cols) = blocks_of(shape, split)
+        key = (min(rows, cols), max(rows, cols))
+        stacks[key] = stacks.get(key, 0) + count
+    tensors = [torch.randn(n, small, large, device=device, dtype=dtype) for (small, large), n in stacks.items()]
+    grams = [torch.randn(n, small, small, device=device, dtype=dtype) for (small, _), n in stacks.items()]
+    flops = sum(n * newton_schulz_flops(s, l, steps=1) for (s, l), n in stacks.items())
+
+    def run():
+        for x, a in zip(tensors, grams):
+            torch.bmm(x, x.mT)
+            torch.bmm(a, a)
+            torch.bmm(a, x)
+
+    return flops / time_it(run, device, warmup, repeats) / 1e9
+
+
+def large_ns_and_matmul(entries, device, kernel, args):
+    """Median orthon step time and bare GEMM GFLOP/s on the same shapes, measured alternately."""
+    params = make_params(entries, device, as_blocks=False)
+    opt = Muon([p for p, _ in params], **HYPER)
+    steps, rates = [], []
+    for i in range(args.warmup + args.repeats):
+        step = time_it(opt.step, device, 0, 1)
+        rate = matmul_rate(entries, device, kernel, 0, 1)
+        if i >= args.warmup:
+            steps.append(step)
+            rates.append(rate)
+    return statistics.median(steps), statistics.median(rates)
+
+
+# ------------------------------------------------------------------ the bench
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sets", default="tiny,large,mla")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (1: stable on a shared machine)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--large-count", type=int, default=None,
+                        help="matrices of each large shape for orthon (default 24; 2 where bf16 is emulated)")
+    parser.add_argument("--torch-large-count", type=int, default=None,
+                        help="matrices of each large shape for torch (default: as orthon; where bf16 GEMM "
+                             "is not native, 0: estimated from the bf16 GEMM rate)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    native = bf16_gemm_is_native(device)
+    kernel = torch.bfloat16 if native else torch.float32
+    large_count = args.large_count or (24 if native else 2)
+    torch_large = args.torch_large_count if args.torch_large_count is not None else (large_count if native else 0)
+    sets = args.sets.split(",")
+    print(f"device {device} ({torch.get_num_threads()} threads), bf16 GEMM {'native' if native else 'emulated on fp32'}")
+
+    figures, ratios, rows = {}, {}, []
+    # The bare bf16 GEMM rate on one 1024^3 product (seconds where bf16 is emulated, so no repeats there).
+    cube = [((1024, 1024), 1)]
+    figures["bf16_matmul_gflops"] = matmul_rate(cube, device, torch.bfloat16, 1 if native else 0, 3 if native else 1)
+
+    if "tiny" in sets:
+        entries = tiny_set()
+        t_ours, _ = orthon_step_time(entries, device, args)
+        # Where bf16 GEMM is emulated torch's step takes ~20 s: one warm-up and one timed step.
+        t_ref, _ = torch_step_time(entries, device, args, repeats=None if native else 1)
+        rows.append(("tiny: orthon Muon", t_ours, set_flops(entries)))
+        rows.append(("tiny: torch.optim.Muon", t_ref, set_flops(entries)))
+        figures["tiny_blocks"] = sum(blocks_of(s, k)[0] for s, k in entries)
+        figures["tiny_orthon_ms"], figures["tiny_torch_ms"] = 1e3 * t_ours, 1e3 * t_ref
+        ratios["tiny_time_vs_torch"] = t_ours / t_ref
+
+    if "large" in sets:
+        entries = large_set(large_count)
+        flops = set_flops(entries)
+        # NS steps and bare GEMMs interleaved, so load drift on a shared machine hits both alike.
+        t_ours, bare = large_ns_and_matmul(entries, device, kernel, args)
+        rate = flops / t_ours / 1e9
+        scale = 24 / large_count
+        rows.append((f"large ({large_count}+{large_count}): orthon Muon", t_ours, flops))
+        figures.update(large_orthon_s_full_set=t_ours * scale, large_ns_gflops=rate, large_matmul_gflops=bare)
+        ratios["large_ns_rate_vs_matmul"] = rate / bare
+        if torch_large:
+            ref_entries = large_set(torch_large)
+            t_ref, _ = torch_step_time(ref_entries, device, args, repeats=1 if not native else None)
+            rows.append((f"large ({torch_large}+{torch_large}): torch.optim.Muon", t_ref, set_flops(ref_entries)))
+            figures["large_torch_s_full_set"] = t_ref * 24 / torch_large
+            figures["large_torch_measured_on"] = f"{torch_large}+{torch_large} matrices, scaled to 24+24"
+            ratios["large_time_vs_torch"] = (t_ours * scale) / (t_ref * 24 / torch_large)
+        else:
+            estimate = set_flops(large_set(24)) / (figures["bf16_matmul_gflops"] * 1e9)
+            figures["large_torch_s_full_set_estimated"] = estimate
+            ratios["large_time_vs_torch_estimated"] = (t_ours * scale) / estimate
+
+    if "mla" in sets:
+        shapes = {
+            "tiny": dict(heads=4, qk_head=48, v_head=32, qk_nope=32, q_lora=128, kv_lora=64),
+            "glm5_dims_8_heads": dict(heads=8, qk_head=256, v_head=256, qk_nope=192, q_lora=512, kv_lora=512, layers=1),
+        }
+        for label, dims in shapes.items():
+            split, unsplit = mla_set(**dims), mla_set(**dims, split=False)
+            t_split, _ = orthon_step_time(split, device, args)
+            t_unsplit, _ = orthon_step_time(unsplit, device, args)
+            rows.append((f"mla {label}: orthon Muon Split", t_split, set_flops(split)))
+            rows.append((f"mla {label}: orthon Muon unsplit", t_unsplit, set_flops(unsplit)))
+            ratios[f"mla_{label}_split_time_vs_unsplit"] = t_split / t_unsplit
+
+    print(f"\n{'case':<44}{'step ms':>12}{'NS GFLOP':>10}{'GFLOP/s':>10}")
+    for name, seconds, flops in rows:
+        print(f"{name:<44}{1e3 * seconds:>12.1f}{flops / 1e9:>10.1f}{flops / seconds / 1e9:>10.1f}")
+    print("\nbare matmul GFLOP/s: " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items() if "matmul" in k))
+    for key, value in ratios.items():
+        print(f"{key}: {value:.3f}")
+    figures = {k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()}
+    print(json.dumps({"bench": "muon_step", "figures": figures,
+                      "ratios": {k: round(v, 4) for k, v in ratios.items()}}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""The built-in corpus of the embedded default: nothing to download.
+
+Two kinds of text:
+
+- code: the Python standard library installed on this machine (its ``.py``
+  files, without tests, ``site-packages`` and IDLE), one document per file,
+  headed by a ``# path`` comment;
+- arithmetic: generated lines such as ``Q: 37+45=? A: 82`` (``arithmetic.py``,
+  the same generator the RL task uses), ``problems_per_doc`` per document.
+
+``prepare_builtin(out_dir)`` does everything: writes the corpus as JSON lines
+(train and a held-out split), trains a sentencepiece tokenizer on it, and
+prepares one token store per kind and split. Each step is skipped on a rerun
+with the same settings.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import sysconfig
+import time
+import zlib
+from pathlib import Path
+
+from orthon.data.arithmetic import make_document
+from orthon.data.config import BuiltinConfig, DataConfig, PrepareConfig, ReadConfig, StoreSource
+from orthon.data.fileutil import atomic_write_json, tmp_path
+from orthon.data.prepare import prepare
+from orthon.data.store import read_manifest
+from orthon.data.tokenizer import CHAT_TOKENS, sample_lines, train_sentencepiece
+
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__", "ensurepip"}
+_CODE_PARTS = 4  # train code files, so that prepare has parallel work from the first file on
+KINDS = ("code", "arithmetic")
+
+
+@dataclasses.dataclass
+class BuiltinPaths:
+    root: Path
+    tokenizer: Path
+    train_stores: dict[str, Path]  # kind -> store directory
+    valid_stores: dict[str, Path]
+    corpus: dict[str, list[Path]]  # "train"/"valid" -> JSON-lines files
+    report: dict
+
+    def data_config(self, seq_len: int = 256, weights: dict[str, float] | None = None, seed: int = 1234,
+                    **kwargs) -> DataConfig:
+        """A DataConfig blending the kinds (by default in proportion to their sizes: weight = tokens)."""
+        tokens = self.report["tokens"]
+        weights = weights or {kind: float(tokens[f"train/{kind}"]) for kind in self.train_stores}
+        return DataConfig(
+            sources=[StoreSource(str(p), weights[k], k) for k, p in self.train_stores.items()],
+            valid=[StoreSource(str(p), 1.0, k) for k, p in self.valid_stores.items()],
+            tokenizer=str(self.tokenizer), seq_len=seq_len, seed=seed, **kwargs)
+
+
+def stdlib_sources(max_mb: float = 0.0) -> list[tuple[str, str]]:
+    """(relative path, source) of the standard library's .py files, sorted by path, up to ``max_mb`` MB."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        found += [Path(dirpath) / f for f in filenames if f.endswith(".py")]
+    out, total = [], 0
+    for path in sorted(found, key=lambda p: p.relative_to(root).as_posix()):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue  # a few files are in other encodings; the corpus is only UTF-8
+        if not text.strip():
+            continue
+        out.append((path.relative_to(root).as_posix(), text))
+        total += len(text.encode())
+        if max_mb and total >= max_mb * 1e6:
+            break
+    return out
+
+
+def _is_valid(key: str, fraction: float) -> bool:
+    return zlib.crc32(key.encode()) % 10_000 < fraction * 10_000
+
+
+def _write_jsonl(path: Path, texts: list[str]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path(path)
+    with open(tmp, "w", encoding="utf-8") as f:
+        for text in texts:
+            f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def build_corpus(out_dir: str | Path, cfg: BuiltinConfig) -> dict[str, list[Path]]:
+    """Write the corpus as JSON lines under ``out_dir/{train,valid}``; returns the files by split."""
+    out = Path(out_dir)
+    code = stdlib_sources(cfg.max_code_mb) if cfg.include_stdlib else []
+    code_train = [f"# {rel}\n{src}" for rel, src in code if not _is_valid(rel, cfg.valid_fraction)]
+    code_valid = [f"# {rel}\n{src}" for rel, src in code if _is_valid(rel, cfg.valid_fraction)]
+    if cfg.valid_fraction and not code_valid and len(code_train) > 1:
+        code_valid.append(code_train.pop())  # a small corpus still gets a held-out code document
+    n_docs = -(-cfg.arithmetic_problems // cfg.problems_per_doc)
+    n_valid = max(1, round(n_docs * cfg.valid_fraction)) if n_docs and cfg.valid_fraction else 0
+    train_rng, valid_rng = random.Random(cfg.seed), random.Random(cfg.seed + 1_000_003)
+    arith_train = [make_document(train_rng, cfg.problems_per_doc, cfg.max_difficulty) for _ in range(n_docs)]
+    arith_valid = [make_document(valid_rng, cfg.problems_per_doc, cfg.max_difficulty) for _ in range(n_valid)]
+    files: dict[str, list[Path]] = {"train": [], "valid": []}
+    step = -(-len(code_train) // _CODE_PARTS) if code_train else 0
+    for i in range(0, len(code_train), max(step, 1)):
+        files["train"].append(_write_jsonl(out / "train" / f"code_{i // step:02d}.jsonl", code_train[i : i + step]))
+    if arith_train:
+        files["train"].append(_write_jsonl(out / "train" / "arithmetic.jsonl", arith_train))
+    if code_valid:
+        files["valid"].append(_write_jsonl(out / "valid" / "code.jsonl", code_valid))
+    if arith_valid:
+        files["valid"].append(_write_jsonl(out / "valid" / "arithmetic.jsonl", arith_valid))
+    return files
+
+
+def _kind(path: Path) -> str:
+    return "arithmetic" if path.name.startswith("arithmetic") else "code"
+
+
+def prepare_builtin(out_dir: str | Path, vocab_size: int = 4096, seed: int = 0, log=print,
+                    **overrides) -> BuiltinPaths:
+    """Build the corpus, train the tokenizer, prepare the stores; returns where everything is.
+
+    ``overrides`` are further BuiltinConfig fields (``arithmetic_problems``, ``max_code_mb``, ...).
+    """
+    log = log or (lambda _msg: None)
+    cfg = BuiltinConfig(vocab_size=vocab_size, seed=seed, **overrides)
+    root = Path(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    settings = dataclasses.asdict(cfg)
+    settings.pop("workers")
+    done_path = root / "builtin.json"
+    done = json.loads(done_path.read_text()) if done_path.is_file() else {}
+    seconds: dict[str, float] = {}
+
+    t = time.perf_counter()
+    corpus_settings = {k: v for k, v in settings.items() if k != "vocab_size"}
+    if done.get("corpus_settings") == corpus_settings and done.get("corpus") and all(
+            Path(p).is_file() for paths in done["corpus"].values() for p in paths):
+        corpus = {split: [Path(p) for p in paths] for split, paths in done["corpus"].items()}
+    else:
+        done = {}
+        corpus = build_corpus(root / "corpus", cfg)
+        atomic_write_json(done_path, {"corpus_settings": corpus_settings,
+                                      "corpus": {s: [str(p) for p in ps] for s, ps in corpus.items()}})
+    seconds["corpus"] = time.perf_counter() - t
+    log(f"built-in corpus: {sum(p.stat().st_size for ps in corpus.values() for p in ps) / 1e6:.1f} MB "
+        f"in {seconds['corpus']:.1f}s")
+
+    t = time.perf_counter()
+    tokenizer = root / f"tokenizer_{vocab_size}.model"
+    retrained = not (tokenizer.is_file() and done.get("tokenizer_settings") == settings)
+    if retrained:
+        lines = sample_lines(_texts(corpus["train"]), 200_000, seed)
+        train_sentencepiece(lines, tokenizer, vocab_size, special_tokens=CHAT_TOKENS, seed=seed)
+        done = {"corpus_settings": corpus_settings, "tokenizer_settings": settings,
+                "corpus": {s: [str(p) for p in ps] for s, ps in corpus.items()}}
+        atomic_write_json(done_path, done)
+    seconds["tokenizer"] = time.perf_counter() - t
+    log(f"tokenizer ({vocab_size} pieces): {tokenizer} in {seconds['tokenizer']:.1f}s")
+
+    t = time.perf_counter()
+    stores: dict[str, dict[str, Path]] = {"train": {}, "valid": {}}
+    tokens: dict[str, int] = {}
+    for split in ("train", "valid"):
+        for kind in KINDS:
+            inputs = [str(p) for p in corpus[split] if _kind(p) == kind]
+            if not inputs:
+                continue
+            store = root / "stores" / f"{split}_{kind}"
+            report = prepare(PrepareConfig(inputs=inputs, out_dir=str(store), tokenizer=str(tokenizer),
+                                           read=ReadConfig(format="jsonl"), workers=cfg.workers,
+                                           overwrite=retrained),
+                             log=None)
+            stores[split][kind] = store
+            tokens[f"{split}/{kind}"] = read_manifest(store)["totals"]["n_tokens"]
+            log(f"store {split}/{kind}: {tokens[f'{split}/{kind}']} tokens ({report.mb_per_s:.1f} MB/s)")
+    seconds["prepare"] = time.perf_counter() - t
+
+    report = {"settings": settings, "tokens": tokens, "seconds": {k: round(v, 2) for k, v in seconds.items()}}
+    atomic_write_json(done_path, {**done, **report})
+    return BuiltinPaths(root=root, tokenizer=tokenizer, train_stores=stores["train"], valid_stores=stores["valid"],
+                        corpus=corpus, report=report)
+
+
+def _texts(files: list[Path]):
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                yield json.loads(line)["text"]

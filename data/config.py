@@ -1,0 +1,171 @@
+"""Typed configs of the data pipeline (filled from YAML by orthon.launch.config.build).
+
+- ``TokenizerTrainConfig``: ``orthon tokenizer train``.
+- ``PrepareConfig``: ``orthon data prepare`` (text files -> token store).
+- ``DedupConfig``: ``orthon data dedup`` (MinHash-LSH near-duplicate removal).
+- ``BuiltinConfig``: the built-in corpus of the embedded default.
+- ``DataConfig``: what the training loop reads (stores, blend weights, seq_len, seed).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from orthon.launch.config import ConfigError
+
+SourceFormat = Literal["auto", "jsonl", "parquet", "text"]
+# How a plain text file is cut into documents (the `sample_by` of datasets' text builder).
+TextUnit = Literal["line", "paragraph", "document"]
+
+
+@dataclass
+class FilterConfig:
+    """A quality scorer loaded by dotted path; a document is kept when score >= min_score."""
+
+    path: str
+    min_score: float
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.path:
+            raise ConfigError("path: must name a scorer, e.g. orthon.data.filters.heuristic_quality")
+
+
+@dataclass
+class ReadConfig:
+    """How source files are read into documents."""
+
+    format: SourceFormat = "auto"
+    text_field: str = "text"
+    text_unit: TextUnit = "line"
+
+
+@dataclass
+class TokenizerTrainConfig:
+    inputs: list[str] = field(default_factory=list)
+    output: str = "tokenizer.model"
+    vocab_size: int = 4096
+    model_type: Literal["bpe", "unigram"] = "bpe"
+    # Lines sampled (seeded reservoir) from the inputs as training sentences.
+    max_sentences: int = 300_000
+    character_coverage: float = 0.9995
+    seed: int = 0
+    threads: int = 0  # 0: all cores
+    special_tokens: list[str] = field(default_factory=list)
+    read: ReadConfig = field(default_factory=ReadConfig)
+
+    def __post_init__(self):
+        if self.vocab_size < 16:
+            raise ConfigError(f"vocab_size: must be at least 16, got {self.vocab_size}")
+        if self.max_sentences < 1:
+            raise ConfigError(f"max_sentences: must be positive, got {self.max_sentences}")
+        if not 0.9 <= self.character_coverage <= 1.0:
+            raise ConfigError(f"character_coverage: must be in [0.9, 1], got {self.character_coverage}")
+
+
+@dataclass
+class PrepareConfig:
+    inputs: list[str] = field(default_factory=list)
+    out_dir: str = ""
+    tokenizer: str = ""
+    read: ReadConfig = field(default_factory=ReadConfig)
+    workers: int = 0  # 0: one per CPU core; 1: tokenise in this process
+    # A shard (the unit of resume) closes after this many MB of input text.
+    shard_mb: float = 64.0
+    batch_docs: int = 256  # documents per task sent to a worker
+    min_chars: int = 1
+    # Longer documents (a 100 MB line of minified data, say) are skipped and counted.
+    max_chars: int = 10_000_000
+    filters: list[FilterConfig] = field(default_factory=list)
+    overwrite: bool = False
+
+    def __post_init__(self):
+        if self.workers < 0:
+            raise ConfigError(f"workers: must be >= 0, got {self.workers}")
+        if self.shard_mb <= 0:
+            raise ConfigError(f"shard_mb: must be positive, got {self.shard_mb}")
+        if self.batch_docs < 1:
+            raise ConfigError(f"batch_docs: must be positive, got {self.batch_docs}")
+        if self.min_chars < 1 or self.max_chars < self.min_chars:
+            raise ConfigError(f"max_chars: need 1 <= min_chars <= max_chars, got {self.min_chars}, {self.max_chars}")
+
+
+@dataclass
+class DedupConfig:
+    inputs: list[str] = field(default_factory=list)
+    output: str = "deduped.jsonl"
+    threshold: float = 0.8  # estimated Jaccard similarity at or above which a document is a near-duplicate
+    num_perm: int = 128
+    ngram: int = 5  # word n-gram shingles
+    seed: int = 1
+    read: ReadConfig = field(default_factory=ReadConfig)
+
+    def __post_init__(self):
+        if not 0.0 < self.threshold <= 1.0:
+            raise ConfigError(f"threshold: must be in (0, 1], got {self.threshold}")
+        if self.num_perm < 16:
+            raise ConfigError(f"num_perm: must be at least 16, got {self.num_perm}")
+        if self.ngram < 1:
+            raise ConfigError(f"ngram: must be positive, got {self.ngram}")
+
+
+@dataclass
+class BuiltinConfig:
+    """The built-in corpus: Python standard library source + generated arithmetic."""
+
+    vocab_size: int = 4096
+    seed: int = 0
+    arithmetic_problems: int = 100_000
+    problems_per_doc: int = 32
+    max_difficulty: int = 3
+    include_stdlib: bool = True
+    max_code_mb: float = 0.0  # 0: the whole standard library
+    valid_fraction: float = 0.01
+    workers: int = 0
+
+    def __post_init__(self):
+        if not 0.0 <= self.valid_fraction < 0.5:
+            raise ConfigError(f"valid_fraction: must be in [0, 0.5), got {self.valid_fraction}")
+        if self.arithmetic_problems < 0 or self.problems_per_doc < 1:
+            raise ConfigError("arithmetic_problems: must be >= 0 (and problems_per_doc >= 1)")
+        if self.max_difficulty < 1:
+            raise ConfigError(f"max_difficulty: must be >= 1, got {self.max_difficulty}")
+
+
+@dataclass
+class StoreSource:
+    """One prepared token store in a blend."""
+
+    path: str
+    weight: float = 1.0
+    name: str = ""
+
+    def __post_init__(self):
+        if not self.weight > 0:
+            raise ConfigError(f"weight: must be positive, got {self.weight}")
+
+
+@dataclass
+class DataConfig:
+    """What the training loop reads."""
+
+    sources: list[StoreSource] = field(default_factory=list)
+    valid: list[StoreSource] = field(default_factory=list)
+    tokenizer: str = ""
+    seq_len: int = 256
+    seed: int = 1234
+    shuffle: bool = True
+    # Samples per epoch of the blend; 0: the sum of the sources' packed sample counts.
+    num_samples: int = 0
+    # The blend's source pattern repeats every blend_cycle samples (weights are exact per cycle).
+    blend_cycle: int = 10_000
+    # Stop attention at document boundaries; the target after an end-of-document token is then ignored.
+    document_mask: bool = False
+
+    def __post_init__(self):
+        if self.seq_len < 1:
+            raise ConfigError(f"seq_len: must be positive, got {self.seq_len}")
+        if self.num_samples < 0:
+            raise ConfigError(f"num_samples: must be >= 0, got {self.num_samples}")
+        if self.blend_cycle < 1:
+            raise ConfigError(f"blend_cycle: must be positive, got {self.blend_cycle}")

@@ -1,0 +1,51 @@
+"""The data pipeline's error type and atomic file writes.
+
+Every file the pipeline produces is written under a temporary name and renamed
+into place, so a crash never leaves a half-written file under a final name.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+TMP_SUFFIX = ".tmp"
+
+
+class DataError(ValueError):
+    """Bad data input or a damaged store; the message names the file and what is wrong."""
+
+
+def tmp_path(path: str | Path) -> Path:
+    """The temporary name ``path`` is written under before the rename."""
+    path = Path(path)
+    return path.with_name(path.name + TMP_SUFFIX)
+
+
+def fsync_file(path: str | Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    path = Path(path)
+    tmp = tmp_path(path)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

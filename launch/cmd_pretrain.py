@@ -1,0 +1,65 @@
+"""`orthon pretrain -c recipe.yaml [key=value ...]` or `orthon pretrain --resume RUN_DIR`.
+
+With no data sources in the recipe, the built-in corpus (Python standard library + generated
+arithmetic) is prepared first (once; reused afterwards) and the tokenizer trained on it. Launch on
+several processes with torchrun (DDP or FSDP2 by train.parallel)."""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from orthon.launch.recipe import Recipe, add_recipe_args, load_recipe
+from orthon.launch import config as config_io
+
+
+def register(parser, name):
+    add_recipe_args(parser)
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last good checkpoint")
+    parser.add_argument("--sample", default="def ", help="prompt to sample from the trained model at the end")
+
+
+def with_builtin_data(recipe: Recipe, log=print) -> Recipe:
+    """Fill data.sources/valid/tokenizer from the built-in corpus when the recipe names no sources."""
+    if recipe.data.sources or not recipe.train.builtin_dir:
+        return recipe
+    from orthon.data.builtin import prepare_builtin
+
+    b = recipe.builtin
+    fields = {k: getattr(b, k) for k in b.__dataclass_fields__ if k not in ("vocab_size", "seed")}
+    paths = prepare_builtin(recipe.train.builtin_dir, vocab_size=b.vocab_size, seed=b.seed, log=log, **fields)
+    d = recipe.data
+    data = paths.data_config(seq_len=d.seq_len, seed=d.seed, shuffle=d.shuffle, document_mask=d.document_mask,
+                             blend_cycle=d.blend_cycle, num_samples=d.num_samples)
+    return replace(recipe, data=data)
+
+
+def run(args, name):
+    from orthon.pretrain.trainer import CONFIG_NAME, Trainer, write_run_config
+
+    if args.resume:
+        run_dir = Path(args.resume)
+        recipe = load_recipe(run_dir / CONFIG_NAME, args.overrides)
+    else:
+        recipe = with_builtin_data(load_recipe(args.config, args.overrides))
+        run_dir = Path(recipe.train.run_dir)
+        if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+            raise SystemExit(f"orthon pretrain: {run_dir} already holds checkpoints; use --resume {run_dir} "
+                             f"or another train.run_dir")
+    start = time.perf_counter()
+    trainer = Trainer(recipe, run_dir)
+    if trainer.rank == 0 and not args.resume:
+        write_run_config(run_dir, replace(recipe, train=replace(recipe.train, run_dir=str(run_dir))))
+    if args.resume and not trainer.resume():
+        trainer.log(f"no usable checkpoint in {run_dir}; starting from step 0")
+    result = trainer.fit()
+    if trainer.rank == 0:
+        print(f"done: step {result['step']}, {result['tokens']:,} tokens, train loss {result.get('loss', float('nan')):.4f}, "
+              f"held-out loss {result['final_eval_loss'] if result['final_eval_loss'] is not None else float('nan'):.4f}, "
+              f"{time.perf_counter() - start:.0f}s; run directory {run_dir}")
+        if args.sample and recipe.data.tokenizer:
+            from orthon.pretrain.generate import sample_text
+
+            text = sample_text(run_dir, args.sample, max_new_tokens=120, temperature=0.8, seed=0)
+            print(f"--- sample ({args.sample!r}) ---\n{text}\n---")
+    return 0

@@ -1,0 +1,126 @@
+"""Newton-Schulz orthogonalisation of a batch of matrices (the core of Muon).
+
+``newton_schulz(G)`` maps every matrix of a stack ``(..., rows, cols)`` to
+approximately ``U V^T`` (its orthogonal polar factor, with singular values
+spread around 1) using the quintic iteration
+
+    X <- a X + b (X X^T) X + c (X X^T)^2 X
+
+on the Frobenius-normalised matrix, transposed first when rows > cols so the
+Gram matrix is the small side. The arithmetic follows
+``torch.optim._muon._zeropower_via_newtonschulz`` (same eps, same addmm
+forms, same bf16 rounding points) so that Muon can be checked against
+``torch.optim.Muon``.
+
+bf16 on CPUs without a bf16 GEMM: PyTorch then falls back to a scalar bf16
+matmul (about 1-2 GFLOP/s, against ~100 GFLOP/s for fp32). A bf16 GEMM
+multiplies bf16 inputs exactly and accumulates in fp32, so running the fp32
+kernel on bf16-valued inputs and rounding each product back to bf16 gives
+the same numbers up to summation order. ``emulate_bf16`` does that; by
+default it is on exactly where bf16 GEMM is not native.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+DEFAULT_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+DEFAULT_STEPS = 5
+DEFAULT_EPS = 1e-7
+
+NS_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def ns_dtype(name: str | torch.dtype) -> torch.dtype:
+    """The torch dtype for a Newton-Schulz compute dtype name ("bf16" or "fp32")."""
+    if isinstance(name, torch.dtype):
+        if name not in NS_DTYPES.values():
+            raise ValueError(f"Newton-Schulz dtype must be bf16 or fp32, got {name}")
+        return name
+    if name not in NS_DTYPES:
+        raise ValueError(f"Newton-Schulz dtype must be one of {list(NS_DTYPES)}, got {name!r}")
+    return NS_DTYPES[name]
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_has_bf16_gemm() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def bf16_gemm_is_native(device: torch.device | str) -> bool:
+    """Whether bf16 matmul on ``device`` runs a real bf16 kernel (GPUs, AVX512-BF16/AMX CPUs)."""
+    device = torch.device(device)
+    return device.type != "cpu" or _cpu_has_bf16_gemm()
+
+
+def newton_schulz(
+    matrices: Tensor,
+    steps: int = DEFAULT_STEPS,
+    coefficients: tuple[float, float, float] = DEFAULT_COEFFICIENTS,
+    dtype: torch.dtype | str = torch.bfloat16,
+    eps: float = DEFAULT_EPS,
+    emulate_bf16: bool | None = None,
+) -> Tensor:
+    """Orthogonalise each matrix of ``matrices`` (shape ``(..., rows, cols)``).
+
+    Returns a tensor of the same shape in ``dtype`` (the compute dtype, as
+    torch.optim.Muon returns it). ``emulate_bf16=None`` chooses emulation
+    where bf16 GEMM is not native (see the module docstring). The input is
+    never modified.
+    """
+    if matrices.ndim < 2:
+        raise ValueError(f"newton_schulz needs matrices (..., rows, cols), got shape {tuple(matrices.shape)}")
+    if not 0 <= steps < 100:
+        raise ValueError(f"newton_schulz steps must be in [0, 100), got {steps}")
+    if len(coefficients) != 3:
+        raise ValueError(f"newton_schulz needs 3 coefficients (a, b, c), got {coefficients}")
+    dtype = ns_dtype(dtype)
+    a, b, c = (float(x) for x in coefficients)
+    shape = matrices.shape
+    rows, cols = shape[-2], shape[-1]
+    x = matrices.reshape(-1, rows, cols).to(dtype)
+    transposed = rows > cols
+    if transposed:
+        x = x.mT
+    # Frobenius norm >= spectral norm, so every singular value lands in [0, 1].
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+
+    if emulate_bf16 is None:
+        emulate_bf16 = dtype == torch.bfloat16 and not bf16_gemm_is_native(x.device)
+    if emulate_bf16 and dtype == torch.bfloat16:
+        x = _iterate_emulated_bf16(x, steps, a, b, c)
+    else:
+        for _ in range(steps):
+            gram = torch.bmm(x, x.mT)
+            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.baddbmm(x, poly, x, beta=a)
+
+    if transposed:
+        x = x.mT
+    return x.reshape(shape)
+
+
+def _round_bf16_(t: Tensor) -> Tensor:
+    """Round an fp32 tensor to bf16 precision in place (what a bf16 GEMM's output store does)."""
+    return t.copy_(t.to(torch.bfloat16))
+
+
+def _iterate_emulated_bf16(x: Tensor, steps: int, a: float, b: float, c: float) -> Tensor:
+    x = x.float()
+    for _ in range(steps):
+        gram = _round_bf16_(torch.bmm(x, x.mT))
+        poly = _round_bf16_(torch.baddbmm(gram, gram, gram, beta=b, alpha=c))
+        x = _round_bf16_(torch.baddbmm(x, poly, x, beta=a))
+    return x.to(torch.bfloat16)
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int = DEFAULT_STEPS) -> int:
+    """Matmul FLOPs of ``steps`` iterations on one rows x cols matrix (2 per multiply-add)."""
+    small, large = min(rows, cols), max(rows, cols)
+    per_step = 2 * small * small * large + 2 * small**3 + 2 * small * small * large
+    return steps * per_step

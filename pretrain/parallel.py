@@ -1,0 +1,75 @@
+"""Data parallelism on torch.distributed: process group set-up from torchrun's environment, DDP or
+FSDP2 wrapping, and the few collectives the loop needs. gloo on CPU, NCCL on GPU."""
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """(rank, world size, device). Starts the process group when launched by torchrun with WORLD_SIZE > 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
+    return rank, world, device
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def wrap(model: nn.Module, mode: str) -> nn.Module:
+    """DDP, or FSDP2 (fully_shard each decoder layer, then the root); the model itself when alone."""
+    if not is_distributed():
+        return model
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)
+
+
+def no_sync(model: nn.Module, last: bool):
+    """Skip the gradient reduction on all but the last micro-batch of a step."""
+    if last or not is_distributed():
+        return nullcontext()
+    if hasattr(model, "no_sync"):
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(False)
+    return _resync(model)
+
+
+class _resync:
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.model.set_requires_gradient_sync(True)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor

@@ -1,0 +1,42 @@
+"""TrainConfig: how the pretraining loop runs (the what — model, data, optimizer, schedules — lives in
+their own sections of the recipe)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from orthon.launch.config import ConfigError
+
+
+@dataclass
+class TrainConfig:
+    run_dir: str = "runs/pretrain"
+    micro_batch_size: int = 8  # sequences per micro-batch on each rank
+    total_tokens: int = 0  # stop after this many tokens; 0: the LR schedule's total_tokens
+    max_steps: int = 0  # also stop after this many optimizer steps; 0: no step limit
+    eval_interval: int = 50  # steps between held-out evaluations (0: only at the end)
+    eval_samples: int = 64  # held-out sequences per source
+    checkpoint_interval: int = 100  # steps between checkpoints (0: only at the end)
+    keep_last: int = 3
+    log_interval: int = 1
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast the forward
+    grad_clip: float = 0.0  # max global grad norm; 0 = off (GLM-5 trains Muon Split without clipping)
+    moe_bias_rate: float = 1e-3  # aux-loss-free balancing: bias step per optimizer step
+    seed: int = 0
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # how to shard when launched on more than one rank
+    activation_checkpointing: bool = False
+    track_max_logit: bool = True  # log the largest attention logit (the Muon Split claim)
+    log_sample_ids: bool = False  # write every consumed sample id to samples.jsonl
+    progress: bool = True
+    # Where the built-in corpus is prepared when data.sources is empty ("" = no built-in corpus).
+    builtin_dir: str = "runs/builtin"
+
+    def __post_init__(self):
+        for name in ("micro_batch_size", "log_interval", "keep_last"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        for name in ("total_tokens", "max_steps", "eval_interval", "checkpoint_interval", "eval_samples"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.grad_clip < 0:
+            raise ConfigError(f"grad_clip: must be >= 0 (0 = off), got {self.grad_clip}")

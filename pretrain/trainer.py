@@ -1,0 +1,247 @@
+"""The pretraining loop.
+
+One step: the batch-size ramp says how many sequences this step takes (a function of tokens consumed,
+so a resumed run lands on the same size), the LR schedule sets both optimizers' LR, the rank's share
+of the global batch runs as gradient-accumulation micro-batches, the hybrid Muon/AdamW optimizer
+steps, the MoE routers' selection biases move towards balance. Metrics go to JSONL + TensorBoard,
+checkpoints (model, optimizer, data position, RNG) are written atomically and resumable at any world
+size.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from orthon.data.loader import TrainData, ValidData
+from orthon.optim import batch_size_at, build_for_model, lr_at
+from orthon.pretrain import parallel
+from orthon.pretrain.checkpoint import Checkpointer
+from orthon.pretrain.metrics import MetricsLogger, plot_curves, read_metrics
+from orthon.pretrain.model import GLMForCausalLM
+from orthon.pretrain.moe import update_expert_bias
+from orthon.pretrain.weights_dir import save_weights_dir
+
+CONFIG_NAME = "config.yaml"
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state().tolist(), "python": repr(random.getstate()),
+            "numpy": np.random.get_state()[1].tolist()}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+
+
+class Trainer:
+    def __init__(self, recipe, run_dir: Path, log=print):
+        self.recipe = recipe
+        self.cfg = recipe.train
+        self.run_dir = Path(run_dir)
+        self.rank, self.world, self.device = parallel.init_distributed()
+        self.log = log if self.rank == 0 else (lambda *_: None)
+        torch.manual_seed(self.cfg.seed)
+        random.seed(self.cfg.seed)
+        np.random.seed(self.cfg.seed)
+
+        self.model = GLMForCausalLM(recipe.model).to(self.device)
+        if not recipe.model.sparse_attention:
+            # Dense pretraining: the indexers are not consulted, so they get no gradient (and DDP
+            # must not wait for one); mid-training's DSA stages train them.
+            for indexer in self.model.indexers():
+                indexer.requires_grad_(False)
+        self.model.checkpoint_layers = self.cfg.activation_checkpointing
+        self.model.track_max_logit(self.cfg.track_max_logit)
+        self.wrapped = parallel.wrap(self.model, self.cfg.parallel)
+        self.optimizer = build_for_model(self.model, recipe.optim, recipe.schedule)
+        self.data = TrainData(recipe.data, self.rank, self.world)
+        self.valid = ValidData(recipe.data, recipe.train.eval_samples, self.data.eod_id) if recipe.data.valid else None
+        if self.data.vocab_size > recipe.model.vocab_size:
+            raise ValueError(f"data: the stores' vocabulary ({self.data.vocab_size}) exceeds model.vocab_size "
+                             f"({recipe.model.vocab_size})")
+        self.checkpointer = Checkpointer(self.run_dir, self.cfg.keep_last, log=self.log)
+        self.seq_len = recipe.data.seq_len
+        self.step, self.tokens = 0, 0
+        self.total_tokens = self.cfg.total_tokens or recipe.schedule.total_tokens
+
+    # ------------------------------------------------------------ state
+    def resume(self) -> bool:
+        path = self.checkpointer.latest_good()
+        if path is None:
+            return False
+        state = self.checkpointer.load(path, self.wrapped, self.optimizer.optimizers)
+        self.step, self.tokens = state["step"], state["tokens"]
+        self.data.load_state_dict(state["data"])
+        _set_rng_state(state["rng"])
+        self.log(f"resumed from {path} at step {self.step} ({self.tokens:,} tokens)")
+        return True
+
+    def save_checkpoint(self) -> None:
+        state = {"step": self.step, "tokens": self.tokens, "data": self.data.state_dict(), "rng": _rng_state()}
+        self.checkpointer.save(self.step, self.wrapped, self.optimizer.optimizers, state)
+
+    # ------------------------------------------------------------ one step
+    def batch_sequences(self) -> int:
+        """Global batch of this step in sequences, from the token-based ramp."""
+        micro_tokens = self.cfg.micro_batch_size * self.seq_len
+        return batch_size_at(self.recipe.batch, self.tokens, micro_tokens, self.world) // self.seq_len
+
+    def train_step(self) -> dict:
+        start = time.perf_counter()
+        n_seqs = self.batch_sequences()
+        lr = lr_at(self.recipe.schedule, self.tokens)
+        self.optimizer.set_tokens(self.tokens)
+        batch = self.data.next_batch(n_seqs)
+        self.sample_ids = batch.sample_ids
+        # Mean over every counted target of the global batch: each rank scales its sum by the global
+        # count; DDP/FSDP average gradients over ranks, so multiply back by the world size.
+        count = parallel.all_reduce_sum((batch.labels != -100).sum().to(self.device).float())
+        micro = self.cfg.micro_batch_size
+        n_micro = math.ceil(batch.input_ids.shape[0] / micro)
+        loss_sum = torch.zeros((), device=self.device)
+        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.cfg.precision == "bf16"
+                    else nullcontext())
+        max_logit = -math.inf
+        for i in range(n_micro):
+            sl = slice(i * micro, (i + 1) * micro)
+            ids, labels = batch.input_ids[sl].to(self.device), batch.labels[sl].to(self.device)
+            docs = batch.doc_ids[sl].to(self.device) if self.recipe.data.document_mask else None
+            with parallel.no_sync(self.wrapped, last=i == n_micro - 1), autocast:
+                out = self.wrapped(ids, labels=labels, doc_ids=docs, return_logits=False, loss_reduction="sum")
+                (out.loss * (self.world / count)).backward()
+            loss_sum += out.loss.detach()
+            if self.cfg.track_max_logit:
+                max_logit = max(max_logit, self.model.max_attention_logit() or -math.inf)
+        grad_norm = self._clip_and_norm()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        imbalance = self._update_moe_bias()
+        self.step += 1
+        self.tokens += n_seqs * self.seq_len
+        loss = (parallel.all_reduce_sum(loss_sum) / count).item()
+        elapsed = time.perf_counter() - start
+        metrics = {"loss": loss, "lr": lr, "batch_tokens": n_seqs * self.seq_len, "tokens": self.tokens,
+                   "grad_norm": grad_norm, "tokens_per_s": n_seqs * self.seq_len / elapsed,
+                   "step_time_s": elapsed, "micro_batches": n_micro}
+        if self.cfg.track_max_logit and math.isfinite(max_logit):
+            metrics["max_attn_logit"] = max_logit
+        if imbalance is not None:
+            metrics["moe_load_max_over_mean"] = imbalance
+        return metrics
+
+    def _clip_and_norm(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    @torch.no_grad()
+    def _update_moe_bias(self) -> float | None:
+        """Aux-loss-free balancing: every router's bias moves by rate * sign(mean load - load)."""
+        ratios = []
+        for router in self.model.moe_routers():
+            load = parallel.all_reduce_sum(router.expert_load.clone())
+            if load.sum() > 0:
+                ratios.append(float(load.max() / load.mean()))
+                router.e_score_correction_bias.copy_(
+                    update_expert_bias(router.e_score_correction_bias, load, self.cfg.moe_bias_rate))
+            router.expert_load.zero_()
+        return sum(ratios) / len(ratios) if ratios else None
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        if self.valid is None:
+            return None
+        self.wrapped.eval()
+        total = torch.zeros((), device=self.device)
+        count = torch.zeros((), device=self.device)
+        for batch in self.valid.batches(self.cfg.micro_batch_size, self.rank, self.world):
+            ids, labels = batch.input_ids.to(self.device), batch.labels.to(self.device)
+            docs = batch.doc_ids.to(self.device) if self.recipe.data.document_mask else None
+            total += self.model(ids, labels=labels, doc_ids=docs, return_logits=False, loss_reduction="sum").loss
+            count += (labels != -100).sum()
+        self.wrapped.train()
+        parallel.all_reduce_sum(total)
+        parallel.all_reduce_sum(count)
+        return (total / count).item() if count > 0 else None
+
+    # ------------------------------------------------------------ the loop
+    def done(self) -> bool:
+        return self.tokens >= self.total_tokens or (self.cfg.max_steps and self.step >= self.cfg.max_steps)
+
+    def fit(self) -> dict:
+        resumed_step = self.step if self.step else None
+        metrics_log = MetricsLogger(self.run_dir, enabled=self.rank == 0, resume_step=resumed_step)
+        samples_log = self._samples_log(resumed_step)
+        self.wrapped.train()
+        bar = None
+        if self.cfg.progress and self.rank == 0:
+            from tqdm import tqdm
+
+            bar = tqdm(total=self.total_tokens, initial=self.tokens, unit="tok", unit_scale=True, desc="pretrain")
+        last = {}
+        while not self.done():
+            last = self.train_step()
+            if samples_log is not None:
+                samples_log.write(json.dumps({"step": self.step, "ids": self.sample_ids.tolist()}) + "\n")
+                samples_log.flush()
+            if self.cfg.eval_interval and self.step % self.cfg.eval_interval == 0:
+                last["eval_loss"] = self.evaluate()
+            if self.step % self.cfg.log_interval == 0 or self.done():
+                metrics_log.log(self.step, **{k: v for k, v in last.items() if v is not None})
+            if bar is not None:
+                bar.update(last["batch_tokens"])
+                bar.set_postfix(loss=f"{last['loss']:.3f}", step=self.step)
+            if self.cfg.checkpoint_interval and self.step % self.cfg.checkpoint_interval == 0:
+                self.save_checkpoint()
+        if bar is not None:
+            bar.close()
+        final_eval = self.evaluate()
+        if final_eval is not None:
+            metrics_log.log(self.step, final_eval_loss=final_eval)
+        if not self.checkpointer.step_dirs() or self.checkpointer.step_dirs()[-1].name != f"step_{self.step:08d}":
+            self.save_checkpoint()
+        metrics_log.close()
+        if samples_log is not None:
+            samples_log.close()
+        if self.rank == 0:
+            self.finish()
+        return {"step": self.step, "tokens": self.tokens, "final_eval_loss": final_eval, **last}
+
+    def _samples_log(self, resume_step):
+        if not (self.cfg.log_sample_ids and self.rank == 0):
+            return None
+        path = self.run_dir / "samples.jsonl"
+        if resume_step is not None and path.exists():
+            kept = [l for l in path.read_text().splitlines() if l and json.loads(l)["step"] <= resume_step]
+            path.write_text("".join(l + "\n" for l in kept))
+        return open(path, "a")
+
+    def finish(self) -> None:
+        """The run's final weights (orthon weights dir, for `orthon export`, RL `--from`) and loss plot."""
+        save_weights_dir(self.model, self.run_dir / "final")
+        records = read_metrics(self.run_dir / "metrics.jsonl")
+        plot_curves(records, ["loss", "eval_loss"], self.run_dir / "loss.png",
+                    title=f"pretraining loss ({self.recipe.model.hidden_size}-wide, "
+                          f"{self.recipe.model.num_hidden_layers} layers)",
+                    reference=math.log(self.recipe.model.vocab_size), reference_label="ln(vocab)")
+
+
+def write_run_config(run_dir: Path, recipe) -> None:
+    from orthon.launch.config import to_dict
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / (CONFIG_NAME + ".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(recipe), sort_keys=False))
+    tmp.replace(run_dir / CONFIG_NAME)
