@@ -43,7 +43,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "transformers>=5.20"],
-        "data": ["datasets", "sentencepiece", "tokenizers", "datasketch"],
+        "data": ["datasets", "sentencepiece", "tokenizers", "datasketch", "pyarrow"],
         "rl": ["ray", "zstandard", "math-verify"],
         "mindspore": ["mindspore"],
         "megatron": ["megatron-core"],

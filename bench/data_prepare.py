@@ -8,7 +8,8 @@ same sentencepiece model (``SentencePieceProcessor.encode``, one thread), texts
 already in memory, nothing written.
 
 The ratio is prepare's MB/s over the bare tokeniser's: above 1 when the worker
-processes more than pay for the pipeline around them.
+processes more than pay for the pipeline around them. A second figure runs
+prepare in one process (``--workers 1``), which isolates the pipeline's own cost.
 
     python bench/data_prepare.py [--work DIR] [--workers N] [--repeats R]
 """
@@ -57,17 +58,23 @@ def main() -> None:
     megabytes = sum(len(t.encode()) for t in texts) / 1e6
     workers = args.workers or os.cpu_count() or 1
 
-    prepare_s, ref_s = [], []
-    for _ in range(args.repeats):
-        ref_s.append(bare_encode(paths.tokenizer, texts))
+    def run_prepare(n_workers: int) -> float:
+        nonlocal report
         out = work / "bench_store"
         shutil.rmtree(out, ignore_errors=True)
         cfg = PrepareConfig(inputs=[str(f) for f in files], out_dir=str(out), tokenizer=str(paths.tokenizer),
-                            read=ReadConfig(format="jsonl"), workers=workers)
+                            read=ReadConfig(format="jsonl"), workers=n_workers)
         start = time.perf_counter()
         report = prepare(cfg, log=None)
-        prepare_s.append(time.perf_counter() - start)
-    best_prepare, best_ref = min(prepare_s), min(ref_s)
+        return time.perf_counter() - start
+
+    report = None
+    prepare_s, inline_s, ref_s = [], [], []
+    for _ in range(args.repeats):
+        ref_s.append(bare_encode(paths.tokenizer, texts))
+        inline_s.append(run_prepare(1))  # the pipeline's own cost, without parallelism
+        prepare_s.append(run_prepare(workers))
+    best_prepare, best_inline, best_ref = min(prepare_s), min(inline_s), min(ref_s)
     figures = {
         "corpus_mb": round(megabytes, 2),
         "tokens": report.tokens,
@@ -75,11 +82,15 @@ def main() -> None:
         "cpu_count": os.cpu_count(),
         "prepare_s": round(best_prepare, 3),
         "sentencepiece_s": round(best_ref, 3),
+        "prepare_1proc_s": round(best_inline, 3),
         "prepare_mb_per_s": round(megabytes / best_prepare, 3),
+        "prepare_1proc_mb_per_s": round(megabytes / best_inline, 3),
         "sentencepiece_mb_per_s": round(megabytes / best_ref, 3),
     }
-    ratios = {"mb_per_s_vs_sentencepiece": round(best_ref / best_prepare, 3)}
+    ratios = {"mb_per_s_vs_sentencepiece": round(best_ref / best_prepare, 3),
+              "mb_per_s_1proc_vs_sentencepiece": round(best_ref / best_inline, 3)}
     rows = [("orthon data prepare", f"{workers} worker processes", best_prepare, megabytes / best_prepare),
+            ("orthon data prepare", "--workers 1 (inline)", best_inline, megabytes / best_inline),
             ("sentencepiece encode", "1 process, 1 thread", best_ref, megabytes / best_ref)]
     print(f"built-in corpus: {len(files)} files, {len(texts)} documents, {megabytes:.2f} MB, {report.tokens} tokens")
     print(f"{'':<22} {'setup':<24} {'seconds':>8} {'MB/s':>8}")

@@ -69,7 +69,7 @@ class PrepareConfig:
     out_dir: str = ""
     tokenizer: str = ""
     read: ReadConfig = field(default_factory=ReadConfig)
-    workers: int = 0  # 0: one per CPU core; 1: tokenise in this process
+    workers: int = 0  # 0: one per CPU core (one per 4 MB for small inputs); 1: tokenise in this process
     # A shard (the unit of resume) closes after this many MB of input text.
     shard_mb: float = 64.0
     batch_docs: int = 256  # documents per task sent to a worker

@@ -39,7 +39,8 @@ from orthon.data.store import MANIFEST, ShardWriter, token_dtype
 from orthon.data.tokenizer import load_tokenizer
 
 REPORT = "report.json"
-_BATCH_CHARS = 1 << 20  # also close a worker batch at about 1M characters
+_BATCH_CHARS = 1 << 18  # also close a worker batch at about 256K characters (keeps workers balanced)
+_AUTO_BYTES_PER_WORKER = 4 << 20
 _END = object()
 
 
@@ -60,6 +61,16 @@ class PrepareReport:
     def mb_per_s(self) -> float:
         """Input text (MB, all documents read in this run's new shards) per second of wall time."""
         return self.bytes_read / 1e6 / self.seconds if self.seconds > 0 else 0.0
+
+    def add(self, entry: dict) -> None:
+        """Count one newly written shard (its manifest entry)."""
+        self.shards_written += 1
+        self.docs_read += entry["docs_read"]
+        self.docs_kept += entry["n_docs"]
+        self.tokens += entry["n_tokens"]
+        self.bytes_read += entry["bytes_read"]
+        for reason, n in entry["skipped"].items():
+            self.skipped[reason] = self.skipped.get(reason, 0) + n
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "mb_per_s": round(self.mb_per_s, 3)}
@@ -93,30 +104,32 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] | None = print) -> Pr
         stale.unlink()  # left by a crashed run; the manifest never lists them
     done = {(s["file_index"], s["part"]) for s in manifest["shards"]}
     report = PrepareReport(out_dir=str(out), files=len(files))
-    skipped: collections.Counter = collections.Counter()
-    workers = cfg.workers or os.cpu_count() or 1
+    workers = cfg.workers or _auto_workers(files)
     start = time.perf_counter()
+
+    def finished(part: _Part) -> None:
+        entry = part.finish()
+        manifest["shards"].append(entry)
+        atomic_write_json(out / MANIFEST, manifest)  # only now is the shard "done" for a rerun
+        report.add(entry)
+        log(f"{entry['name']}: {entry['n_docs']} docs, {entry['n_tokens']} tokens from {Path(entry['file']).name}")
+
     with _Executor(workers, cfg.tokenizer, cfg.filters) as executor:
-        for file_index, path in enumerate(files):
-            for part, records in _parts(iter_documents(path, cfg.read), int(cfg.shard_mb * 1e6)):
-                if (file_index, part) in done:
-                    collections.deque(records, maxlen=0)
-                    report.shards_resumed += 1
-                    continue
-                name = f"shard_{file_index:05d}_{part:05d}"
-                entry = _write_shard(out / name, records, executor, tokenizer.vocab_size, cfg, workers)
-                entry.update(name=name, file=str(path), file_index=file_index, part=part)
-                manifest["shards"].append(entry)
-                atomic_write_json(out / MANIFEST, manifest)
-                report.shards_written += 1
-                report.docs_read += entry["docs_read"]
-                report.docs_kept += entry["n_docs"]
-                report.tokens += entry["n_tokens"]
-                report.bytes_read += entry["bytes_read"]
-                skipped.update(entry["skipped"])
-                log(f"{name}: {entry['n_docs']} docs, {entry['n_tokens']} tokens from {path.name}")
+        pipeline = _Pipeline(executor, limit=4 * workers, on_part_done=finished)
+        try:
+            for file_index, path in enumerate(files):
+                for part_no, records in _parts(iter_documents(path, cfg.read), int(cfg.shard_mb * 1e6)):
+                    if (file_index, part_no) in done:
+                        collections.deque(records, maxlen=0)
+                        report.shards_resumed += 1
+                        continue
+                    part = _Part(out, path, file_index, part_no, tokenizer.vocab_size)
+                    pipeline.feed(part, records, cfg)
+            pipeline.flush()
+        except BaseException:
+            pipeline.abort()
+            raise
     report.seconds = time.perf_counter() - start
-    report.skipped = dict(skipped)
     manifest["shards"].sort(key=lambda s: (s["file_index"], s["part"]))
     manifest["complete"] = True
     manifest["totals"] = _totals(manifest["shards"])
@@ -126,41 +139,86 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] | None = print) -> Pr
     return report
 
 
-def _write_shard(prefix: Path, records, executor, vocab_size: int, cfg: PrepareConfig, workers: int) -> dict:
-    """Tokenise one part into one shard; returns its manifest entry."""
-    skipped: collections.Counter = collections.Counter()
-    docs_read = bytes_read = 0
-    inflight: collections.deque = collections.deque()
-    with ShardWriter(prefix, vocab_size) as writer:
+class _Part:
+    """One part of one input file on its way to becoming a shard."""
 
-        def drain(keep: int) -> None:
-            while len(inflight) > keep:
-                flat, lengths, rejected = inflight.popleft().result()
-                writer.add_many(flat, lengths)
-                skipped.update(rejected)
+    def __init__(self, out: Path, path: Path, file_index: int, part: int, vocab_size: int):
+        self.name = f"shard_{file_index:05d}_{part:05d}"
+        self.meta = {"name": self.name, "file": str(path), "file_index": file_index, "part": part}
+        self.writer = ShardWriter(out / self.name, vocab_size)
+        self.docs_read = self.bytes_read = 0
+        self.skipped: collections.Counter = collections.Counter()
 
+    def finish(self) -> dict:
+        self.writer.finish()
+        w = self.writer
+        return {**self.meta, "n_docs": w.n_docs, "n_tokens": w.n_tokens, "docs_read": self.docs_read,
+                "bytes_read": self.bytes_read, "skipped": dict(self.skipped),
+                "bin_sha256": sha256_file(w.bin_path), "idx_sha256": sha256_file(w.idx_path)}
+
+
+class _Pipeline:
+    """Batches in flight across part boundaries, results consumed in submission order.
+
+    The queue holds ("batch", part, future) and ("end", part) items; a part's
+    shard is finished when its "end" comes out, so the workers never wait for
+    one shard to be written before the next one's batches go out.
+    """
+
+    def __init__(self, executor, limit: int, on_part_done: Callable[[_Part], None]):
+        self.executor, self.limit, self.on_part_done = executor, limit, on_part_done
+        self.queue: collections.deque = collections.deque()
+        self.in_flight = 0
+        self.open_parts: list[_Part] = []
+
+    def feed(self, part: _Part, records, cfg: PrepareConfig) -> None:
+        self.open_parts.append(part)
+        while len(self.open_parts) > self.limit and self.queue:  # bounds open files too
+            self._consume()
         batch: list[str] = []
         batch_chars = 0
         for text, nbytes in records:
-            docs_read += 1
-            bytes_read += nbytes
+            part.docs_read += 1
+            part.bytes_read += nbytes
             reason = classify(text, cfg.min_chars, cfg.max_chars)
             if reason is not None:
-                skipped[reason] += 1
+                part.skipped[reason] += 1
                 continue
             batch.append(text)
             batch_chars += len(text)
             if len(batch) >= cfg.batch_docs or batch_chars >= _BATCH_CHARS:
-                inflight.append(executor.submit(batch))
+                self._submit(part, batch)
                 batch, batch_chars = [], 0
-                drain(2 * workers)  # bounded: reading never runs far ahead of tokenising
         if batch:
-            inflight.append(executor.submit(batch))
-        drain(0)
-        writer.finish()
-    return {"n_docs": writer.n_docs, "n_tokens": writer.n_tokens, "docs_read": docs_read,
-            "bytes_read": bytes_read, "skipped": dict(skipped),
-            "bin_sha256": sha256_file(writer.bin_path), "idx_sha256": sha256_file(writer.idx_path)}
+            self._submit(part, batch)
+        self.queue.append(("end", part, None))
+
+    def _submit(self, part: _Part, batch: list[str]) -> None:
+        self.queue.append(("batch", part, self.executor.submit(batch)))
+        self.in_flight += 1
+        while self.in_flight > self.limit:  # bounded: reading never runs far ahead of tokenising
+            self._consume()
+
+    def _consume(self) -> None:
+        kind, part, future = self.queue.popleft()
+        if kind == "batch":
+            self.in_flight -= 1
+            flat, lengths, rejected = future.result()
+            part.writer.add_many(flat, lengths)
+            part.skipped.update(rejected)
+        else:
+            self.on_part_done(part)
+            self.open_parts.remove(part)
+
+    def flush(self) -> None:
+        while self.queue:
+            self._consume()
+
+    def abort(self) -> None:
+        """Remove the temporary files of every unfinished shard."""
+        for part in self.open_parts:
+            part.writer.abort()
+        self.open_parts.clear()
 
 
 def _parts(records: Iterator[object], shard_bytes: int) -> Iterator[tuple[int, Iterator[tuple[object, int]]]]:
@@ -187,6 +245,13 @@ def _parts(records: Iterator[object], shard_bytes: int) -> Iterator[tuple[int, I
         yield part, records_of_part
         collections.deque(records_of_part, maxlen=0)
         part += 1
+
+
+def _auto_workers(files: list[Path]) -> int:
+    """One process per core, but no more than one per 4 MB of input: starting a spawned
+    worker costs about a second, more than tokenising a small file takes."""
+    total = sum(f.stat().st_size for f in files)
+    return max(1, min(os.cpu_count() or 1, total // _AUTO_BYTES_PER_WORKER))
 
 
 # --- workers -----------------------------------------------------------------------------------

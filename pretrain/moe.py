@@ -65,12 +65,12 @@ def grouped_experts(
         pieces = []
         # unbind once: indexing gate_up[e] per expert would make autograd build a full-size
         # zero gradient for every expert.
+        # Experts without tokens still run (on zero rows): every parameter stays in the graph, so
+        # DDP and FSDP see the same set of gradients on every rank and step.
         for part, w_gu, w_down in zip(xs.split(counts.tolist()), gate_up.unbind(0), down.unbind(0)):
-            if part.shape[0] == 0:
-                continue
             g, u = F.linear(part, w_gu).chunk(2, dim=-1)
             pieces.append(F.linear(F.silu(g) * u, w_down))
-        ys = torch.cat(pieces) if pieces else xs.new_zeros(0, x.shape[1])
+        ys = torch.cat(pieces)
     ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
     return torch.zeros_like(x).index_add_(0, token, ys)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from orthon.data.loader import TrainData, ValidData
 from orthon.optim import batch_size_at, build_for_model, lr_at
@@ -215,8 +216,10 @@ class Trainer:
         metrics_log.close()
         if samples_log is not None:
             samples_log.close()
+        # Gathered on every rank (FSDP shards), written by rank 0.
+        full_state = get_model_state_dict(self.wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
-            self.finish()
+            self.finish(full_state)
         return {"step": self.step, "tokens": self.tokens, "final_eval_loss": final_eval, **last}
 
     def _samples_log(self, resume_step):
@@ -228,9 +231,9 @@ class Trainer:
             path.write_text("".join(l + "\n" for l in kept))
         return open(path, "a")
 
-    def finish(self) -> None:
+    def finish(self, state: dict) -> None:
         """The run's final weights (orthon weights dir, for `orthon export`, RL `--from`) and loss plot."""
-        save_weights_dir(self.model, self.run_dir / "final")
+        save_weights_dir(self.model, self.run_dir / "final", state)
         records = read_metrics(self.run_dir / "metrics.jsonl")
         plot_curves(records, ["loss", "eval_loss"], self.run_dir / "loss.png",
                     title=f"pretraining loss ({self.recipe.model.hidden_size}-wide, "

@@ -21,10 +21,11 @@ RECIPE = "recipe.yaml"
 WEIGHTS = "model.safetensors"
 
 
-def save_weights_dir(model: GLMForCausalLM, directory) -> None:
+def save_weights_dir(model: GLMForCausalLM, directory, state: dict | None = None) -> None:
+    """Write the model's weights (or ``state``, a full state dict of it, e.g. gathered from FSDP shards)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in (state or model.state_dict()).items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     tmp = directory / (WEIGHTS + ".tmp")

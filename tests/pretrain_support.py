@@ -55,6 +55,14 @@ def write_recipe(path: Path, stores: dict, run_dir: Path, **sections) -> Path:
     return path
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def env() -> dict:
     # One thread per process: identical arithmetic in every run, and no oversubscription of 2 cores.
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
@@ -62,7 +70,7 @@ def env() -> dict:
 
 def orthon(*args, nproc: int = 1, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=0",
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
                "-m", "orthon.launch.cli", *map(str, args)]
     else:
         cmd = [sys.executable, "-m", "orthon.launch.cli", *map(str, args)]

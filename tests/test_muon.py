@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from orthon.optim import HybridOptimizer, Muon, OptimConfig, ScheduleConfig, build_for_model
+from orthon.optim import HybridOptimizer, Muon, OptimConfig, ScheduleConfig, build_for_model, update_scale
 from orthon.optim.muon import orthogonalise_local
 from orthon.optim.newton_schulz import newton_schulz
 from orthon.pretrain.param_spec import ParamSpec
@@ -118,6 +118,14 @@ def test_same_block_shapes_share_one_newton_schulz_call():
     opt.step()
     # (8,16) x2 and the 2-expert stack in one call; (16,8) and (32,16) alone.
     assert sorted(calls) == sorted([(4, 8, 16), (1, 16, 8), (1, 32, 16)])
+
+
+def test_update_scale_by_hand():
+    # 0.2 * sqrt(max(A, B)) of the block: a 192x128 W_QB split into 4 heads scales by 0.2*sqrt(128).
+    assert update_scale(48, 128) == pytest.approx(0.2 * 128**0.5) == pytest.approx(2.2627, abs=1e-4)
+    assert update_scale(192, 128) == pytest.approx(0.2 * 192**0.5)
+    assert update_scale(256, 2048) == pytest.approx(9.0510, abs=1e-4)
+    assert update_scale(48, 128, "original") == 1.0 and update_scale(256, 64, "original") == 2.0
 
 
 def test_bad_split_and_shapes_name_the_parameter():

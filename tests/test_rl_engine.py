@@ -1,0 +1,284 @@
+"""The in-process rollout engine: fp32 log-probs that the trainer's recompute reproduces, batched
+decoding equal to one prompt at a time, sampling controls, weight updates in place, bad input."""
+import math
+
+import pytest
+import torch
+
+from hf_reference import small_config
+from orthon.launch.config import ConfigError
+from orthon.pretrain import GLMForCausalLM
+from orthon.rl.engine import EngineConfig, InProcessEngine
+from orthon.rl.logprobs import sample_log_probs, sequence_log_probs
+from orthon.rl.sample import Sample, SampleStatus
+from orthon.rl.sampling import (
+    SamplingParams, filter_logits, gather_log_probs, inverse_cdf_sample, sample_step,
+)
+
+LENGTHS = (3, 9, 14, 6)
+
+
+def _model(case="moe", **overrides):
+    torch.manual_seed(0)
+    return GLMForCausalLM(small_config(case, **overrides)).eval()
+
+
+def _prompts(lengths=LENGTHS, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 257, (n,), generator=g).tolist() for n in lengths]
+
+
+def _greedy(n, **kw):
+    return SamplingParams(max_new_tokens=n, temperature=0.0, stop_token_ids=(), **kw)
+
+
+# ---------------------------------------------------------------- engine vs trainer log-probs
+@pytest.mark.parametrize("case,overrides", [
+    ("moe", dict(sparse_attention=False)),
+    ("dsa", dict(index_topk=8)),  # 24 new tokens after prompts of 3..14: decoding runs past index_topk
+    ("indexshare", dict()),
+])
+def test_engine_log_probs_equal_trainer_recompute(case, overrides):
+    model = _model(case, **overrides)
+    engine = InProcessEngine(model)
+    prompts = _prompts()
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.95, seed=7, stop_token_ids=()))
+    assert all(len(r.tokens) == 24 and r.log_probs.dtype == torch.float32 for r in results)
+    samples = [r.to_sample(Sample(f"p{i}", p)) for i, (r, p) in enumerate(zip(results, prompts))]
+    with torch.no_grad():
+        again = sample_log_probs(model, samples)
+    for row, sample in enumerate(samples):
+        diff = (again.log_probs[row, : sample.response_length] - sample.rollout_log_probs).abs().max()
+        assert diff < 1e-5, (row, float(diff))
+    assert again.mask.sum() == sum(s.response_length for s in samples)
+    assert (again.log_probs[~again.mask] == 0).all()
+    # The mismatch the loss logs each step: zero by construction.
+    rho = (again.log_probs - torch.nn.utils.rnn.pad_sequence([s.rollout_log_probs for s in samples], batch_first=True)).exp()
+    assert torch.allclose(rho[again.mask], torch.ones(()), atol=2e-5)
+
+
+def test_recompute_has_gradients_and_entropy():
+    model = _model()
+    seqs = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    out = sequence_log_probs(model, seqs, [2, 1], with_entropy=True)
+    assert out.log_probs.shape == (2, 2) and out.mask.tolist() == [[True, True], [True, False]]
+    logits = model(torch.tensor([seqs[0]])).logits[0]
+    expected = torch.log_softmax(logits.float(), -1)[[2, 3], [8, 9]]
+    torch.testing.assert_close(out.log_probs[0], expected, atol=1e-6, rtol=0)
+    p = torch.softmax(logits[2].float(), -1)
+    torch.testing.assert_close(out.entropy[0, 0], -(p * p.log()).sum(), atol=1e-5, rtol=0)
+    assert out.entropy[1, 1] == 0
+    out.log_probs[out.mask].sum().backward()
+    assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="non-empty prompt"):
+        sequence_log_probs(model, [[1, 2]], [2])
+
+
+# ---------------------------------------------------------------- batched decoding
+@pytest.mark.parametrize("case,overrides", [("moe", dict()), ("dsa", dict(index_topk=8))])
+def test_greedy_batch_equals_each_prompt_alone(case, overrides):
+    engine = InProcessEngine(_model(case, **overrides))
+    prompts = _prompts()
+    batched = engine.generate(prompts, _greedy(20))
+    for prompt, result in zip(prompts, batched):
+        alone = engine.generate([prompt], _greedy(20))[0]
+        assert alone.tokens == result.tokens
+        torch.testing.assert_close(alone.log_probs, result.log_probs, atol=1e-5, rtol=0)
+    assert len({tuple(r.tokens) for r in batched}) == len(prompts)
+
+
+def test_waves_keep_request_order():
+    model = _model()
+    prompts = _prompts((4, 11, 2, 7, 9))
+    one_wave = InProcessEngine(model).generate(prompts, _greedy(6))
+    waves = InProcessEngine(model, EngineConfig(max_batch_size=2)).generate(prompts, _greedy(6))
+    assert [r.tokens for r in waves] == [r.tokens for r in one_wave]
+    assert [r.prompt for r in waves] == prompts
+
+
+def test_stop_token_ends_its_row_and_is_kept_with_its_log_prob():
+    engine = InProcessEngine(_model())
+    prompts = _prompts()
+    free = engine.generate(prompts, _greedy(16))
+    stop = free[1].tokens[4]  # row 1 must stop at its 5th token (or earlier if it appears before)
+    first = free[1].tokens.index(stop)
+    stopped = engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=(stop,)))
+    for row, (a, b) in enumerate(zip(free, stopped)):
+        if stop in a.tokens:
+            end = a.tokens.index(stop) + 1
+            assert b.tokens == a.tokens[:end] and b.finish_reason == "stop" and b.status is SampleStatus.COMPLETED
+        else:
+            end = 16
+            assert b.tokens == a.tokens and b.finish_reason == "length" and b.status is SampleStatus.TRUNCATED
+        # Rows that left the batch early do not disturb the rest (KVCache.select).
+        torch.testing.assert_close(b.log_probs, a.log_probs[:end], atol=1e-5, rtol=0)
+    assert len(stopped[1].tokens) == first + 1 and stopped[1].tokens[-1] == stop
+    assert math.isfinite(float(stopped[1].log_probs[-1]))
+
+
+def test_default_stop_is_eos_and_immediate_stop_gives_one_token():
+    model = _model()
+    engine = InProcessEngine(model)
+    prompt = _prompts((5,))[0]
+    first = engine.generate([prompt], _greedy(1))[0].tokens[0]
+    model.config.eos_token_id = first
+    result = engine.generate([prompt], SamplingParams(max_new_tokens=10, temperature=0.0))[0]
+    assert result.tokens == [first] and result.finish_reason == "stop" and result.log_probs.shape == (1,)
+    sample = result.to_sample(Sample("a", prompt))
+    assert sample.response_length == 1 and sample.status is SampleStatus.COMPLETED
+
+
+def test_max_new_tokens_and_context_limit():
+    engine = InProcessEngine(_model(), EngineConfig(max_length=20))
+    prompts = _prompts((4, 15))
+    results = engine.generate(prompts, _greedy(8))
+    assert len(results[0].tokens) == 8 and results[0].finish_reason == "length"
+    assert len(results[1].tokens) == 5 and results[1].finish_reason == "context"
+    assert all(r.status is SampleStatus.TRUNCATED for r in results)
+    empty = engine.generate(prompts[:1], _greedy(0))[0]
+    assert empty.tokens == [] and empty.log_probs.numel() == 0 and empty.status is SampleStatus.TRUNCATED
+    sample = empty.to_sample(Sample("e", prompts[0]))
+    assert sample.response_length == 0 and sample.rollout_log_probs.numel() == 0
+
+
+# ---------------------------------------------------------------- sampling
+def test_top_k_one_equals_greedy_and_its_sampling_log_prob_is_zero():
+    engine = InProcessEngine(_model("dsa", index_topk=8))
+    prompts = _prompts()
+    greedy = engine.generate(prompts, _greedy(12))
+    top1 = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=1.3, top_k=1, seed=3, stop_token_ids=()))
+    assert [r.tokens for r in top1] == [r.tokens for r in greedy]
+    torch.testing.assert_close(torch.cat([r.log_probs for r in top1]), torch.cat([r.log_probs for r in greedy]))
+    mode = SamplingParams(max_new_tokens=12, temperature=1.3, top_k=1, seed=3, stop_token_ids=(), logprob_mode="sampling")
+    assert all((r.log_probs == 0).all() for r in engine.generate(prompts, mode))
+
+
+def test_sampling_log_prob_mode_at_temperature_one_equals_policy():
+    engine = InProcessEngine(_model())
+    prompts = _prompts()
+    policy = engine.generate(prompts, SamplingParams(max_new_tokens=10, seed=5, stop_token_ids=()))
+    sampled = engine.generate(prompts, SamplingParams(max_new_tokens=10, seed=5, stop_token_ids=(), logprob_mode="sampling"))
+    assert [r.tokens for r in policy] == [r.tokens for r in sampled]
+    torch.testing.assert_close(torch.cat([r.log_probs for r in policy]), torch.cat([r.log_probs for r in sampled]),
+                               atol=1e-6, rtol=0)
+
+
+def test_seeds_reproduce_regardless_of_batch():
+    engine = InProcessEngine(_model())
+    prompts = _prompts()
+    params = [SamplingParams(max_new_tokens=15, temperature=1.0, top_p=0.9, seed=100 + i, stop_token_ids=())
+              for i in range(len(prompts))]
+    a = engine.generate(prompts, params)
+    b = engine.generate(prompts, params)
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    alone = engine.generate([prompts[2]], [params[2]])[0]
+    mixed = engine.generate([prompts[0], prompts[2]] + _prompts((20,), seed=9), [params[0], params[2], params[1]])[1]
+    assert alone.tokens == a[2].tokens == mixed.tokens
+    other_seed = engine.generate([prompts[2]], [SamplingParams(max_new_tokens=15, seed=1, stop_token_ids=())])[0]
+    assert other_seed.tokens != alone.tokens
+    # A shared SamplingParams with a seed gives request i the seed s + i.
+    shared = engine.generate(prompts, SamplingParams(max_new_tokens=15, top_p=0.9, seed=100, stop_token_ids=()))
+    assert [r.tokens for r in shared] == [r.tokens for r in a] and [r.seed for r in shared] == [100, 101, 102, 103]
+
+
+def test_top_p_and_top_k_filter_by_hand():
+    logits = torch.tensor([[0.125, 0.5, 0.125, 0.25]]).log()  # token 1 (0.5), 3 (0.25), then 0 and 2 tie
+    kept = lambda **kw: torch.isfinite(filter_logits(logits, **kw))[0].nonzero().squeeze(-1).tolist()
+    assert kept(top_p=0.5) == [1]
+    assert kept(top_p=0.51) == [1, 3]
+    assert kept(top_p=0.7) == [1, 3]
+    assert kept(top_p=0.8) == [0, 1, 3]  # ties: the lower token id ranks first
+    assert kept(top_p=0.9) == [0, 1, 2, 3]
+    assert kept(top_p=1.0) == [0, 1, 2, 3]
+    assert kept(top_k=1) == [1]
+    assert kept(top_k=3) == [0, 1, 3]
+    assert kept(top_k=3, top_p=0.7) == [1, 3]
+    # top-p after top-k renormalises over what top-k kept: {1: 2/3, 3: 1/3}.
+    assert kept(top_k=2, top_p=0.6) == [1]
+    assert kept(top_k=2, top_p=0.7) == [1, 3]
+    # Surviving logits are unchanged.
+    torch.testing.assert_close(filter_logits(logits, top_k=2)[0, [1, 3]], logits[0, [1, 3]])
+
+
+def test_inverse_cdf_sampling_by_hand():
+    logits = torch.tensor([0.5, 0.25, 0.125, 0.125]).log().expand(6, 4)
+    u = torch.tensor([0.0, 0.49, 0.51, 0.74, 0.8, 0.99])
+    assert inverse_cdf_sample(logits, u).tolist() == [0, 0, 1, 1, 2, 3]
+    # Probability-0 entries are never drawn, even at a boundary.
+    blocked = torch.tensor([[0.0, float("-inf"), 0.0]]).expand(3, 3)
+    assert inverse_cdf_sample(blocked, torch.tensor([0.0, 0.5, 0.999])).tolist() == [0, 2, 2]
+    # A uniform grid of draws reproduces the probabilities exactly.
+    n = 1000
+    grid = (torch.arange(n) + 0.5) / n
+    draws = inverse_cdf_sample(torch.tensor([[0.1, 0.2, 0.3, 0.4]]).log().expand(n, 4), grid)
+    assert torch.bincount(draws, minlength=4).tolist() == [100, 200, 300, 400]
+
+
+def test_sample_step_rows_keep_their_own_settings():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]]).expand(3, 4)
+    tokens, lp = sample_step(logits, temperature=torch.tensor([0.0, 1.0, 1.0]), top_k=torch.tensor([0, 1, 0]),
+                             top_p=torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64),
+                             uniforms=torch.tensor([0.99, 0.99, 0.99], dtype=torch.float64), want_sampling_log_probs=True)
+    assert tokens.tolist() == [1, 1, 3]  # greedy; top-1; u = 0.99 lands in the last token's share
+    torch.testing.assert_close(lp, torch.stack([torch.tensor(0.0), torch.tensor(0.0), gather_log_probs(logits[2], tokens[2])]))
+
+
+def test_sampling_params_are_checked():
+    for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(max_new_tokens=-2),
+                dict(stop_token_ids=(-3,)), dict(logprob_mode="nope"), dict(seed=1.5)):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            SamplingParams(**bad)
+
+
+# ---------------------------------------------------------------- weights
+def test_update_weights_in_place_changes_outputs_and_bumps_version():
+    model = _model()
+    engine = InProcessEngine(model)
+    prompts = _prompts()
+    before = engine.generate(prompts, _greedy(10))
+    ptrs = {name: p.data_ptr() for name, p in model.named_parameters()}
+    other = GLMForCausalLM(model.config)
+    other.reset_parameters(seed=123)
+    version = engine.update_weights(other.state_dict())
+    assert version == 1 == engine.policy_version
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == ptrs
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), other.parameters()))
+    after = engine.generate(prompts, _greedy(10))
+    assert [r.tokens for r in after] != [r.tokens for r in before]
+    assert all(r.policy_version == 1 for r in after)
+    # The new weights are the whole story: a fresh engine on `other` agrees.
+    assert [r.tokens for r in InProcessEngine(other.eval()).generate(prompts, _greedy(10))] == [r.tokens for r in after]
+    # Partial updates (buckets) as (name, tensor) pairs, explicit version.
+    assert engine.update_weights([("lm_head.weight", other.lm_head.weight * 2)], version=5) == 5
+
+
+def test_bad_weight_update_changes_nothing():
+    model = _model()
+    engine = InProcessEngine(model)
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    good = torch.zeros_like(model.lm_head.weight)
+    with pytest.raises(KeyError, match="not_a_param"):
+        engine.update_weights({"lm_head.weight": good, "not_a_param": good})
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_weights({"lm_head.weight": good, "model.norm.weight": torch.ones(3)})
+    with pytest.raises(KeyError, match="missing"):
+        engine.update_weights({"lm_head.weight": good}, strict=True)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in snapshot.items())
+    assert engine.policy_version == 0
+
+
+# ---------------------------------------------------------------- bad input
+def test_bad_prompts_are_counted_and_reported_not_raised():
+    engine = InProcessEngine(_model(), EngineConfig(max_length=32))
+    good = _prompts((5,))[0]
+    prompts = [list(range(2, 34)), [], [3, 4, 999], [5, -1], good, ["a", "b"]]
+    results = engine.generate(prompts, _greedy(6))
+    assert [r.status for r in results] == [SampleStatus.FAILED] * 4 + [SampleStatus.TRUNCATED, SampleStatus.FAILED]
+    assert len(results[4].tokens) == 6 and all(r.tokens == [] and r.finish_reason == "rejected" for r in results[:4])
+    assert results[4].tokens == engine.generate([good], _greedy(6))[0].tokens
+    assert "32 tokens" in results[0].error and "empty" in results[1].error
+    assert "999" in results[2].error and "-1" in results[3].error and "integers" in results[5].error
+    assert engine.stats.rejected == {"prompt_too_long": 1, "empty_prompt": 1, "token_out_of_vocab": 2, "bad_token_type": 1}
+    failed = results[0].to_sample(Sample("x", prompts[0]))
+    assert failed.status is SampleStatus.FAILED and failed.response_length == 0 and "32 tokens" in failed.metadata["error"]
+    assert engine.stats.as_dict()["requests"] == 6 + 1
