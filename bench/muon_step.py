@@ -135,8 +135,8 @@ def torch_step_time(entries, device, args, repeats=None):
     return time_it(opt.step, device, args.warmup if repeats is None else 1, repeats or args.repeats), params
 
 
-def matmul_rate(entries, device, dtype, warmup, repeats):
-    """GFLOP/s of the three bare GEMMs of one Newton-Schulz iteration on every block, batched by shape."""
+def matmul_rate(entries, device, dtype, warmup, repeats, iterations=1):
+    """GFLOP/s of the three bare GEMMs of ``iterations`` Newton-Schulz iterations on every block, batched by shape."""
     stacks = {}
     for shape, split in entries:
         count, (rows, cols) = blocks_of(shape, split)
@@ -144,29 +144,34 @@ def matmul_rate(entries, device, dtype, warmup, repeats):
         stacks[key] = stacks.get(key, 0) + count
     tensors = [torch.randn(n, small, large, device=device, dtype=dtype) for (small, large), n in stacks.items()]
     grams = [torch.randn(n, small, small, device=device, dtype=dtype) for (small, _), n in stacks.items()]
-    flops = sum(n * newton_schulz_flops(s, l, steps=1) for (s, l), n in stacks.items())
+    flops = iterations * sum(n * newton_schulz_flops(s, l, steps=1) for (s, l), n in stacks.items())
 
     def run():
-        for x, a in zip(tensors, grams):
-            torch.bmm(x, x.mT)
-            torch.bmm(a, a)
-            torch.bmm(a, x)
+        for _ in range(iterations):
+            for x, a in zip(tensors, grams):
+                torch.bmm(x, x.mT)
+                torch.bmm(a, a)
+                torch.bmm(a, x)
 
     return flops / time_it(run, device, warmup, repeats) / 1e9
 
 
 def large_ns_and_matmul(entries, device, kernel, args):
-    """Median orthon step time and bare GEMM GFLOP/s on the same shapes, measured alternately."""
+    """Orthon step times and bare GEMM rates (a whole step's worth of GEMMs) on the same shapes, alternately.
+
+    Returns (median step s, median GEMM GFLOP/s, best step s, best GEMM GFLOP/s): on a shared machine
+    the best of several is the steadier estimate of what the hardware does.
+    """
     params = make_params(entries, device, as_blocks=False)
     opt = Muon([p for p, _ in params], **HYPER)
     steps, rates = [], []
     for i in range(args.warmup + args.repeats):
         step = time_it(opt.step, device, 0, 1)
-        rate = matmul_rate(entries, device, kernel, 0, 1)
+        rate = matmul_rate(entries, device, kernel, 0, 1, iterations=HYPER["ns_steps"])
         if i >= args.warmup:
             steps.append(step)
             rates.append(rate)
-    return statistics.median(steps), statistics.median(rates)
+    return statistics.median(steps), statistics.median(rates), min(steps), max(rates)
 
 
 # ------------------------------------------------------------------ the bench
@@ -184,6 +189,9 @@ def main():
     parser.add_argument("--torch-large-count", type=int, default=None,
                         help="matrices of each large shape for torch (default: as orthon; where bf16 GEMM "
                              "is not native, 0: estimated from the bf16 GEMM rate)")
+    parser.add_argument("--native", action="store_true",
+                        help="where bf16 is emulated, also time orthon on the native bf16 GEMM (torch's kernel) "
+                             "on the tiny set: the batching gain alone (~20 s a step on such CPUs)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cpu":
@@ -210,17 +218,23 @@ def main():
         figures["tiny_blocks"] = sum(blocks_of(s, k)[0] for s, k in entries)
         figures["tiny_orthon_ms"], figures["tiny_torch_ms"] = 1e3 * t_ours, 1e3 * t_ref
         ratios["tiny_time_vs_torch"] = t_ours / t_ref
+        if args.native and not native:
+            t_native, _ = orthon_step_time(entries, device, argparse.Namespace(warmup=1, repeats=1), "native")
+            rows.append(("tiny: orthon Muon, native bf16 GEMM", t_native, set_flops(entries)))
+            ratios["tiny_native_bf16_time_vs_torch"] = t_native / t_ref
 
     if "large" in sets:
         entries = large_set(large_count)
         flops = set_flops(entries)
         # NS steps and bare GEMMs interleaved, so load drift on a shared machine hits both alike.
-        t_ours, bare = large_ns_and_matmul(entries, device, kernel, args)
+        t_ours, bare, t_best, bare_best = large_ns_and_matmul(entries, device, kernel, args)
         rate = flops / t_ours / 1e9
         scale = 24 / large_count
         rows.append((f"large ({large_count}+{large_count}): orthon Muon", t_ours, flops))
-        figures.update(large_orthon_s_full_set=t_ours * scale, large_ns_gflops=rate, large_matmul_gflops=bare)
+        figures.update(large_orthon_s_full_set=t_ours * scale, large_ns_gflops=rate, large_matmul_gflops=bare,
+                       large_ns_gflops_best=flops / t_best / 1e9, large_matmul_gflops_best=bare_best)
         ratios["large_ns_rate_vs_matmul"] = rate / bare
+        ratios["large_ns_rate_vs_matmul_best_of"] = flops / t_best / 1e9 / bare_best
         if torch_large:
             ref_entries = large_set(torch_large)
             t_ref, _ = torch_step_time(ref_entries, device, args, repeats=1 if not native else None)

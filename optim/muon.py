@@ -154,8 +154,10 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.bf16_matmul = bf16_matmul
         self.orthogonaliser = orthogonaliser or orthogonalise_local
-        for group in self.param_groups:
-            self._check_group(group)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        self._check_group(self.param_groups[-1])
 
     def _check_group(self, group: dict) -> None:
         update_scale(1, 1, group["adjust_lr_fn"], group["rms_scale"])  # validates the name
