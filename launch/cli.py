@@ -19,6 +19,7 @@ COMMANDS = {
     "smoke": ("orthon.launch.cmd_smoke", "build the model of a recipe, train a few steps, print the loss"),
     "pretrain": ("orthon.launch.cmd_pretrain", "pretrain (or --resume) a model; the built-in corpus by default"),
     "generate": ("orthon.launch.cmd_generate", "sample text from a run's final model"),
+    "ablate": ("orthon.launch.cmd_ablate", "optimizer ablation: AdamW vs Muon vs Muon + Split on one recipe"),
     "optim-plan": ("orthon.launch.cmd_optim_plan", "which optimizer updates each parameter, with Muon Split blocks and totals"),
     "data": ("orthon.launch.cmd_data", "tokenise text into token stores, build the built-in corpus, dedup, inspect"),
     "tokenizer": ("orthon.launch.cmd_tokenizer", "train a sentencepiece tokenizer; encode text"),

@@ -165,7 +165,16 @@ def apply_overrides(mapping: dict, overrides: typing.Iterable[str]) -> dict:
     return mapping
 
 
-def read_yaml(path: str | Path) -> dict:
+def deep_merge(base: dict, top: dict) -> dict:
+    """``top`` over ``base``: mappings merge key by key, anything else replaces."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
+    """A recipe as a mapping. ``base: other.yaml`` (relative to this file) starts from that recipe."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"recipe {path}: no such file")
@@ -175,6 +184,11 @@ def read_yaml(path: str | Path) -> dict:
         raise ConfigError(f"recipe {path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"recipe {path}: top level must be a mapping")
+    if "base" in data:
+        base_path = path.parent / str(data.pop("base"))
+        if base_path.resolve() in _seen:
+            raise ConfigError(f"recipe {path}: base {base_path} includes itself")
+        data = deep_merge(read_yaml(base_path, (*_seen, path.resolve())), data)
     return data
 
 

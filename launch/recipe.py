@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from orthon.data.config import BuiltinConfig, DataConfig
 from orthon.launch import config as config_io
+from orthon.optim.ablation import AblationConfig
 from orthon.optim.config import BatchRampConfig, OptimConfig, ScheduleConfig
 from orthon.pretrain.config import ModelConfig
 from orthon.pretrain.train_config import TrainConfig
@@ -32,6 +33,7 @@ class Recipe:
     builtin: BuiltinConfig = field(default_factory=BuiltinConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     smoke: SmokeConfig = field(default_factory=SmokeConfig)
+    ablation: AblationConfig = field(default_factory=AblationConfig)
 
 
 def load_recipe(path=None, overrides=()) -> Recipe:

@@ -79,3 +79,13 @@ def test_cli_config_error_exit_code():
         capture_output=True, text=True, cwd=ROOT,
     )
     assert proc.returncode == 2 and "model.hiden: unknown key" in proc.stderr
+
+
+def test_base_recipe_merges_and_overrides(tmp_path):
+    (tmp_path / "a.yaml").write_text("model:\n  hidden_size: 128\n  vocab_size: 500\ntrain:\n  seed: 3\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\nmodel:\n  hidden_size: 256\n")
+    recipe = load_recipe(tmp_path / "b.yaml", ["train.seed=4"])
+    assert (recipe.model.hidden_size, recipe.model.vocab_size, recipe.train.seed) == (256, 500, 4)
+    (tmp_path / "c.yaml").write_text("base: c.yaml\n")
+    with pytest.raises(ConfigError, match="includes itself"):
+        load_recipe(tmp_path / "c.yaml")

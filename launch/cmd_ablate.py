@@ -1,0 +1,58 @@
+"""`orthon ablate -c configs/ablation.yaml`: train the recipe once per optimizer variant (same data, seed
+and token budget) and write loss / max-attention-logit plots and a table to ablation.out_dir."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from orthon.launch.recipe import add_recipe_args, load_recipe
+
+
+def register(parser, name):
+    add_recipe_args(parser)
+
+
+def run(args, name):
+    from orthon.launch.cmd_pretrain import with_builtin_data
+    from orthon.optim.ablation import format_table, summarize
+    from orthon.pretrain.metrics import plot_curves, read_metrics
+    from orthon.pretrain.trainer import Trainer, write_run_config
+
+    base = load_recipe(args.config, args.overrides)
+    ab = base.ablation
+    out = Path(ab.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    curves, wall, logits = {}, {}, {}
+    for variant in ab.variants:
+        recipe = with_builtin_data(load_recipe(args.config, [*args.overrides, *variant.overrides]))
+        run_dir = out / variant.name
+        recipe = replace(recipe, train=replace(recipe.train, run_dir=str(run_dir)))
+        write_run_config(run_dir, recipe)
+        print(f"=== {variant.name}: {' '.join(variant.overrides)}")
+        start = time.perf_counter()
+        Trainer(recipe, run_dir).fit()
+        wall[variant.name] = time.perf_counter() - start
+        records = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+        curves[variant.name] = ([r["step"] for r in records], [r["loss"] for r in records])
+        logits[variant.name] = [(r["step"], r.get("max_attn_logit")) for r in records]
+    rows = summarize(curves, wall, ab.baseline, ab.smooth)
+    table = format_table(rows, ab.baseline)
+    (out / "table.md").write_text(table + "\n")
+    (out / "summary.json").write_text(json.dumps(rows, indent=1))
+    merged = {}
+    for name, (steps, losses) in curves.items():
+        for s, l in zip(steps, losses):
+            merged.setdefault(s, {"step": s})[f"loss_{name}"] = l
+        for s, m in logits[name]:
+            if m is not None:
+                merged.setdefault(s, {"step": s})[f"max_attn_logit_{name}"] = m
+    records = [merged[s] for s in sorted(merged)]
+    plot_curves(records, [f"loss_{n}" for n in curves], out / "loss.png", title="optimizer ablation: training loss",
+                logy=True)
+    plot_curves(records, [f"max_attn_logit_{n}" for n in curves], out / "max_attn_logit.png",
+                title="largest attention logit per step (no gradient clipping)")
+    print(table)
+    print(f"plots: {out / 'loss.png'}, {out / 'max_attn_logit.png'}")
+    return 0

@@ -1,0 +1,76 @@
+"""The optimizer ablation: the same model, data, seed and token budget under several optimizer settings
+(AdamW only; Muon; Muon + Split), compared by loss curve, steps to reach AdamW's final loss, wall time
+and the largest attention logit per step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class AblationVariant:
+    name: str
+    overrides: list[str] = field(default_factory=list)
+
+
+def _default_variants() -> list[AblationVariant]:
+    return [
+        AblationVariant("adamw", ["optim.algorithm=adamw"]),
+        AblationVariant("muon", ["optim.algorithm=muon", "optim.muon_split=false"]),
+        AblationVariant("muon_split", ["optim.algorithm=muon", "optim.muon_split=true"]),
+    ]
+
+
+@dataclass
+class AblationConfig:
+    out_dir: str = "runs/ablation"
+    variants: list[AblationVariant] = field(default_factory=_default_variants)
+    baseline: str = "adamw"  # the variant whose final loss the others race to
+    smooth: int = 10  # steps in the moving average of the training loss
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over up to ``window`` values (shorter at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def steps_to_reach(steps: list[int], losses: list[float], target: float, window: int) -> int | None:
+    """First step whose smoothed loss is at or below ``target``; None if never."""
+    for step, value in zip(steps, moving_average(losses, window)):
+        if value <= target:
+            return step
+    return None
+
+
+def summarize(curves: dict[str, tuple[list[int], list[float]]], wall: dict[str, float], baseline: str,
+              window: int) -> list[dict]:
+    """One row per variant: final smoothed loss, steps to reach the baseline's final smoothed loss, the
+    ratio of those steps to the baseline's own step count, wall time."""
+    base_steps, base_losses = curves[baseline]
+    target = moving_average(base_losses, window)[-1]
+    rows = []
+    for name, (steps, losses) in curves.items():
+        reach = steps_to_reach(steps, losses, target, window)
+        rows.append({
+            "variant": name,
+            "final_loss": round(moving_average(losses, window)[-1], 4),
+            "steps_to_baseline_final": reach,
+            "steps_ratio_vs_baseline": None if reach is None else round(reach / base_steps[-1], 3),
+            "wall_s": round(wall[name], 1),
+        })
+    return rows
+
+
+def format_table(rows: list[dict], baseline: str) -> str:
+    head = f"| variant | final loss | steps to reach {baseline}'s final loss | ratio of {baseline}'s steps | wall time (s) |"
+    lines = [head, "|---|---|---|---|---|"]
+    for r in rows:
+        reach = "never" if r["steps_to_baseline_final"] is None else r["steps_to_baseline_final"]
+        ratio = "-" if r["steps_ratio_vs_baseline"] is None else r["steps_ratio_vs_baseline"]
+        lines.append(f"| {r['variant']} | {r['final_loss']} | {reach} | {ratio} | {r['wall_s']} |")
+    return "\n".join(lines)
