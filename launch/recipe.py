@@ -9,6 +9,7 @@ from orthon.optim.ablation import AblationConfig
 from orthon.optim.config import BatchRampConfig, OptimConfig, ScheduleConfig
 from orthon.pretrain.config import ModelConfig
 from orthon.pretrain.train_config import TrainConfig
+from orthon.rl.train_config import RLConfig
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     smoke: SmokeConfig = field(default_factory=SmokeConfig)
     ablation: AblationConfig = field(default_factory=AblationConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
 
 def load_recipe(path=None, overrides=()) -> Recipe:

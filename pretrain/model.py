@@ -205,6 +205,13 @@ class GLMForCausalLM(nn.Module):
     def indexers(self) -> list[Indexer]:
         return [m for m in self.modules() if isinstance(m, Indexer)]
 
+    def set_indexers_trainable(self, trainable: bool) -> None:
+        """The LM and policy losses never reach the indexers (top-k selection is discrete); only
+        mid-training's KL objective trains them. Frozen, they get no gradient and no optimizer state,
+        and DDP waits for none."""
+        for indexer in self.indexers():
+            indexer.requires_grad_(trainable)
+
     def save_hf(self, directory, max_shard_bytes: int = 5 * 1024**3) -> None:
         from orthon.pretrain.hf_io import save_hf
 

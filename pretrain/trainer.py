@@ -55,11 +55,7 @@ class Trainer:
         np.random.seed(self.cfg.seed)
 
         self.model = GLMForCausalLM(recipe.model).to(self.device)
-        if not recipe.model.sparse_attention:
-            # Dense pretraining: the indexers are not consulted, so they get no gradient (and DDP
-            # must not wait for one); mid-training's DSA stages train them.
-            for indexer in self.model.indexers():
-                indexer.requires_grad_(False)
+        self.model.set_indexers_trainable(False)  # the LM loss never reaches them; mid-training trains them
         self.model.checkpoint_layers = self.cfg.activation_checkpointing
         self.model.track_max_logit(self.cfg.track_max_logit)
         self.wrapped = parallel.wrap(self.model, self.cfg.parallel)

@@ -18,6 +18,15 @@ from orthon.rl.sampling import (
 LENGTHS = (3, 9, 14, 6)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny matrices: a second OpenMP thread only adds spin-waits (badly so on a busy machine).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _model(case="moe", **overrides):
     torch.manual_seed(0)
     return GLMForCausalLM(small_config(case, **overrides)).eval()
@@ -187,17 +196,29 @@ def test_top_p_and_top_k_filter_by_hand():
     assert kept(top_p=0.5) == [1]
     assert kept(top_p=0.51) == [1, 3]
     assert kept(top_p=0.7) == [1, 3]
-    assert kept(top_p=0.8) == [0, 1, 3]  # ties: the lower token id ranks first
-    assert kept(top_p=0.9) == [0, 1, 2, 3]
+    assert kept(top_p=0.8) == [0, 1, 2, 3]  # the prefix ends on a 0.125: its tie comes along
     assert kept(top_p=1.0) == [0, 1, 2, 3]
     assert kept(top_k=1) == [1]
-    assert kept(top_k=3) == [0, 1, 3]
+    assert kept(top_k=2) == [1, 3]
+    assert kept(top_k=3) == [0, 1, 2, 3]  # ties at the k-th value are kept, as transformers' top-k
     assert kept(top_k=3, top_p=0.7) == [1, 3]
     # top-p after top-k renormalises over what top-k kept: {1: 2/3, 3: 1/3}.
     assert kept(top_k=2, top_p=0.6) == [1]
     assert kept(top_k=2, top_p=0.7) == [1, 3]
-    # Surviving logits are unchanged.
+    # Surviving logits are unchanged; per-row settings.
     torch.testing.assert_close(filter_logits(logits, top_k=2)[0, [1, 3]], logits[0, [1, 3]])
+    rows = filter_logits(logits.expand(3, 4), top_k=torch.tensor([1, 0, 2]), top_p=torch.tensor([1.0, 0.51, 1.0]))
+    assert torch.isfinite(rows).tolist() == [[False, True, False, False], [False, True, False, True],
+                                             [False, True, False, True]]
+
+
+def test_top_p_nucleus_wider_than_the_first_look():
+    # 300 equal tokens and a tail: the nucleus of p = 0.9 is wider than the first 64 looked at.
+    logits = torch.cat([torch.zeros(300), torch.full((700,), -20.0)])[None]
+    kept = torch.isfinite(filter_logits(logits, top_p=0.9))
+    assert kept[0, :300].all() and not kept[0, 300:].any()
+    order = torch.randperm(1000)
+    assert torch.equal(torch.isfinite(filter_logits(logits[:, order], top_p=0.9)), kept[:, order])
 
 
 def test_inverse_cdf_sampling_by_hand():

@@ -1,0 +1,43 @@
+"""`orthon rl -c configs/rl_tiny.yaml --from RUN_DIR`: GRPO + IcePop on a verifiable task, starting from a
+pretraining run's final weights (RUN_DIR/final) and tokenizer; `--resume` continues an RL run."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from orthon.launch.recipe import add_recipe_args, load_recipe
+
+
+def register(parser, name):
+    add_recipe_args(parser)
+    parser.add_argument("--from", dest="source", help="pretraining run directory (its final/ weights and tokenizer)")
+    parser.add_argument("--resume", action="store_true", help="continue rl.run_dir from its last good checkpoint")
+
+
+def run(args, name):
+    import yaml
+
+    from orthon.data.tokenizer import load_tokenizer
+    from orthon.launch.config import to_dict
+    from orthon.rl.trainer import RLTrainer
+
+    recipe = load_recipe(args.config, args.overrides)
+    cfg = recipe.rl
+    run_dir = Path(cfg.run_dir)
+    source = Path(args.source) if args.source else None
+    if source is None:
+        if not (run_dir / "source.txt").is_file():
+            raise SystemExit("orthon rl: give --from PRETRAIN_RUN_DIR")
+        source = Path((run_dir / "source.txt").read_text().strip())
+    pre = load_recipe(source / "config.yaml")
+    if not pre.data.tokenizer:
+        raise SystemExit(f"orthon rl: {source}/config.yaml names no tokenizer (data.tokenizer)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "source.txt").write_text(str(source.resolve()) + "\n")
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(recipe), sort_keys=False))
+    trainer = RLTrainer(cfg, source / "final", load_tokenizer(pre.data.tokenizer), run_dir)
+    if args.resume and not trainer.resume():
+        print(f"no usable RL checkpoint in {run_dir}; starting at iteration 0")
+    result = trainer.fit()
+    print(f"done: {result['iterations']} iterations; held-out reward {result['eval_start']:.3f} -> "
+          f"{result['eval_end']:.3f} (best {result['eval_best']:.3f}); {run_dir / 'reward.png'}")
+    return 0

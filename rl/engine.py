@@ -1,0 +1,302 @@
+"""The in-process rollout engine: batched, KV-cached generation on orthon's own model.
+
+``InProcessEngine(model).generate(prompts, sampling)`` continues each prompt and returns, per prompt,
+the response tokens with the fp32 log-prob of every sampled token recorded at generation time
+("token in, token out": the trainer never re-derives pi_rollout). By default the log-prob is that of
+the unmodified policy (temperature 1, no top-k / top-p), the quantity the trainer recomputes with
+``orthon.rl.logprobs`` on the same code, so rho = 1 up to float32 round-off when the weights match.
+
+How a batch runs: prompts are sorted by length and taken in waves of ``max_batch_size``; a wave is
+left-padded (pads are document -1 and RoPE positions are shifted, so each row sees only its own
+tokens), prefilled in one forward, then decoded one token per step through the absorbed-attention
+cache path. A row leaves the batch (``KVCache.select``) the step it finishes, so the cost follows
+the live rows. Bad requests (empty prompt, token id outside the vocabulary, prompt that leaves no
+room in the context) come back as FAILED results with the reason, counted in ``stats``; the rest of
+the batch runs.
+
+``update_weights`` copies new tensors into the existing parameters (same storage, no re-allocation:
+a colocated trainer or a delta sync can rely on the addresses) and bumps ``policy_version``.
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable, Literal, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from orthon.launch.config import ConfigError
+from orthon.pretrain.model import GLMForCausalLM
+from orthon.rl.sample import Sample, SampleStatus
+from orthon.rl.sampling import SamplingParams, gather_log_probs, request_uniforms, sample_step, stop_table
+
+FinishReason = Literal["stop", "length", "context", "rejected"]
+
+
+@dataclass
+class EngineConfig:
+    # Longest prompt + response; None: the model's max_position_embeddings (a smaller value wins).
+    max_length: int | None = None
+    max_batch_size: int = 64  # rows decoded together; more prompts run in successive waves
+    seed: int = 0  # draws the seed of every request that brings none
+
+    def __post_init__(self):
+        if self.max_length is not None and (isinstance(self.max_length, bool) or self.max_length < 2):
+            raise ConfigError(f"max_length: must be >= 2 or None, got {self.max_length!r}")
+        if isinstance(self.max_batch_size, bool) or self.max_batch_size < 1:
+            raise ConfigError(f"max_batch_size: must be >= 1, got {self.max_batch_size!r}")
+
+
+@dataclass
+class GenerationResult:
+    prompt: list[int]
+    tokens: list[int]  # the response (ends with the stop token when finish_reason is "stop")
+    log_probs: torch.Tensor  # fp32, one per response token
+    status: SampleStatus  # COMPLETED (stop token), TRUNCATED (length / context), FAILED (rejected)
+    finish_reason: FinishReason
+    policy_version: int
+    seed: int | None = None
+    error: str | None = None
+
+    def to_sample(self, sample: Sample) -> Sample:
+        """The finished copy of a pending Sample of this prompt."""
+        if sample.tokens != self.prompt:
+            raise ValueError(f"sample {sample.instance_id!r}: its tokens are not this result's prompt")
+        if self.status is SampleStatus.FAILED:
+            failed = Sample(instance_id=sample.instance_id, tokens=list(sample.tokens), session_id=sample.session_id,
+                            status=SampleStatus.FAILED, policy_version=self.policy_version,
+                            metadata={**sample.metadata, "error": self.error})
+            return failed
+        return sample.with_response(self.tokens, self.log_probs, status=self.status, policy_version=self.policy_version)
+
+
+@dataclass
+class _Request:
+    index: int  # position in the caller's list
+    prompt: list[int]
+    params: SamplingParams
+    seed: int | None
+    stops: tuple[int, ...]
+    budget: int  # new tokens allowed: min(max_new_tokens, room left in the context)
+    context_bound: bool  # the budget is the context's, not max_new_tokens
+
+
+@dataclass
+class EngineStats:
+    requests: int = 0
+    generated_tokens: int = 0
+    finished: Counter = field(default_factory=Counter)  # by finish reason
+    rejected: Counter = field(default_factory=Counter)  # by cause
+
+    def as_dict(self) -> dict:
+        return {"requests": self.requests, "generated_tokens": self.generated_tokens,
+                "finished": dict(self.finished), "rejected": dict(self.rejected)}
+
+
+class InProcessEngine:
+    def __init__(self, model: GLMForCausalLM, config: EngineConfig | None = None):
+        self.model = model
+        self.config = config or EngineConfig()
+        limit = model.config.max_position_embeddings
+        self.max_length = min(limit, self.config.max_length) if self.config.max_length else limit
+        self.policy_version = 0
+        self.stats = EngineStats()
+        self._rng = torch.Generator().manual_seed(self.config.seed)
+        # generate() and update_weights() never interleave: a wave runs on one set of weights.
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------ weights
+    @torch.no_grad()
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                       version: int | None = None, strict: bool = False) -> int:
+        """Copy named tensors (parameter / buffer names of the model's state_dict) into the model in
+        place. Every name and shape is checked before anything is copied, so a bad update changes
+        nothing. ``strict``: every tensor of the model must be given. Returns the new policy version
+        (``version`` if given, else the old one + 1)."""
+        items = list(weights.items() if isinstance(weights, Mapping) else weights)
+        targets = self.model.state_dict(keep_vars=True)
+        for name, value in items:
+            if name not in targets:
+                raise KeyError(f"update_weights: {name!r} is not a tensor of the model")
+            if tuple(value.shape) != tuple(targets[name].shape):
+                raise ValueError(f"update_weights: {name!r} has shape {tuple(value.shape)}, "
+                                 f"the model's is {tuple(targets[name].shape)}")
+        if strict:
+            missing = sorted(set(targets) - {name for name, _ in items})
+            if missing:
+                raise KeyError(f"update_weights: strict update is missing {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        if version is not None and (version < self.policy_version):
+            raise ValueError(f"update_weights: version {version} is older than the current {self.policy_version}")
+        with self._lock:
+            for name, value in items:
+                targets[name].data.copy_(value)
+            self.policy_version = self.policy_version + 1 if version is None else version
+        return self.policy_version
+
+    # ------------------------------------------------------------ requests
+    def _admit(self, index: int, prompt, params: SamplingParams) -> _Request | GenerationResult:
+        """A checked request, or the FAILED result saying why not (counted)."""
+        vocab = self.model.config.vocab_size
+        try:
+            raw = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+        except TypeError:
+            raw = [None]
+        ok_types = all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in raw)
+        ids = [int(t) for t in raw] if ok_types else []
+        cause, message = None, None
+        if not ok_types:
+            cause, message = "bad_token_type", f"prompt {index}: token ids must be integers"
+        elif not ids:
+            cause, message = "empty_prompt", f"prompt {index}: empty (no token ids to continue)"
+        elif min(ids) < 0 or max(ids) >= vocab:
+            bad = min(ids) if min(ids) < 0 else max(ids)
+            cause, message = "token_out_of_vocab", f"prompt {index}: token id {bad} is outside the vocabulary (0..{vocab - 1})"
+        elif len(ids) >= self.max_length:
+            cause, message = "prompt_too_long", (f"prompt {index}: {len(ids)} tokens leave no room for a response "
+                                                 f"in the context of {self.max_length}")
+        if cause is not None:
+            self.stats.rejected[cause] += 1
+            return GenerationResult(prompt=ids if ok_types else [], tokens=[], log_probs=torch.zeros(0),
+                                    status=SampleStatus.FAILED, finish_reason="rejected",
+                                    policy_version=self.policy_version, seed=params.seed, error=message)
+        stops = params.stop_token_ids
+        if stops is None:
+            eos = self.model.config.eos_token_id
+            stops = () if eos is None else (eos,)
+        room = self.max_length - len(ids)
+        seed = params.seed
+        if seed is None and not params.greedy:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
+        return _Request(index, ids, params, seed, tuple(stops), min(params.max_new_tokens, room),
+                        room < params.max_new_tokens)
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationResult]:
+        """Continue every prompt. ``sampling``: one SamplingParams for all, or one per prompt.
+        With one shared SamplingParams that has a seed s, request i uses seed s + i."""
+        sampling = SamplingParams() if sampling is None else sampling
+        if isinstance(sampling, SamplingParams):
+            if sampling.seed is not None:
+                per = [SamplingParams(**{**vars(sampling), "seed": sampling.seed + i}) for i in range(len(prompts))]
+            else:
+                per = [sampling] * len(prompts)
+        else:
+            per = list(sampling)
+            if len(per) != len(prompts):
+                raise ValueError(f"generate: {len(per)} SamplingParams for {len(prompts)} prompts")
+        with self._lock:
+            results: list[GenerationResult | None] = [None] * len(prompts)
+            requests = []
+            for i, (prompt, params) in enumerate(zip(prompts, per)):
+                admitted = self._admit(i, prompt, params)
+                if isinstance(admitted, GenerationResult):
+                    results[i] = admitted
+                elif admitted.budget == 0:  # max_new_tokens = 0: nothing to run
+                    self.stats.finished["length"] += 1
+                    results[i] = GenerationResult(admitted.prompt, [], torch.zeros(0), SampleStatus.TRUNCATED,
+                                                  "length", self.policy_version, admitted.seed)
+                else:
+                    requests.append(admitted)
+            self.stats.requests += len(prompts)
+            # Similar lengths together: less padding per wave.
+            requests.sort(key=lambda r: len(r.prompt), reverse=True)
+            size = self.config.max_batch_size
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                for start in range(0, len(requests), size):
+                    wave = requests[start : start + size]
+                    for request, result in zip(wave, self._run_wave(wave)):
+                        results[request.index] = result
+            finally:
+                self.model.train(was_training)
+        return results
+
+    # ------------------------------------------------------------ the decode loop
+    @torch.inference_mode()
+    def _run_wave(self, wave: list[_Request]) -> list[GenerationResult]:
+        model = self.model
+        device = model.lm_head.weight.device
+        B = len(wave)
+        lengths = torch.tensor([len(r.prompt) for r in wave], device=device)
+        width = int(lengths.max())
+        budgets = torch.tensor([r.budget for r in wave], device=device)
+        steps = int(budgets.max())
+        out_tokens = torch.zeros(B, steps, dtype=torch.long, device=device)
+        out_logps = torch.zeros(B, steps, dtype=torch.float32, device=device)
+        produced = torch.zeros(B, dtype=torch.long, device=device)  # tokens each row ended with
+        stopped = torch.zeros(B, dtype=torch.bool, device=device)
+        self._decode(wave, lengths, width, budgets, steps, out_tokens, out_logps, produced, stopped)
+        results = []
+        for row, request in enumerate(wave):
+            n = int(produced[row])
+            if bool(stopped[row]):
+                reason, status = "stop", SampleStatus.COMPLETED
+            else:
+                reason = "context" if request.context_bound else "length"
+                status = SampleStatus.TRUNCATED
+            self.stats.finished[reason] += 1
+            self.stats.generated_tokens += n
+            results.append(GenerationResult(
+                prompt=request.prompt, tokens=out_tokens[row, :n].tolist(), log_probs=out_logps[row, :n].cpu().clone(),
+                status=status, finish_reason=reason, policy_version=self.policy_version, seed=request.seed,
+            ))
+        return results
+
+    def _decode(self, wave, lengths, width, budgets, steps, out_tokens, out_logps, produced, stopped):
+        model = self.model
+        device = lengths.device
+        B = len(wave)
+        pads = width - lengths
+        ids = torch.zeros(B, width, dtype=torch.long, device=device)
+        for row, request in enumerate(wave):
+            ids[row, int(pads[row]):] = torch.tensor(request.prompt, device=device)
+        padded = bool((pads > 0).any())
+        docs = positions = None
+        if padded:
+            slots = torch.arange(width, device=device)
+            docs = torch.where(slots[None] < pads[:, None], -1, 0)
+            positions = (slots[None] - pads[:, None]).clamp(min=0)
+
+        # Per-row sampling settings, uniforms drawn up front from each request's own generator.
+        params = [r.params for r in wave]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device)
+        uniforms = torch.zeros(B, steps, dtype=torch.float64)
+        for row, request in enumerate(wave):
+            if request.seed is not None and not request.params.greedy:
+                uniforms[row, : request.budget] = request_uniforms(request.seed, request.budget)
+        uniforms = uniforms.to(device)
+        sampling_mode = torch.tensor([p.logprob_mode == "sampling" for p in params], device=device)
+        any_sampling_mode = bool(sampling_mode.any())
+        stops = stop_table([r.stops for r in wave], device)
+
+        cache = model.new_cache(B, width + steps)
+        hidden, _ = model.hidden_states(ids, cache, positions, doc_ids=docs)
+        logits = model.lm_head(hidden[:, -1]).float()  # only the last position is sampled from
+        live = torch.arange(B, device=device)  # wave rows still decoding, in cache order
+        for step in range(steps):
+            tokens, sampled_lp = sample_step(logits, temperature[live], top_k[live], top_p[live],
+                                             uniforms[live, step], want_sampling_log_probs=any_sampling_mode)
+            logp = gather_log_probs(logits, tokens)
+            if any_sampling_mode:
+                logp = torch.where(sampling_mode[live], sampled_lp, logp)
+            out_tokens[live, step] = tokens
+            out_logps[live, step] = logp
+            hit_stop = (tokens[:, None] == stops[live]).any(dim=-1)
+            done = hit_stop | (budgets[live] <= step + 1)
+            if bool(done.any()):
+                finished = live[done]
+                produced[finished] = step + 1
+                stopped[finished] = hit_stop[done]
+                keep = (~done).nonzero().squeeze(-1)
+                if keep.numel() == 0:
+                    break
+                cache.select(keep)
+                live, tokens = live[keep], tokens[keep]
+            pos = (width + step - pads[live])[:, None] if padded else None
+            hidden, _ = model.hidden_states(tokens[:, None], cache, pos)
+            logits = model.lm_head(hidden[:, -1]).float()

@@ -1,0 +1,63 @@
+"""Verifiable tasks for RL, plug-ins by dotted path (``rl.task``): each turns prompts into token ids,
+names its stop tokens and scores a response with a binary reward.
+
+``ArithmeticTask`` is the built-in one: the integer arithmetic the built-in pretraining corpus
+contains (``"Q: 37+45=? A:"`` -> ``" 82"``), so the tiny pretrained model can already solve part of it.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from orthon.data.arithmetic import check_answer, make_problem
+
+
+@dataclass
+class Prompt:
+    instance_id: str
+    text: str
+    ids: list[int]
+    label: str
+
+
+def arithmetic_reward(response: str, label: str) -> float:
+    """1 when the first integer of the response is the answer, else 0."""
+    return 1.0 if check_answer(response, label) else 0.0
+
+
+class ArithmeticTask:
+    task_type = "arithmetic"
+    reward_fn = staticmethod(arithmetic_reward)
+
+    def __init__(self, tokenizer, seed: int = 0, difficulty: int = 2, eval_size: int = 200):
+        self.tokenizer = tokenizer
+        self.difficulty = difficulty
+        self.rng = random.Random(seed)
+        self._eval_rng_seed = seed + 1_000_003
+        self.eval_size = eval_size
+        self.issued = 0
+        # A response ends at the first newline: every piece that contains one is a stop token.
+        self.stop_token_ids = tuple(i for i in range(tokenizer.vocab_size) if "\n" in tokenizer.decode([i]))
+
+    def _prompt(self, rng: random.Random, instance_id: str) -> Prompt:
+        text, answer = make_problem(rng, rng.randint(1, self.difficulty))
+        return Prompt(instance_id, text, self.tokenizer.encode(text), answer)
+
+    def sample(self, n: int) -> list[Prompt]:
+        prompts = [self._prompt(self.rng, f"train-{self.issued + i}") for i in range(n)]
+        self.issued += n
+        return prompts
+
+    def eval_set(self) -> list[Prompt]:
+        rng = random.Random(self._eval_rng_seed)
+        return [self._prompt(rng, f"eval-{i}") for i in range(self.eval_size)]
+
+    def state_dict(self) -> dict:
+        return {"rng": repr(self.rng.getstate()), "issued": self.issued}
+
+    def load_state_dict(self, state: dict) -> None:
+        import ast
+
+        version, internal, gauss = ast.literal_eval(state["rng"])
+        self.rng.setstate((version, tuple(internal), gauss))
+        self.issued = state["issued"]

@@ -1,0 +1,42 @@
+"""RLConfig: the synchronous GRPO + IcePop loop (`orthon rl`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from orthon.launch.config import ConfigError
+from orthon.rl.config import BufferConfig, LossConfig, RewardConfig
+from orthon.rl.engine import EngineConfig
+
+
+@dataclass
+class RLConfig:
+    run_dir: str = "runs/rl"
+    iterations: int = 40
+    prompts_per_iteration: int = 16
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    optimizer: Literal["adamw"] = "adamw"
+    lr: float = 2e-5
+    weight_decay: float = 0.0
+    micro_batch_size: int = 64  # samples per forward/backward
+    eval_interval: int = 5
+    checkpoint_interval: int = 10
+    keep_last: int = 2
+    seed: int = 0
+    task: str = "orthon.rl.tasks.ArithmeticTask"
+    task_args: dict[str, Any] = field(default_factory=lambda: {"difficulty": 2, "eval_size": 200})
+    # None: the task's own binary reward; else a RewardConfig name ("math", "code", dotted path).
+    reward: RewardConfig | None = None
+    buffer: BufferConfig = field(default_factory=lambda: BufferConfig(num_repeat_per_sample=8, task_type="arithmetic"))
+    loss: LossConfig = field(default_factory=LossConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    progress: bool = True
+
+    def __post_init__(self):
+        for name in ("iterations", "prompts_per_iteration", "micro_batch_size", "keep_last"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.lr < 0:
+            raise ConfigError(f"lr: must be >= 0, got {self.lr}")

@@ -1,0 +1,192 @@
+"""The synchronous GRPO + IcePop loop, built from separable parts: the rollout engine (its own copy of
+the model), the Data Buffer, the trainer step (recompute log-probs, IcePop loss, optimizer step) and
+the weight hand-over (copy into the engine's parameters in place). The asynchronous version runs the
+same parts on different threads / actors.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from orthon.pretrain.checkpoint import Checkpointer
+from orthon.pretrain.metrics import MetricsLogger, plot_curves, read_metrics
+from orthon.pretrain.weights_dir import load_weights_dir, save_weights_dir
+from orthon.rl.buffer import DataBuffer
+from orthon.rl.engine import InProcessEngine
+from orthon.rl.logprobs import sample_log_probs
+from orthon.rl.loss import aggregate_loss, grpo_advantages, icepop_token_loss
+from orthon.rl.rewards.registry import SafeReward
+from orthon.rl.sample import Sample, SampleStatus
+from orthon.rl.sampling import SamplingParams
+from orthon.rl.train_config import RLConfig
+
+
+def resolve(dotted: str):
+    module, _, name = dotted.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"rl.task: cannot import {dotted!r} ({exc})") from None
+
+
+class RLTrainer:
+    def __init__(self, cfg: RLConfig, policy_dir: Path, tokenizer, run_dir: Path, log=print):
+        self.cfg, self.run_dir, self.log = cfg, Path(run_dir), log
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        self.tokenizer = tokenizer
+        self.model = load_weights_dir(policy_dir).train()
+        self.model.set_indexers_trainable(False)  # the policy loss never reaches the DSA indexers
+        self.engine = InProcessEngine(load_weights_dir(policy_dir), cfg.engine)
+        self.task = resolve(cfg.task)(tokenizer, seed=cfg.seed, **cfg.task_args)
+        self.reward = SafeReward.from_config(cfg.reward) if cfg.reward else SafeReward(self.task.reward_fn)
+        self.buffer = DataBuffer(cfg.buffer.num_repeat_per_sample, self.task.task_type)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                           betas=(0.9, 0.95))
+        self.checkpointer = Checkpointer(self.run_dir, cfg.keep_last, log=log)
+        self.eval_prompts = self.task.eval_set()
+        self.iteration = 0
+
+    # ------------------------------------------------------------ parts
+    def sampling(self, greedy: bool = False, seed: int | None = None) -> SamplingParams:
+        return SamplingParams(max_new_tokens=self.cfg.max_new_tokens, temperature=0.0 if greedy else self.cfg.temperature,
+                              top_p=1.0 if greedy else self.cfg.top_p, stop_token_ids=self.task.stop_token_ids,
+                              seed=seed)
+
+    def rollout(self) -> dict:
+        """Generate G samples for each new prompt, score them, fill the buffer."""
+        G = self.cfg.buffer.num_repeat_per_sample
+        prompts = self.task.sample(self.cfg.prompts_per_iteration)
+        requests = [p for p in prompts for _ in range(G)]
+        seed = self.cfg.seed * 1_000_003 + self.iteration * len(requests)
+        results = self.engine.generate([p.ids for p in requests], self.sampling(seed=seed))
+        failed = 0
+        for prompt, result in zip(requests, results):
+            if result.status == SampleStatus.FAILED:
+                failed += 1
+                reward = 0.0
+            else:
+                reward = self.reward(self.tokenizer.decode(result.tokens), prompt.label)
+            sample = Sample(instance_id=prompt.instance_id, tokens=prompt.ids + result.tokens,
+                            response_length=len(result.tokens), loss_mask=[1] * len(result.tokens),
+                            rollout_log_probs=result.log_probs, reward=reward, policy_version=result.policy_version,
+                            status=result.status, metadata={"label": prompt.label})
+            self.buffer.add(sample)
+        return {"rollout_failed": failed}
+
+    def train_on(self, groups: list[list[Sample]]) -> dict:
+        """One optimizer step on ready groups: GRPO advantages, recomputed log-probs, IcePop loss."""
+        cfg = self.cfg.loss
+        samples = [s for g in groups for s in g]
+        rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)
+        advantages = grpo_advantages(rewards, unbiased=cfg.advantage_std == "unbiased").reshape(-1)
+        trainable = [i for i, s in enumerate(samples) if s.response_length > 0]
+        total_tokens = sum(samples[i].response_length for i in trainable)
+        stats = {"reward_mean": rewards.mean().item(), "groups_all_equal": float((rewards.std(-1) == 0).float().mean()),
+                 "response_length": sum(s.response_length for s in samples) / len(samples)}
+        sums, mismatch_max = {}, 0.0
+        self.optimizer.zero_grad(set_to_none=True)
+        for start in range(0, len(trainable), self.cfg.micro_batch_size):
+            batch = [samples[i] for i in trainable[start : start + self.cfg.micro_batch_size]]
+            adv = advantages[trainable[start : start + self.cfg.micro_batch_size]]
+            out = sample_log_probs(self.model, batch, with_entropy=True)
+            R = out.mask.shape[1]
+            rollout = torch.zeros(len(batch), R)
+            for b, s in enumerate(batch):
+                rollout[b, : s.response_length] = s.rollout_log_probs
+            token_loss, metrics = icepop_token_loss(
+                out.log_probs, rollout, adv, out.mask.float(), beta=cfg.icepop_beta, eps_low=cfg.eps_low,
+                eps_high=cfg.eps_high, keep_weight=cfg.keep_weight, kl_coef=cfg.kl_coef, entropy=out.entropy)
+            # Normalised by the step's global count, so micro-batching does not change the gradient.
+            denominator = total_tokens if cfg.aggregation == "token" else len(trainable)
+            aggregate_loss(token_loss, out.mask.float(), cfg.aggregation, denominator=denominator).backward()
+            n = int(out.mask.sum())
+            for key in ("masked_fraction", "logp_abs_diff", "clip_fraction", "entropy"):
+                sums[key] = sums.get(key, 0.0) + float(metrics[key]) * n
+            mismatch_max = max(mismatch_max, float(((out.log_probs.detach() - rollout).abs() * out.mask).max()))
+        self.optimizer.step()
+        stats.update({k: v / max(total_tokens, 1) for k, v in sums.items()})
+        stats["logp_mismatch_max"] = mismatch_max
+        return stats
+
+    def sync_weights(self) -> None:
+        """Hand the new weights to the engine (copied in place; the engine bumps its policy version)."""
+        self.engine.update_weights(self.model.state_dict())
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        results = self.engine.generate([p.ids for p in self.eval_prompts], self.sampling(greedy=True))
+        rewards = [self.reward(self.tokenizer.decode(r.tokens), p.label) for p, r in zip(self.eval_prompts, results)]
+        return sum(rewards) / len(rewards)
+
+    # ------------------------------------------------------------ state
+    def save_checkpoint(self) -> None:
+        state = {"step": self.iteration, "task": self.task.state_dict(), "torch_rng": torch.get_rng_state().tolist(),
+                 "policy_version": self.engine.policy_version}
+        self.checkpointer.save(self.iteration, self.model, [self.optimizer], state)
+
+    def resume(self) -> bool:
+        path = self.checkpointer.latest_good()
+        if path is None:
+            return False
+        state = self.checkpointer.load(path, self.model, [self.optimizer])
+        self.iteration = state["step"]
+        self.task.load_state_dict(state["task"])
+        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+        self.sync_weights()
+        self.engine.policy_version = state["policy_version"]
+        self.log(f"resumed RL from {path} at iteration {self.iteration}")
+        return True
+
+    # ------------------------------------------------------------ the loop
+    def fit(self) -> dict:
+        cfg = self.cfg
+        resumed = self.iteration or None
+        metrics = MetricsLogger(self.run_dir, resume_step=resumed)
+        if not resumed:
+            start_reward = self.evaluate()
+            metrics.log(0, eval_reward=start_reward)
+            self.log(f"iteration 0: held-out reward {start_reward:.3f}")
+        bar = None
+        if cfg.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.iterations, initial=self.iteration, desc="rl", unit="it")
+        while self.iteration < cfg.iterations:
+            start = time.perf_counter()
+            stats = self.rollout()
+            groups = self.buffer.take_ready()
+            stats.update(self.train_on(groups))
+            self.sync_weights()
+            self.iteration += 1
+            stats["policy_version"] = self.engine.policy_version
+            stats.update({f"buffer_{k}": v for k, v in self.buffer.counters().as_dict().items()})
+            stats.update({f"reward_{k}": v for k, v in self.reward.stats.as_dict().items()
+                          if isinstance(v, (int, float))})
+            if cfg.eval_interval and self.iteration % cfg.eval_interval == 0 or self.iteration == cfg.iterations:
+                stats["eval_reward"] = self.evaluate()
+            stats["iteration_time_s"] = time.perf_counter() - start
+            metrics.log(self.iteration, **stats)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{stats['reward_mean']:.2f}", eval=stats.get("eval_reward", ""))
+            if cfg.checkpoint_interval and self.iteration % cfg.checkpoint_interval == 0:
+                self.save_checkpoint()
+        if bar is not None:
+            bar.close()
+        if not self.checkpointer.step_dirs() or self.checkpointer.step_dirs()[-1].name != f"step_{self.iteration:08d}":
+            self.save_checkpoint()
+        metrics.close()
+        save_weights_dir(self.model, self.run_dir / "final")
+        records = read_metrics(self.run_dir / "metrics.jsonl")
+        plot_curves(records, ["reward_mean", "eval_reward"], self.run_dir / "reward.png",
+                    title="GRPO + IcePop: mean reward (train samples, held-out greedy)")
+        evals = [r["eval_reward"] for r in records if "eval_reward" in r]
+        return {"iterations": self.iteration, "eval_start": evals[0] if evals else math.nan,
+                "eval_end": evals[-1] if evals else math.nan, "eval_best": max(evals) if evals else math.nan}
