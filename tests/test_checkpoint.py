@@ -1,0 +1,66 @@
+"""Checkpoint writing is atomic and verified: a crash mid-save leaves nothing that looks finished, and
+damage to a finished checkpoint is detected."""
+import json
+
+import pytest
+import torch
+
+from orthon.pretrain.checkpoint import Checkpointer, CheckpointError, verify
+
+
+def _model_opt():
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_crash_during_save_leaves_no_finished_checkpoint(tmp_path, monkeypatch):
+    ckpt = Checkpointer(tmp_path, keep_last=3, log=lambda *_: None)
+    model, opt = _model_opt()
+    ckpt.save(1, model, [opt], {"step": 1})
+
+    import orthon.pretrain.checkpoint as module
+
+    class Killed(BaseException):
+        pass
+
+    def crash(*args, **kwargs):
+        raise Killed("killed mid-write")
+
+    monkeypatch.setattr(module, "_sha256", crash)  # dies after the tensors, before the manifest
+    with pytest.raises(Killed):
+        ckpt.save(2, model, [opt], {"step": 2})
+    monkeypatch.undo()
+    assert [p.name for p in ckpt.step_dirs()] == ["step_00000001"]
+    assert (tmp_path / "checkpoints" / "step_00000002.tmp").is_dir()  # the leftover is not a checkpoint
+    assert ckpt.latest_good().name == "step_00000001"
+    ckpt.save(2, model, [opt], {"step": 2})  # the next save replaces the leftover temporary directory
+    assert [p.name for p in ckpt.step_dirs()] == ["step_00000001", "step_00000002"]
+    assert not list(tmp_path.glob("checkpoints/*.tmp"))
+
+
+def test_damage_is_detected_and_loading_round_trips(tmp_path):
+    ckpt = Checkpointer(tmp_path, keep_last=2, log=lambda *_: None)
+    model, opt = _model_opt()
+    for step in (1, 2, 3):
+        ckpt.save(step, model, [opt], {"step": step})
+    assert [p.name for p in ckpt.step_dirs()] == ["step_00000002", "step_00000003"]  # keep_last
+    fresh = torch.nn.Linear(4, 3)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    state = ckpt.load(ckpt.latest_good(), fresh, [fresh_opt])
+    assert state == {"step": 3} and torch.equal(fresh.weight, model.weight)
+    assert torch.equal(fresh_opt.state[fresh.weight]["exp_avg"], opt.state[model.weight]["exp_avg"])
+
+    newest = ckpt.step_dirs()[-1]
+    manifest = json.loads((newest / "manifest.json").read_text())
+    name = next(n for n in manifest["files"] if n.endswith(".distcp"))
+    data = bytearray((newest / name).read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one flipped byte
+    (newest / name).write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="fails its checksum"):
+        verify(newest)
+    assert ckpt.latest_good().name == "step_00000002"
+    (ckpt.step_dirs()[0] / "manifest.json").unlink()
+    assert ckpt.latest_good() is None
