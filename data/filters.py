@@ -13,13 +13,13 @@ line length, control characters) that a document passes, in [0, 1].
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import re
 from typing import Callable, Sequence
 
 from orthon.data.config import FilterConfig
 from orthon.launch.config import ConfigError
+from orthon.launch.plugins import resolve as resolve_plugin
 
 _WORD = re.compile(r"\w+")
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
@@ -65,24 +65,8 @@ def heuristic_quality(
 
 
 def resolve(dotted: str) -> object:
-    """The object at ``package.module.name`` or ``package.module:name``; a ConfigError names what failed."""
-    if ":" in dotted:
-        module_name, _, attr = dotted.partition(":")
-    else:
-        module_name, _, attr = dotted.rpartition(".")
-    if not module_name or not attr:
-        raise ConfigError(f"{dotted!r}: expected a dotted path like package.module.name")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"{dotted!r}: cannot import {module_name}: {exc}") from None
-    try:
-        obj = module
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except AttributeError:
-        raise ConfigError(f"{dotted!r}: {module_name} has no attribute {attr}") from None
-    return obj
+    """The scorer at ``package.module.name`` or ``package.module:name``."""
+    return resolve_plugin(dotted, "filter")
 
 
 def load_scorer(config: FilterConfig) -> Callable[[str], float]:

@@ -5,7 +5,6 @@ same parts on different threads / actors.
 """
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import random
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from orthon.launch.plugins import resolve
 from orthon.pretrain.checkpoint import Checkpointer
 from orthon.pretrain.metrics import MetricsLogger, plot_curves, read_metrics
 from orthon.pretrain.weights_dir import load_weights_dir, save_weights_dir
@@ -27,14 +27,6 @@ from orthon.rl.sampling import SamplingParams
 from orthon.rl.train_config import RLConfig
 
 
-def resolve(dotted: str):
-    module, _, name = dotted.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ValueError(f"rl.task: cannot import {dotted!r} ({exc})") from None
-
-
 class RLTrainer:
     def __init__(self, cfg: RLConfig, policy_dir: Path, tokenizer, run_dir: Path, log=print):
         self.cfg, self.run_dir, self.log = cfg, Path(run_dir), log
@@ -44,7 +36,7 @@ class RLTrainer:
         self.model = load_weights_dir(policy_dir).train()
         self.model.set_indexers_trainable(False)  # the policy loss never reaches the DSA indexers
         self.engine = InProcessEngine(load_weights_dir(policy_dir), cfg.engine)
-        self.task = resolve(cfg.task)(tokenizer, seed=cfg.seed, **cfg.task_args)
+        self.task = resolve(cfg.task, "rl.task")(tokenizer, seed=cfg.seed, **cfg.task_args)
         self.reward = SafeReward.from_config(cfg.reward) if cfg.reward else SafeReward(self.task.reward_fn)
         self.buffer = DataBuffer(cfg.buffer.num_repeat_per_sample, self.task.task_type)
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay,

@@ -15,12 +15,13 @@ bound themselves, as the code reward does with its subprocess.
 from __future__ import annotations
 
 import functools
-import importlib
 import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from orthon.launch.config import ConfigError
+from orthon.launch.plugins import resolve as resolve_plugin
 from orthon.rl.rewards.code import code_reward
 from orthon.rl.rewards.math import math_reward
 
@@ -33,23 +34,12 @@ def resolve_reward(name: str, *, code_timeout_s: float = 10.0, code_memory_mb: i
         return math_reward
     if name == "code":
         return functools.partial(code_reward, timeout_s=code_timeout_s, memory_mb=code_memory_mb)
-    if ":" in name:
-        module_name, _, attr = name.partition(":")
-    else:
-        module_name, _, attr = name.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"reward {name!r}: expected 'math', 'code' or a dotted path like pkg.module.function")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"reward {name!r}: cannot import module {module_name!r}: {exc}") from None
-    fn = module
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            raise ValueError(f"reward {name!r}: module {module_name!r} has no attribute {attr!r}")
-        fn = getattr(fn, part)
+        fn = resolve_plugin(name, "reward")
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
     if not callable(fn):
-        raise ValueError(f"reward {name!r}: {attr!r} is not callable")
+        raise ValueError(f"reward {name!r}: not callable")
     return fn
 
 
