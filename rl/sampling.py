@@ -135,8 +135,8 @@ def inverse_cdf_sample(logits: Tensor, uniforms: Tensor) -> Tensor:
     """One token per row from softmax(logits), by the row's uniform u in [0, 1): the first index
     whose cumulative probability exceeds u * total. Entries at -inf (probability 0) are never picked.
     logits: (B, V); uniforms: (B,) -> (B,) int64."""
-    probs = torch.softmax(logits.double(), dim=-1)
-    cdf = probs.cumsum(dim=-1)
+    probs = torch.softmax(logits.float(), dim=-1)  # exactly 0 at -inf
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     target = uniforms.double().reshape(-1, 1) * cdf[:, -1:]
     idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     # u * total < total, so idx < V; the clamp guards against round-off only.
