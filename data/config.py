@@ -122,6 +122,8 @@ class BuiltinConfig:
     max_code_mb: float = 0.0  # 0: the whole standard library
     valid_fraction: float = 0.01
     workers: int = 0
+    # Blend weights by kind ("code", "arithmetic") for training; empty: in proportion to their tokens.
+    weights: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if not 0.0 <= self.valid_fraction < 0.5:
@@ -130,6 +132,12 @@ class BuiltinConfig:
             raise ConfigError("arithmetic_problems: must be >= 0 (and problems_per_doc >= 1)")
         if self.max_difficulty < 1:
             raise ConfigError(f"max_difficulty: must be >= 1, got {self.max_difficulty}")
+        if self.weights:
+            kinds = {"code", "arithmetic"} if self.include_stdlib else {"arithmetic"}
+            if set(self.weights) != kinds:
+                raise ConfigError(f"weights: give one weight for each of {sorted(kinds)}, got {sorted(self.weights)}")
+            if not all(w > 0 for w in self.weights.values()):
+                raise ConfigError(f"weights: must be positive, got {self.weights}")
 
 
 @dataclass

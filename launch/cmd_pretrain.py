@@ -26,10 +26,10 @@ def with_builtin_data(recipe: Recipe, log=print) -> Recipe:
     from orthon.data.builtin import prepare_builtin
 
     b = recipe.builtin
-    fields = {k: getattr(b, k) for k in b.__dataclass_fields__ if k not in ("vocab_size", "seed")}
+    fields = {k: getattr(b, k) for k in b.__dataclass_fields__ if k not in ("vocab_size", "seed", "weights")}
     paths = prepare_builtin(recipe.train.builtin_dir, vocab_size=b.vocab_size, seed=b.seed, log=log, **fields)
     d = recipe.data
-    data = paths.data_config(seq_len=d.seq_len, seed=d.seed, shuffle=d.shuffle, document_mask=d.document_mask,
+    data = paths.data_config(seq_len=d.seq_len, weights=dict(b.weights) or None, seed=d.seed, shuffle=d.shuffle, document_mask=d.document_mask,
                              blend_cycle=d.blend_cycle, num_samples=d.num_samples)
     return replace(recipe, data=data)
 
