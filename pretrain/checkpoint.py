@@ -98,6 +98,10 @@ class Checkpointer:
         _barrier()
         return final
 
+    def has(self, step: int) -> bool:
+        dirs = self.step_dirs()
+        return bool(dirs) and dirs[-1].name == f"step_{step:08d}"
+
     def latest_good(self) -> Path | None:
         """The newest checkpoint that verifies; bad ones are reported and skipped."""
         for path in reversed(self.step_dirs()):

@@ -35,8 +35,8 @@ CONFIG_NAME = "config.yaml"
 
 
 def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state().tolist(), "python": repr(random.getstate()),
-            "numpy": np.random.get_state()[1].tolist()}
+    # Only torch draws random numbers during training (data order comes from the sampler's position).
+    return {"torch": torch.get_rng_state().tolist()}
 
 
 def _set_rng_state(state: dict) -> None:
@@ -207,7 +207,7 @@ class Trainer:
         final_eval = self.evaluate()
         if final_eval is not None:
             metrics_log.log(self.step, final_eval_loss=final_eval)
-        if not self.checkpointer.step_dirs() or self.checkpointer.step_dirs()[-1].name != f"step_{self.step:08d}":
+        if not self.checkpointer.has(self.step):
             self.save_checkpoint()
         metrics_log.close()
         if samples_log is not None:

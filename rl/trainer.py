@@ -172,7 +172,7 @@ class RLTrainer:
                 self.save_checkpoint()
         if bar is not None:
             bar.close()
-        if not self.checkpointer.step_dirs() or self.checkpointer.step_dirs()[-1].name != f"step_{self.iteration:08d}":
+        if not self.checkpointer.has(self.iteration):
             self.save_checkpoint()
         metrics.close()
         save_weights_dir(self.model, self.run_dir / "final")
