@@ -20,6 +20,7 @@ COMMANDS = {
     "pretrain": ("orthon.launch.cmd_pretrain", "pretrain (or --resume) a model; the built-in corpus by default"),
     "generate": ("orthon.launch.cmd_generate", "sample text from a run's final model"),
     "ablate": ("orthon.launch.cmd_ablate", "optimizer ablation: AdamW vs Muon vs Muon + Split on one recipe"),
+    "midtrain": ("orthon.launch.cmd_midtrain", "long-context mid-training + DSA adaptation (--from a pretraining run); --eval: passkey heat map, perplexity by position"),
     "rl": ("orthon.launch.cmd_rl", "GRPO + IcePop from a pretraining run (--from RUN_DIR)"),
     "optim-plan": ("orthon.launch.cmd_optim_plan", "which optimizer updates each parameter, with Muon Split blocks and totals"),
     "data": ("orthon.launch.cmd_data", "tokenise text into token stores, build the built-in corpus, dedup, inspect"),

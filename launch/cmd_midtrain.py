@@ -1,0 +1,73 @@
+"""`orthon midtrain -c plan.yaml --from RUN_DIR [key=value ...]`: long-context mid-training and DSA adaptation.
+
+    orthon midtrain -c configs/midtrain_tiny.yaml --from runs/tiny      run every stage, then evaluate
+    orthon midtrain --resume RUN                                        continue an interrupted plan
+    orthon midtrain --eval RUN [RUN ...] [-c plan.yaml] [--out DIR]     passkey heat map + perplexity by position
+
+The plan is checked (stage order, budgets, IndexShare after DSA, lengths against the source model)
+before anything trains. After training, the source run and the mid-trained model are evaluated side
+by side (RUN/eval/: eval.txt, eval.json, eval.png) unless --no-eval.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from orthon.launch.config import ConfigError
+
+
+def register(parser, name):
+    parser.add_argument("-c", "--config", help="mid-training plan (configs/midtrain_*.yaml)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run_dir=runs/x lr_start=1e-4")
+    parser.add_argument("--from", dest="source", metavar="RUN_DIR", help="the pretraining run to continue")
+    parser.add_argument("--resume", metavar="RUN", help="continue the mid-training run in RUN (its plan.yaml)")
+    parser.add_argument("--eval", nargs="+", metavar="RUN", help="only evaluate these runs (pretraining, mid-training or stage dirs)")
+    parser.add_argument("--out", help="where --eval writes its report (default: eval/ in the last RUN)")
+    parser.add_argument("--no-eval", action="store_true", help="skip the evaluation after training")
+
+
+def _names(runs: list[str]) -> dict[str, str]:
+    names = {}
+    for run in runs:
+        base = Path(run).name or str(run)
+        names[base if base not in names else str(run)] = run
+    return names
+
+
+def _evaluate(runs: list[str], cfg, out_dir) -> None:
+    from orthon.midtrain.eval import evaluate_run, write_report
+
+    results = {name: evaluate_run(run, cfg) for name, run in _names(runs).items()}
+    print(write_report(results, out_dir))
+    print(f"report: {Path(out_dir) / 'eval.txt'}, heat map: {Path(out_dir) / 'eval.png'}")
+
+
+def run(args, name):
+    from orthon.midtrain.config import LongEvalConfig
+    from orthon.midtrain.stages import PLAN_NAME, load_plan, run_plan
+
+    if args.eval:
+        cfg = load_plan(args.config, args.overrides).eval if args.config else LongEvalConfig()
+        _evaluate(args.eval, cfg, args.out or Path(args.eval[-1]) / "eval")
+        return 0
+    if args.resume:
+        plan = load_plan(Path(args.resume) / PLAN_NAME, args.overrides)
+    else:
+        if not args.config:
+            raise ConfigError("-c PLAN is required (or --resume RUN, or --eval RUN ...)")
+        overrides = list(args.overrides) + ([f"source={args.source}"] if args.source else [])
+        plan = load_plan(args.config, overrides)
+        stages = Path(plan.run_dir) / "stages"
+        if stages.is_dir() and any(stages.iterdir()):
+            raise SystemExit(f"orthon midtrain: {plan.run_dir} already holds stages; use --resume {plan.run_dir} "
+                             f"or another run_dir")
+    start = time.perf_counter()
+    summaries = run_plan(plan)
+    for s in summaries:
+        eval_loss = s.get("final_eval_loss")
+        print(f"stage {s['stage']}: {s['step']} steps, {s['tokens']:,} tokens, train loss {s.get('loss', float('nan')):.4f}, "
+              f"held-out loss {eval_loss if eval_loss is not None else float('nan'):.4f}")
+    print(f"done in {time.perf_counter() - start:.0f}s; run directory {plan.run_dir}")
+    if not args.no_eval:
+        _evaluate([plan.source, plan.run_dir], plan.eval, Path(plan.run_dir) / "eval")
+    return 0

@@ -1,0 +1,233 @@
+"""Long-context evaluation: passkey retrieval over lengths x depths, and perplexity by position.
+
+Passkey: a prompt of exactly L tokens of real held-out text (the haystack) with a needle
+``PASSKEY = 71432`` inserted at a fraction d of it and, at the end, the needle's own prefix
+``PASSKEY =`` (as the classic passkey task ends on "The pass key is"); the model's greedy continuation
+(KV-cached decode, as generation runs) is right when its first digits are the key. Prompts are generated on the fly from a seed, at any length and depth.
+
+Perplexity by position: held-out sequences of one length, next-token NLL averaged per position
+bucket; positions beyond the pretraining length show whether the model still predicts there.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import replace
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from orthon.midtrain.config import LongEvalConfig
+from orthon.midtrain.losses import token_nll
+
+NEEDLE = "\nPASSKEY = {key}\n"
+QUESTION = "\nPASSKEY ="
+
+
+def place_needle(filler: Sequence[int], needle: Sequence[int], question: Sequence[int], length: int,
+                 depth: float) -> list[int]:
+    """Exactly ``length`` tokens: filler with ``needle`` inserted at fraction ``depth`` of the filler
+    part, then ``question``."""
+    room = length - len(needle) - len(question)
+    if room < 0:
+        raise ValueError(f"length {length}: too short for a {len(needle)}-token needle and a {len(question)}-token question")
+    if len(filler) < room:
+        raise ValueError(f"filler: {len(filler)} tokens, need {room} for length {length}")
+    at = round(depth * room)
+    return [*filler[:at], *needle, *filler[at:room], *question]
+
+
+def answer_matches(text: str, key: str) -> bool:
+    """Whether a generated continuation starts with the key (leading spaces ignored)."""
+    return text.strip().startswith(key)
+
+
+class Haystack:
+    """Windows of a held-out token stream (the largest valid store of a run)."""
+
+    def __init__(self, stores: list):
+        if not stores:
+            raise ValueError("haystack: no held-out store")
+        self.store = max(stores, key=lambda s: s.n_tokens)
+
+    def window(self, n: int, rng: random.Random) -> list[int]:
+        store = self.store
+        if store.n_tokens < n:
+            raise ValueError(f"haystack: the largest held-out store has {store.n_tokens} tokens, need {n}")
+        start = rng.randrange(0, store.n_tokens - n + 1)
+        return [int(t) for t in store.read(start, start + n)]
+
+
+@torch.no_grad()
+def greedy_continuations(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations of equal-length prompts, decoded together through the KV cache (the path
+    generation takes)."""
+    if len({len(p) for p in prompts}) != 1:
+        raise ValueError("greedy_continuations: prompts must have one length")
+    model.eval()
+    device = model.lm_head.weight.device
+    ids = torch.tensor(prompts, device=device)
+    cache = model.new_cache(ids.shape[0], ids.shape[1] + max_new_tokens)
+    out = []
+    for _ in range(max_new_tokens):
+        ids = model(ids, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+        out.append(ids)
+    return torch.cat(out, dim=1).tolist()
+
+
+@torch.no_grad()
+def passkey_accuracy(model, tokenizer, haystack: Haystack, cfg: LongEvalConfig, log=print) -> dict:
+    """{length: {depth: accuracy}} over cfg.trials random keys per cell."""
+    question = tokenizer.encode(QUESTION)
+    results: dict[int, dict[float, float]] = {}
+    for length in cfg.lengths:
+        results[length] = {}
+        for depth in cfg.depths:
+            rng = random.Random(f"{cfg.seed}:{length}:{depth}")
+            keys, prompts = [], []
+            for _ in range(cfg.trials):
+                keys.append("".join(rng.choice("0123456789") for _ in range(cfg.digits)))
+                needle = tokenizer.encode(NEEDLE.format(key=keys[-1]))
+                prompts.append(place_needle(haystack.window(length, rng), needle, question, length, depth))
+            answers = greedy_continuations(model, prompts, cfg.digits + 2)
+            right = sum(answer_matches(tokenizer.decode(a), k) for a, k in zip(answers, keys))
+            results[length][depth] = right / cfg.trials
+        log(f"  passkey L={length}: " + " ".join(f"{d:.2f}:{a:.2f}" for d, a in results[length].items()))
+    return results
+
+
+@torch.no_grad()
+def perplexity_by_position(model, data_cfg, cfg: LongEvalConfig, chunk: int = 1024) -> list[dict]:
+    """Held-out next-token perplexity per position bucket at cfg.ppl_length."""
+    from orthon.data.loader import ValidData
+
+    valid = ValidData(replace(data_cfg, seq_len=cfg.ppl_length), max_samples=cfg.ppl_samples)
+    model.eval()
+    device = model.lm_head.weight.device
+    nll_sum = torch.zeros(cfg.ppl_length, dtype=torch.float64)
+    count = torch.zeros(cfg.ppl_length, dtype=torch.float64)
+    seen = 0
+    for batch in valid.batches(4):
+        if seen >= cfg.ppl_samples:
+            break
+        ids, labels = batch.input_ids[: cfg.ppl_samples - seen], batch.labels[: cfg.ppl_samples - seen]
+        hidden, _ = model.hidden_states(ids.to(device))
+        nll = token_nll(hidden, model.lm_head.weight, labels.to(device), chunk).cpu().double()
+        kept = (labels != -100).double()
+        nll_sum += (nll * kept).sum(0)
+        count += kept.sum(0)
+        seen += ids.shape[0]
+    edges = np.linspace(0, cfg.ppl_length, cfg.ppl_buckets + 1).round().astype(int)
+    buckets = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        n = float(count[lo:hi].sum())
+        mean = float(nll_sum[lo:hi].sum()) / n if n else float("nan")
+        buckets.append({"start": int(lo), "end": int(hi), "ppl": math.exp(mean) if n else float("nan")})
+    return buckets
+
+
+# ---------------------------------------------------------------- runs and reports
+def resolve_run(path) -> tuple[Path, Path]:
+    """(run directory with config.yaml, its final weights dir) for a pretraining run, a mid-training
+    run (its last stage) or one stage."""
+    path = Path(path)
+    stages = path / "stages"
+    if stages.is_dir():
+        done = sorted(p for p in stages.iterdir() if (p / "final").is_dir())
+        if not done:
+            raise FileNotFoundError(f"{path}: no stage has finished (no stages/*/final)")
+        path = done[-1]
+    if not (path / "config.yaml").is_file() or not (path / "final").is_dir():
+        raise FileNotFoundError(f"{path}: not a run directory with config.yaml and final/")
+    return path, path / "final"
+
+
+def evaluate_run(path, cfg: LongEvalConfig, log=print) -> dict:
+    from orthon.data.store import TokenStore
+    from orthon.data.tokenizer import load_tokenizer
+    from orthon.launch.recipe import load_recipe
+    from orthon.pretrain.weights_dir import load_weights_dir
+
+    run_dir, weights = resolve_run(path)
+    recipe = load_recipe(run_dir / "config.yaml")
+    if not recipe.data.tokenizer or not recipe.data.valid:
+        raise ValueError(f"{run_dir}: the run names no tokenizer or held-out stores (data.tokenizer, data.valid)")
+    model = load_weights_dir(weights).eval()
+    tokenizer = load_tokenizer(recipe.data.tokenizer)
+    haystack = Haystack([TokenStore(s.path) for s in recipe.data.valid])
+    log(f"evaluating {run_dir} (trained at {recipe.data.seq_len} tokens, rope_theta {model.config.rope_theta:g}, "
+        f"DSA {'on' if model.config.sparse_attention else 'off'})")
+    return {"run": str(run_dir), "train_seq_len": recipe.data.seq_len, "rope_theta": model.config.rope_theta,
+            "sparse_attention": model.config.sparse_attention,
+            "passkey": passkey_accuracy(model, tokenizer, haystack, cfg, log),
+            "ppl_by_position": perplexity_by_position(model, recipe.data, cfg)}
+
+
+def format_table(results: dict[str, dict]) -> str:
+    lines = []
+    for name, r in results.items():
+        depths = list(next(iter(r["passkey"].values())).keys())
+        lines.append(f"{name}  ({r['run']}, trained at {r['train_seq_len']} tokens)")
+        lines.append("  passkey accuracy   " + "".join(f"d={d:<6.2f}" for d in depths) + "  mean")
+        for length, row in r["passkey"].items():
+            vals = list(row.values())
+            lines.append(f"    L={length:<15d}" + "".join(f"{a:<8.2f}" for a in vals) + f"  {sum(vals) / len(vals):.2f}")
+        lines.append("  perplexity by position  " + "  ".join(f"[{b['start']},{b['end']}): {b['ppl']:.2f}"
+                                                           for b in r["ppl_by_position"]))
+    return "\n".join(lines)
+
+
+def plot_report(results: dict[str, dict], out_png) -> None:
+    """Heat maps (length x depth) of passkey accuracy, one per model, and perplexity by position."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(results)
+    fig, axes = plt.subplots(1, n + 1, figsize=(4.2 * (n + 1), 3.8), dpi=110)
+    for ax, (name, r) in zip(axes[:n], results.items()):
+        lengths = list(r["passkey"].keys())
+        depths = list(r["passkey"][lengths[0]].keys())
+        grid = np.array([[r["passkey"][L][d] for d in depths] for L in lengths])
+        ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
+        ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
+        ax.set_yticks(range(len(lengths)), [str(L) for L in lengths])
+        for i in range(len(lengths)):
+            for j in range(len(depths)):
+                ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", color="w" if grid[i, j] < 0.6 else "k")
+        ax.set_xlabel("needle depth")
+        ax.set_ylabel("context length")
+        ax.set_title(f"passkey: {name}")
+    ax = axes[n]
+    for name, r in results.items():
+        mids = [(b["start"] + b["end"]) / 2 for b in r["ppl_by_position"]]
+        ax.plot(mids, [b["ppl"] for b in r["ppl_by_position"]], marker="o", label=name)
+        ax.axvline(r["train_seq_len"], linestyle="--", linewidth=0.8, color=ax.lines[-1].get_color())
+    ax.set_yscale("log")
+    ax.set_xlabel("position")
+    ax.set_ylabel("perplexity")
+    ax.set_title("perplexity by position\n(dashed: length trained at)")
+    ax.legend()
+    fig.tight_layout()
+    out_png = Path(out_png)
+    tmp = out_png.with_name(out_png.stem + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(out_png)
+
+
+def write_report(results: dict[str, dict], out_dir) -> str:
+    """eval.json, eval.txt and eval.png in out_dir (each written atomically); returns the table."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = format_table(results)
+    for name, text in (("eval.json", json.dumps(results, indent=1, default=str)), ("eval.txt", table + "\n")):
+        tmp = out_dir / (name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out_dir / name)
+    plot_report(results, out_dir / "eval.png")
+    return table

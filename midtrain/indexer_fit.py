@@ -1,0 +1,213 @@
+"""DSA adaptation: fit each lightning indexer to its layer's own attention.
+
+The model's forward does not return attention probabilities (its dense path is fused SDPA), so forward
+hooks on every MLAttention record the layer's input (and the top-k it used); the attention logits are
+then recomputed here in MLA's absorbed form (queries folded into the latent space, keys = the per-token
+latent), from the layer's own projections. The indexer runs on the *detached* layer input, so its KL
+trains the indexer alone and never reaches the main model.
+
+Memory: everything goes query chunk by query chunk, each chunk checkpointed: phase 1 holds
+chunk x S logits at a time, phase 2 chunk x k.
+"""
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.utils.checkpoint
+
+from orthon.midtrain.losses import attention_distribution, indexer_kl, topk_recall
+from orthon.pretrain.attention import MLAttention, causal_mask, document_mask, index_scores
+from orthon.pretrain.topk import deterministic_topk
+
+_FORWARD = inspect.signature(MLAttention.forward)
+
+
+@dataclass
+class LayerInput:
+    layer: int
+    x: torch.Tensor  # (B, T, hidden) attention input (after input_layernorm), detached
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_slots: torch.Tensor
+    doc_ids: torch.Tensor | None
+    topk: torch.Tensor | None  # (B, T, k) keys the layer attended to; None: dense
+
+
+class AttentionInputs:
+    """Records every attention layer's input while ``recording()`` is active (not during the recompute
+    of activation checkpointing, which runs the layers again in backward)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.active = False
+        self.records: list[LayerInput] = []
+        self.handles = [m.register_forward_hook(self._hook, with_kwargs=True)
+                        for m in model.modules() if isinstance(m, MLAttention)]
+
+    def _hook(self, module, args, kwargs, output):
+        if not self.active:
+            return
+        bound = _FORWARD.bind(module, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        if a["cache"] is not None:
+            raise RuntimeError("AttentionInputs: recording a KV-cached forward is not supported")
+        self.records.append(LayerInput(module.layer, a["x"].detach(), a["cos"], a["sin"], a["q_slots"],
+                                       a["doc_ids"], output[1]))
+
+    @contextmanager
+    def recording(self):
+        self.records, self.active = [], True
+        try:
+            yield self
+        finally:
+            self.active = False
+
+    def take(self) -> list[LayerInput]:
+        records, self.records = self.records, []
+        return records
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+@dataclass
+class IndexerTerms:
+    kl_sum: torch.Tensor  # sum of per-query KLs over layers and queries (differentiable in the indexers)
+    queries: int  # (layer, query) pairs in kl_sum
+    recall_sum: float = 0.0  # phase 1: summed recall over queries with more than k visible keys
+    recall_count: int = 0
+    oracle_sum: float = 0.0  # phase 1: summed best-possible recall (the target's own top-k mass)
+
+
+# ---------------------------------------------------------------- per-layer pieces
+def absorbed_queries(attn: MLAttention, x, cos, sin):
+    """(q_abs (B, T, H, R + rope), latent (B, T, R + rope), q_resid): the layer's attention in absorbed
+    form, q_abs . latent * attn.scale being its attention logits."""
+    q_resid, q_nope, q_rope, latent = attn._project(x, cos, sin)
+    w_uk = attn.kv_b_proj.weight.view(attn.n_heads, attn.nope + attn.v_dim, attn.rank)[:, : attn.nope]
+    q_lat = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)
+    return torch.cat([q_lat, q_rope], dim=-1), latent, q_resid
+
+
+def _gather(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """rows (B, S, D), idx (B, C, k) -> (B, C, k, D)."""
+    B, S, D = rows.shape
+    flat = idx + (torch.arange(B, device=idx.device) * S)[:, None, None]
+    return rows.reshape(B * S, D).index_select(0, flat.reshape(-1)).view(*idx.shape, D)
+
+
+def _visible(slots, num_keys, q_docs, k_docs):
+    if k_docs is None:
+        return causal_mask(slots, num_keys)[None]
+    return document_mask(q_docs, k_docs, slots)
+
+
+def _dense_chunk(q_abs, latent, q_idx, w_idx, k_idx, visible, scale, idx_scale, topk: int):
+    """Phase 1 on one query chunk: (KL sum, recall sum, oracle recall sum, queries counted for recall).
+    The oracle is the mass on the target's own top-k: the best recall any k keys can reach."""
+    with torch.no_grad():
+        logits = torch.einsum("bchd,bsd->bchs", q_abs, latent) * scale
+        target = attention_distribution(logits, visible)
+    scores = index_scores(q_idx, w_idx, k_idx, idx_scale)
+    kl = indexer_kl(target, scores, visible).sum()
+    with torch.no_grad():
+        vis = visible.expand_as(scores)
+        chosen = deterministic_topk(scores.detach().masked_fill(~vis, float("-inf")), topk)  # the model's rule
+        counted = vis.sum(-1) > topk
+        recall = topk_recall(target, chosen, vis.gather(-1, chosen))
+        recall_sum = recall.masked_fill(~counted, 0.0).sum()
+        oracle = target.topk(min(topk, target.shape[-1]), dim=-1).values.sum(-1)
+        oracle_sum = oracle.masked_fill(~counted, 0.0).sum()
+    return kl, recall_sum, oracle_sum, counted.sum()
+
+
+def _sparse_chunk(q_abs, latent, q_idx, w_idx, k_idx, idx, sel_visible, scale, idx_scale):
+    """Phase 2 on one query chunk: KL over the selected keys."""
+    with torch.no_grad():
+        logits = torch.einsum("bchd,bckd->bchk", q_abs, _gather(latent, idx)) * scale
+        target = attention_distribution(logits, sel_visible)
+    picked = _gather(k_idx, idx)  # (B, C, k, d), differentiable in the indexer's key projection
+    relu = torch.relu(torch.einsum("bcnd,bckd->bcnk", q_idx.float(), picked.float()) * idx_scale)
+    scores = torch.einsum("bcn,bcnk->bck", w_idx.float(), relu)
+    return indexer_kl(target, scores, sel_visible).sum()
+
+
+def layer_terms(attn: MLAttention, rec: LayerInput, mode: str, chunk: int) -> IndexerTerms:
+    """The indexer objective of one full-indexer layer. mode "dense": KL over all visible keys (phase 1,
+    with recall); "sparse": KL over the keys the layer selected (phase 2)."""
+    x = rec.x
+    with torch.no_grad():
+        q_abs, latent, q_resid = absorbed_queries(attn, x, rec.cos, rec.sin)
+    q_idx, w_idx = attn.indexer.queries(x, q_resid, rec.cos, rec.sin)
+    k_idx = attn.indexer.keys(x, rec.cos, rec.sin)
+    B, T = x.shape[:2]
+    S, k = latent.shape[1], attn.config.index_topk
+    kl = x.new_zeros((), dtype=torch.float32)
+    recall_sum, oracle_sum, recall_count = x.new_zeros(()), x.new_zeros(()), x.new_zeros((), dtype=torch.long)
+    use_sparse = mode == "sparse" and rec.topk is not None
+    for start in range(0, T, chunk):
+        c = slice(start, start + chunk)
+        slots = rec.q_slots[c]
+        q_docs = None if rec.doc_ids is None else rec.doc_ids[:, c]
+        if use_sparse:
+            idx = rec.topk[:, c]
+            sel_visible = idx <= slots[None, :, None]
+            if rec.doc_ids is not None:
+                sel_visible = sel_visible & (rec.doc_ids.gather(1, idx.reshape(B, -1)).view_as(idx) == q_docs[..., None])
+            kl = kl + torch.utils.checkpoint.checkpoint(
+                _sparse_chunk, q_abs[:, c], latent, q_idx[:, c], w_idx[:, c], k_idx, idx, sel_visible,
+                attn.scale, attn.indexer.scale, use_reentrant=False)
+        else:
+            visible = _visible(slots, S, q_docs, rec.doc_ids)
+            part, r_sum, o_sum, r_count = torch.utils.checkpoint.checkpoint(
+                _dense_chunk, q_abs[:, c], latent, q_idx[:, c], w_idx[:, c], k_idx, visible,
+                attn.scale, attn.indexer.scale, k, use_reentrant=False)
+            kl = kl + part
+            recall_sum, oracle_sum, recall_count = recall_sum + r_sum, oracle_sum + o_sum, recall_count + r_count
+    return IndexerTerms(kl, B * T, float(recall_sum), int(recall_count), float(oracle_sum))
+
+
+def indexer_terms(model, records: list[LayerInput], mode: str) -> IndexerTerms:
+    """Sum of layer_terms over the layers that run their own indexer."""
+    layers = model.model.layers
+    chunk = model.config.query_chunk
+    total = None
+    for rec in records:
+        attn = layers[rec.layer].self_attn
+        if attn.indexer is None:
+            continue  # IndexShare: this layer reuses the previous full layer's top-k
+        terms = layer_terms(attn, rec, mode, chunk)
+        if total is None:
+            total = terms
+        else:
+            total = IndexerTerms(total.kl_sum + terms.kl_sum, total.queries + terms.queries,
+                                 total.recall_sum + terms.recall_sum, total.recall_count + terms.recall_count,
+                                 total.oracle_sum + terms.oracle_sum)
+    if total is None:
+        raise RuntimeError("indexer_terms: no layer with an indexer was recorded")
+    return total
+
+
+@torch.no_grad()
+def indexer_recall(model, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> dict:
+    """Share of dense attention mass (summed over heads, normalised) on each indexer's top-k, over the
+    queries with more than index_topk visible keys; also the mean KL. Runs the model densely."""
+    sparse, training = model.config.sparse_attention, model.training
+    model.config.sparse_attention = False
+    model.eval()
+    probe = AttentionInputs(model)
+    try:
+        with probe.recording():
+            model.hidden_states(input_ids, doc_ids=doc_ids)
+        terms = indexer_terms(model, probe.take(), "dense")
+    finally:
+        probe.remove()
+        model.config.sparse_attention = sparse
+        model.train(training)
+    n = max(terms.recall_count, 1)
+    return {"recall": terms.recall_sum / n, "oracle_recall": terms.oracle_sum / n,
+            "kl": float(terms.kl_sum) / terms.queries, "queries": terms.recall_count}

@@ -1,0 +1,286 @@
+"""The stage runner: continue a pretraining run (weights and optimizer state) through the plan's stages.
+
+Each stage is a pretraining Trainer (the same loop, checkpoints, metrics, resume) over a recipe derived
+from the source run's: the stage's sequence length, RoPE base, IndexShare layer types, DSA switch and
+LR segment. StageTrainer overrides only the step (phases, chunked cross-entropy, the indexer KL) and the
+held-out loss. Layout of a mid-training run directory:
+
+    RUN/plan.yaml                       the resolved plan and the source run
+    RUN/stages/00_<name>/               one Trainer run directory per stage: config.yaml, metrics.jsonl,
+                                        checkpoints/ (resumable inside the stage), final/ (weights)
+    RUN/stages/00_<name>/stage_done.json written when the stage is complete
+A stage starts from the newest good checkpoint of the previous stage (the first from the source run);
+a rerun skips finished stages and resumes the unfinished one from its own checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import yaml
+
+from orthon.launch import config as config_io
+from orthon.launch.config import ConfigError
+from orthon.launch.recipe import Recipe, load_recipe
+from orthon.midtrain.config import MidtrainPlan
+from orthon.midtrain.indexer_fit import AttentionInputs, indexer_terms
+from orthon.midtrain.losses import chunked_cross_entropy
+from orthon.midtrain.optimizer import StageOptimizer, copy_training_state, set_trainable
+from orthon.optim import build_for_model, lr_at
+from orthon.optim.config import BatchRampConfig, ScheduleConfig
+from orthon.pretrain import parallel
+from orthon.pretrain.checkpoint import Checkpointer
+from orthon.pretrain.metrics import plot_curves, read_metrics
+from orthon.pretrain.model import GLMForCausalLM
+from orthon.pretrain.trainer import CONFIG_NAME, Trainer, write_run_config
+
+PLAN_NAME = "plan.yaml"
+DONE_NAME = "stage_done.json"
+
+
+def stage_dir(run_dir, plan: MidtrainPlan, index: int) -> Path:
+    return Path(run_dir) / "stages" / f"{index:02d}_{plan.stages[index].name}"
+
+
+def stage_recipe(source: Recipe, plan: MidtrainPlan, index: int, run_dir) -> Recipe:
+    """The Trainer recipe of stage ``index``: the source run's, with the stage's length, RoPE base,
+    attention settings, batch, LR segment and budget."""
+    stage = plan.stages[index]
+    indexer_types = None
+    if stage.index_share:
+        indexer_types = plan.indexer_types(source.model.num_hidden_layers)
+    model_changes = dict(rope_theta=plan.rope_theta(index, source.model.rope_theta), indexer_types=indexer_types,
+                         sparse_attention=stage.dsa != "off", sparse_impl=plan.sparse_impl)
+    if plan.query_chunk:
+        model_changes["query_chunk"] = plan.query_chunk
+    model = source.model.replace(**model_changes)
+    lr0, lr1 = plan.lr_segment(index)
+    batch = stage.batch_tokens or plan.batch_tokens
+    train = replace(
+        source.train, run_dir=str(run_dir), micro_batch_size=stage.micro_batch_size or plan.micro_batch_size,
+        total_tokens=stage.tokens, max_steps=0, eval_interval=plan.eval_interval, eval_samples=plan.eval_samples,
+        checkpoint_interval=plan.checkpoint_interval, keep_last=plan.keep_last, log_interval=plan.log_interval,
+        activation_checkpointing=plan.activation_checkpointing, track_max_logit=False,
+        log_sample_ids=plan.log_sample_ids, progress=plan.progress, parallel="ddp",
+    )
+    # A different shuffle per stage, reproducible from the source seed.
+    data = replace(source.data, seq_len=stage.seq_len, seed=source.data.seed + 1000 * (index + 1))
+    return replace(source, model=model, data=data, train=train,
+                   schedule=ScheduleConfig(kind="linear", peak_lr=lr0, floor_lr=lr1, warmup_tokens=0,
+                                           total_tokens=stage.tokens),
+                   batch=BatchRampConfig(start_batch_tokens=batch, end_batch_tokens=batch, ramp_tokens=0))
+
+
+class StageTrainer(Trainer):
+    """The pretraining Trainer running one mid-training stage."""
+
+    def __init__(self, plan: MidtrainPlan, index: int, source: Recipe, run_dir, log=print):
+        self.plan, self.index, self.stage = plan, index, plan.stages[index]
+        super().__init__(stage_recipe(source, plan, index, run_dir), run_dir, log)
+        if self.world > 1:
+            raise RuntimeError("orthon midtrain runs on one process (its chunked loss bypasses the DDP wrapper)")
+        # Everything trainable until a step says otherwise: torch.distributed.checkpoint restores optimizer
+        # state only for parameters that require grad, and a resume must restore all of it.
+        self.model.requires_grad_(True)
+        self.optimizer = StageOptimizer(self.model, self.recipe.optim, self.recipe.schedule)
+        self.probe = AttentionInputs(self.model)
+        self.ce_chunk = plan.ce_chunk
+
+    # ------------------------------------------------------------ one step
+    def train_step(self) -> dict:
+        start = time.perf_counter()
+        phase = self.stage.step_phase(self.step)
+        self.model.config.sparse_attention = phase == "sparse"
+        set_trainable(self.model, phase)
+        n_seqs = self.batch_sequences()
+        lr = lr_at(self.recipe.schedule, self.tokens)
+        indexer_lr = self.stage.indexer_lr if phase == "indexer_only" and self.stage.indexer_lr is not None else lr
+        self.optimizer.set_lr(lr, indexer_lr)
+        batch = self.data.next_batch(n_seqs)
+        self.sample_ids = batch.sample_ids
+        count = (batch.labels != -100).sum().float()
+        micro = self.cfg.micro_batch_size
+        n_micro = math.ceil(batch.input_ids.shape[0] / micro)
+        n_full = sum(1 for layer in self.model.model.layers if layer.self_attn.indexer is not None)
+        query_total = batch.input_ids.numel() * n_full
+        loss_sum, kl_sum, recall_sum, oracle_sum, recall_count = 0.0, 0.0, 0.0, 0.0, 0
+        for i in range(n_micro):
+            sl = slice(i * micro, (i + 1) * micro)
+            ids, labels = batch.input_ids[sl].to(self.device), batch.labels[sl].to(self.device)
+            docs = batch.doc_ids[sl].to(self.device) if self.recipe.data.document_mask else None
+            lm = self._lm_loss(ids, labels, docs, train_main=phase != "indexer_only", record=phase != "dense")
+            objective = lm / count if lm.requires_grad else None
+            if phase != "dense":
+                terms = indexer_terms(self.model, self.probe.take(),
+                                      "dense" if phase == "indexer_only" else "sparse")
+                kl = terms.kl_sum / query_total
+                objective = kl if objective is None else objective + kl
+                kl_sum += float(terms.kl_sum.detach())
+                recall_sum, recall_count = recall_sum + terms.recall_sum, recall_count + terms.recall_count
+                oracle_sum += terms.oracle_sum
+            objective.backward()
+            loss_sum += float(lm.detach())
+        grad_norm = self._clip_and_norm()
+        self.optimizer.step(phase)
+        self.optimizer.zero_grad(set_to_none=True)
+        imbalance = self._update_moe_bias() if phase != "indexer_only" else None
+        self.step += 1
+        self.tokens += n_seqs * self.seq_len
+        elapsed = time.perf_counter() - start
+        metrics = {"loss": loss_sum / float(count), "lr": lr, "phase": phase, "batch_tokens": n_seqs * self.seq_len,
+                   "tokens": self.tokens, "grad_norm": grad_norm, "tokens_per_s": n_seqs * self.seq_len / elapsed,
+                   "step_time_s": elapsed, "micro_batches": n_micro}
+        if phase != "dense":
+            metrics["indexer_kl"] = kl_sum / query_total
+            metrics["indexer_lr"] = indexer_lr
+        if recall_count:
+            metrics["indexer_recall"] = recall_sum / recall_count
+            metrics["oracle_recall"] = oracle_sum / recall_count  # the best any k keys can do
+        if imbalance is not None:
+            metrics["moe_load_max_over_mean"] = imbalance
+        return metrics
+
+    def _lm_loss(self, ids, labels, docs, train_main: bool, record: bool) -> torch.Tensor:
+        """Summed LM loss through the chunked cross-entropy; with ``record`` the layers' inputs are kept
+        for the indexer objective. With the main model frozen (phase 1) it runs without a graph."""
+        with self.probe.recording() if record else nullcontext():
+            if train_main:
+                hidden, _ = self.model.hidden_states(ids, doc_ids=docs)
+                return chunked_cross_entropy(hidden, self.model.lm_head.weight, labels, self.ce_chunk)
+            self.model.eval()  # frozen: no MoE load counted, nothing to recompute
+            try:
+                with torch.no_grad():
+                    hidden, _ = self.model.hidden_states(ids, doc_ids=docs)
+                    return chunked_cross_entropy(hidden, self.model.lm_head.weight, labels, self.ce_chunk)
+            finally:
+                self.model.train()
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        if self.valid is None:
+            return None
+        self.model.eval()
+        total, count = 0.0, 0
+        for batch in self.valid.batches(self.cfg.micro_batch_size):
+            docs = batch.doc_ids if self.recipe.data.document_mask else None
+            hidden, _ = self.model.hidden_states(batch.input_ids.to(self.device), doc_ids=docs)
+            total += float(chunked_cross_entropy(hidden, self.model.lm_head.weight, batch.labels.to(self.device),
+                                                 self.ce_chunk))
+            count += int((batch.labels != -100).sum())
+        self.model.train()
+        return total / count if count else None
+
+    def finish(self, state: dict) -> None:
+        super().finish(state)
+        records = read_metrics(self.run_dir / "metrics.jsonl")
+        if any("indexer_recall" in r for r in records):
+            plot_curves(records, ["indexer_recall", "oracle_recall"], self.run_dir / "indexer_recall.png",
+                        title=f"indexer recall, stage {self.stage.name} (T={self.seq_len}, k={self.recipe.model.index_topk})")
+
+
+# ---------------------------------------------------------------- stage hand-over
+def _load_source_run(source_dir: Path, recipe: Recipe, log):
+    """The pretraining run's newest good checkpoint in a model + optimizer built as its Trainer built them."""
+    path = Checkpointer(source_dir, log=log).latest_good()
+    if path is None:
+        raise FileNotFoundError(f"{source_dir}: no usable checkpoint to continue from")
+    model = GLMForCausalLM(recipe.model)
+    # Frozen indexers (as pretraining has them) have no optimizer state in the checkpoint; loading asks
+    # for state exactly for the parameters that require grad.
+    model.set_indexers_trainable(_has_indexer_state(path))
+    optimizer = build_for_model(model, recipe.optim, recipe.schedule)
+    Checkpointer(source_dir, log=log).load(path, model, optimizer.optimizers)
+    log(f"continuing {source_dir} from {path.name}")
+    return model, optimizer.optimizers
+
+
+def _has_indexer_state(checkpoint: Path) -> bool:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    return any(k.startswith("optim.state.") and ".indexer." in k for k in keys)
+
+
+def _load_stage_run(directory: Path, log):
+    recipe = load_recipe(directory / CONFIG_NAME)
+    path = Checkpointer(directory, log=log).latest_good()
+    if path is None:
+        raise FileNotFoundError(f"{directory}: the previous stage has no usable checkpoint")
+    model = GLMForCausalLM(recipe.model)
+    optimizer = StageOptimizer(model, recipe.optim, recipe.schedule)
+    Checkpointer(directory, log=log).load(path, model, optimizer.optimizers)
+    log(f"continuing stage {directory.name} from {path.name}")
+    return model, optimizer.optimizers
+
+
+def _clear_partial(directory: Path) -> None:
+    import shutil
+
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        (directory / name).unlink(missing_ok=True)
+    shutil.rmtree(directory / "tb", ignore_errors=True)
+
+
+def write_plan(run_dir: Path, plan: MidtrainPlan) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / (PLAN_NAME + ".tmp")
+    tmp.write_text(yaml.safe_dump(config_io.to_dict(plan), sort_keys=False))
+    tmp.replace(run_dir / PLAN_NAME)
+
+
+def load_plan(path, overrides=()) -> MidtrainPlan:
+    return config_io.load(MidtrainPlan, path, overrides)
+
+
+def prepare(plan: MidtrainPlan) -> Recipe:
+    """Every check that can fail before training: the source run, and the plan against its model."""
+    source_dir = Path(plan.source)
+    if not plan.source:
+        raise ConfigError("source: no pretraining run given (use --from RUN_DIR)")
+    if not (source_dir / CONFIG_NAME).is_file():
+        raise ConfigError(f"source: {source_dir} is not a pretraining run directory (no {CONFIG_NAME})")
+    source = load_recipe(source_dir / CONFIG_NAME)
+    plan.check_against_model(source.model)
+    for i in range(len(plan.stages)):  # every stage's derived config must build (e.g. IndexShare types)
+        stage_recipe(source, plan, i, stage_dir(plan.run_dir, plan, i))
+    return source
+
+
+def run_plan(plan: MidtrainPlan, log=print) -> list[dict]:
+    """Run (or continue) every stage of ``plan`` in plan.run_dir; returns each stage's summary."""
+    source = prepare(plan)
+    run_dir = Path(plan.run_dir)
+    write_plan(run_dir, plan)
+    summaries = []
+    for i, stage in enumerate(plan.stages):
+        directory = stage_dir(run_dir, plan, i)
+        done = directory / DONE_NAME
+        if done.is_file():
+            summaries.append(json.loads(done.read_text()))
+            continue
+        log(f"stage {i} {stage.name!r}: seq_len {stage.seq_len}, {stage.tokens:,} tokens, dsa {stage.dsa}, "
+            f"IndexShare {'on' if stage.index_share else 'off'}")
+        trainer = StageTrainer(plan, i, source, directory, log=log)
+        if not (directory / CONFIG_NAME).is_file():
+            write_run_config(directory, trainer.recipe)
+        if not trainer.resume():
+            _clear_partial(directory)  # a start killed before its first checkpoint left these behind
+            if i == 0:
+                src_model, src_opts = _load_source_run(Path(plan.source), source, log)
+            else:
+                src_model, src_opts = _load_stage_run(stage_dir(run_dir, plan, i - 1), log)
+            copy_training_state(src_model, src_opts, trainer.model, trainer.optimizer.optimizers, log)
+            del src_model, src_opts
+        result = trainer.fit()
+        trainer.probe.remove()
+        summary = {"stage": stage.name, "index": i, **{k: v for k, v in result.items() if not isinstance(v, torch.Tensor)}}
+        tmp = done.with_suffix(".tmp")
+        tmp.write_text(json.dumps(summary))
+        tmp.replace(done)
+        summaries.append(summary)
+    return summaries

@@ -1,0 +1,119 @@
+"""Long-context evaluation: prompt construction, scoring, perplexity by position against a direct
+computation, and the report (table, JSON, heat map) from `orthon midtrain --eval`."""
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+from hf_reference import small_config
+from test_data_support import corpus_texts, make_store, run_cli, train_tiny_tokenizer
+from orthon.launch.config import to_dict
+from orthon.launch.recipe import Recipe
+from orthon.midtrain.config import LongEvalConfig
+from orthon.midtrain.eval import answer_matches, evaluate_run, greedy_continuations, place_needle, resolve_run
+from orthon.pretrain.generate import generate_ids
+from orthon.pretrain.model import GLMForCausalLM
+from orthon.pretrain.weights_dir import save_weights_dir
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Decoding runs many tiny ops: one thread avoids the thread hand-offs that dominate them.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_place_needle_length_and_depth():
+    filler = list(range(100, 200))
+    needle, question = [1, 2, 3], [7, 8]
+    for length in (20, 57):
+        room = length - 5
+        for depth, at in ((0.0, 0), (1.0, room), (0.5, round(room / 2))):
+            prompt = place_needle(filler, needle, question, length, depth)
+            assert len(prompt) == length
+            assert prompt[at : at + 3] == needle and prompt[-2:] == question
+            assert prompt[:at] + prompt[at + 3 : -2] == filler[:room]  # filler kept in order
+    with pytest.raises(ValueError, match="too short"):
+        place_needle(filler, needle, question, 4, 0.5)
+
+
+def test_answer_matching():
+    assert answer_matches(" 71432\n", "71432") and answer_matches("71432)", "71432")
+    assert not answer_matches(" 7143", "71432") and not answer_matches(" 71433", "71432")
+
+
+def test_batched_greedy_equals_single_prompt_generation():
+    model = GLMForCausalLM(small_config("dsa", index_topk=8, initializer_range=0.2)).eval()
+    prompts = torch.randint(0, model.config.vocab_size, (3, 20)).tolist()
+    batched = greedy_continuations(model, prompts, 6)
+    assert batched == [generate_ids(model, p, 6, temperature=0.0) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A run directory as pretraining leaves one: config.yaml naming a tokenizer and a held-out store,
+    and final/ weights."""
+    from orthon.data.tokenizer import load_tokenizer
+
+    tmp = tmp_path_factory.mktemp("eval_run")
+    tok_path = train_tiny_tokenizer(tmp)
+    tok = load_tokenizer(tok_path)
+    docs = [tok.encode(t) + [tok.eos_id] for t in corpus_texts(n_arith_docs=10, code_mb=0.02)]
+    store = make_store(tmp / "valid", [docs], vocab=tok.vocab_size, eos_id=tok.eos_id)
+    recipe = Recipe(model=small_config("dsa", vocab_size=tok.vocab_size, index_topk=16))
+    data = to_dict(recipe)
+    data["data"].update(tokenizer=str(tok_path), valid=[{"path": str(store), "name": "valid"}], seq_len=32)
+    run = tmp / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(data))
+    save_weights_dir(GLMForCausalLM(recipe.model), run / "final")
+    return run
+
+
+def test_perplexity_by_position_matches_direct_computation(run_dir):
+    from orthon.data.loader import ValidData
+    from orthon.launch.recipe import load_recipe
+    from orthon.pretrain.weights_dir import load_weights_dir
+
+    cfg = LongEvalConfig(lengths=[48], depths=[0.0, 1.0], trials=2, ppl_length=48, ppl_buckets=4, ppl_samples=3)
+    result = evaluate_run(run_dir, cfg, log=lambda *_: None)
+    assert set(result["passkey"]) == {48} and set(result["passkey"][48]) == {0.0, 1.0}
+    assert all(a in (0.0, 0.5, 1.0) for a in result["passkey"][48].values())
+
+    recipe = load_recipe(run_dir / "config.yaml")
+    model = load_weights_dir(run_dir / "final").eval()
+    from dataclasses import replace
+
+    batch = next(ValidData(replace(recipe.data, seq_len=48), max_samples=3).batches(3))
+    with torch.no_grad():
+        nll = F.cross_entropy(model(batch.input_ids).logits.transpose(1, 2), batch.labels, reduction="none",
+                              ignore_index=-100)
+    keep = (batch.labels != -100).float()
+    for b, (lo, hi) in zip(result["ppl_by_position"], [(0, 12), (12, 24), (24, 36), (36, 48)]):
+        assert (b["start"], b["end"]) == (lo, hi)
+        expected = math.exp(float((nll[:, lo:hi] * keep[:, lo:hi]).sum() / keep[:, lo:hi].sum()))
+        assert b["ppl"] == pytest.approx(expected, rel=1e-4)
+
+
+def test_cli_eval_writes_table_json_and_heat_map(run_dir, tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({"stages": [{"name": "a", "seq_len": 32, "tokens": 64}],
+                                    "eval": {"lengths": [32, 64], "depths": [0.0, 0.5, 1.0], "trials": 2,
+                                             "ppl_length": 64, "ppl_buckets": 2, "ppl_samples": 2}}))
+    assert run_cli("midtrain", ["--eval", str(run_dir), "-c", str(plan), "--out", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert list(report) == ["run"] and list(report["run"]["passkey"]) == ["32", "64"]
+    table = (tmp_path / "out" / "eval.txt").read_text()
+    assert "L=32" in table and "L=64" in table and "perplexity by position" in table
+    png = (tmp_path / "out" / "eval.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_resolve_run_errors_name_the_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a run directory"):
+        resolve_run(tmp_path)

@@ -1,0 +1,198 @@
+"""The stage runner end to end on a small pretraining run, through the CLI: RoPE base change, phase 1
+touching only the indexers, IndexShare, the LR segments, optimizer state carried across stages, bad
+plans failing before training, and SIGKILL + resume inside a stage reproducing the uninterrupted run."""
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+from pretrain_support import ROOT, env, make_stores, orthon, sample_ids, write_recipe
+
+# `orthon midtrain`, whether or not launch/cli.py lists it yet.
+CLI = ("import sys; from orthon.launch import cli; "
+       "cli.COMMANDS.setdefault('midtrain', ('orthon.launch.cmd_midtrain', 'mid-training')); "
+       "sys.exit(cli.main(sys.argv[1:]))")
+STAGES = ["00_long", "01_dsa", "02_share"]
+
+
+def midtrain_cmd(*args):
+    return [sys.executable, "-c", CLI, "midtrain", *map(str, args)]
+
+
+def midtrain(*args, check=True):
+    proc = subprocess.run(midtrain_cmd(*args), capture_output=True, text=True, env=env(), cwd=ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"midtrain {args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def plan(run_dir, **changes):
+    stages = [
+        {"name": "long", "seq_len": 64, "tokens": 512, "rope_theta": 100000.0},
+        {"name": "dsa", "seq_len": 64, "tokens": 1024, "dsa": "indexer_warmup", "indexer_only_steps": 2,
+         "indexer_lr": 0.01, "lr_mode": "hold"},
+        {"name": "share", "seq_len": 128, "tokens": 512, "dsa": "sparse", "index_share": True},
+    ]
+    p = {"run_dir": str(run_dir), "lr_start": 0.004, "lr_end": 0.001, "batch_tokens": 256, "micro_batch_size": 2,
+         "checkpoint_interval": 2, "keep_last": 10, "progress": False, "log_sample_ids": True, "ce_chunk": 48,
+         "query_chunk": 24, "stages": stages}
+    p.update(changes)
+    return p
+
+
+def write_plan(path, data):
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("midtrain_src")
+    stores = make_stores(tmp / "data")
+    orthon("pretrain", "-c", write_recipe(tmp / "pre.yaml", stores, tmp / "pre", train={"max_steps": 6}))
+    return tmp / "pre"
+
+
+@pytest.fixture(scope="module")
+def reference(source, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("midtrain_ref")
+    out = midtrain("-c", write_plan(tmp / "plan.yaml", plan(tmp / "mid")), "--from", source, "--no-eval")
+    return tmp / "mid", out.stdout + out.stderr
+
+
+def _metrics(run, stage):
+    return [json.loads(l) for l in (run / "stages" / stage / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
+
+
+def _load_ckpt(run, stage, step):
+    """(model, optimizer) of a stage's checkpoint, as the runner rebuilds them."""
+    from orthon.launch.recipe import load_recipe
+    from orthon.midtrain.optimizer import StageOptimizer
+    from orthon.pretrain.checkpoint import Checkpointer
+    from orthon.pretrain.model import GLMForCausalLM
+
+    directory = run / "stages" / stage
+    recipe = load_recipe(directory / "config.yaml")
+    model = GLMForCausalLM(recipe.model)
+    optimizer = StageOptimizer(model, recipe.optim, recipe.schedule)
+    Checkpointer(directory).load(directory / "checkpoints" / f"step_{step:08d}", model, optimizer.optimizers)
+    return model, optimizer
+
+
+def test_stages_run_with_their_settings(reference):
+    run, log = reference
+    assert "continuing" in log and "carried optimizer state" in log
+    from orthon.launch.recipe import load_recipe
+
+    recipes = [load_recipe(run / "stages" / s / "config.yaml") for s in STAGES]
+    assert [r.data.seq_len for r in recipes] == [64, 64, 128]
+    assert [r.model.rope_theta for r in recipes] == [100000.0] * 3  # raised at the first stage, kept after
+    assert [r.model.indexer_types for r in recipes] == [None, None, ["full", "shared"]]
+    for s in STAGES:
+        assert (run / "stages" / s / "stage_done.json").is_file() and (run / "stages" / s / "final" / "model.safetensors").is_file()
+    phases = [[r["phase"] for r in _metrics(run, s)] for s in STAGES]
+    assert phases == [["dense"] * 2, ["indexer_only"] * 2 + ["sparse"] * 2, ["sparse"] * 2]
+    # One linear decay 0.004 -> 0.001 over the decay stages (512 + 512 tokens); the DSA stage holds.
+    lrs = [[r["lr"] for r in _metrics(run, s)] for s in STAGES]
+    assert lrs[0] == pytest.approx([0.004, 0.004 - 0.003 * 256 / 1024])
+    assert lrs[1] == pytest.approx([0.0025] * 4)
+    assert lrs[2] == pytest.approx([0.0025, 0.0025 - 0.003 * 256 / 1024])
+    dsa = _metrics(run, "01_dsa")
+    assert [r["indexer_lr"] for r in dsa] == pytest.approx([0.01, 0.01, 0.0025, 0.0025])
+    assert all(0 < r["indexer_recall"] <= r["oracle_recall"] + 1e-6 for r in dsa[:2])
+    # Mid-training continues the pretrained model: its first loss is far below a random model's ln(300).
+    assert _metrics(run, "00_long")[0]["loss"] < 0.8 * torch.log(torch.tensor(300.0)).item()
+
+
+def test_phase1_moves_only_the_indexers_and_keeps_main_optimizer_state(reference):
+    run, _ = reference
+    before, opt_before = _load_ckpt(run, "00_long", 2)  # the first stage's last checkpoint
+    after, opt_after = _load_ckpt(run, "01_dsa", 2)  # after the two indexer-only steps
+    moved = []
+    for (name, p), q in zip(before.named_parameters(), after.parameters()):
+        if ".indexer." in name:
+            moved.append(not torch.equal(p, q))
+        else:
+            assert torch.equal(p, q), f"{name} changed during the indexer-only steps"
+    assert moved and all(moved)
+    names_a = {id(p): n for n, p in before.named_parameters()}
+    names_b = {n: p for n, p in after.named_parameters()}
+    for opt_a, opt_b in zip(opt_before.main.optimizers, opt_after.main.optimizers):
+        assert len(opt_a.state) == len(opt_b.state) > 0
+        for p, state in opt_a.state.items():
+            other = opt_b.state[names_b[names_a[id(p)]]]
+            for key, value in state.items():
+                assert torch.equal(value, other[key]), (names_a[id(p)], key)
+
+
+def test_indexshare_stage_drops_shared_indexers(reference):
+    run, _ = reference
+    model, _ = _load_ckpt(run, "02_share", 2)
+    kinds = [layer.self_attn.indexer is not None for layer in model.model.layers]
+    assert kinds == [True, False]
+    assert model.config.sparse_attention and model.config.indexer_types == ["full", "shared"]
+
+
+def test_finished_plan_reruns_nothing(reference, source):
+    run, _ = reference
+    sizes = {s: (run / "stages" / s / "metrics.jsonl").stat().st_size for s in STAGES}
+    out = midtrain("--resume", run, "--no-eval")
+    assert "stage share" in out.stdout
+    assert {s: (run / "stages" / s / "metrics.jsonl").stat().st_size for s in STAGES} == sizes
+
+
+def test_bad_plans_fail_before_training(source, tmp_path):
+    from orthon.launch.config import ConfigError
+    from orthon.midtrain.stages import load_plan, prepare
+
+    bad = {
+        "seq_len": ("length goes down", lambda p: p["stages"][2].update(seq_len=32), "stages[2].seq_len"),
+        "budget": ("zero budget", lambda p: p["stages"][0].update(tokens=0), "stages[0].tokens"),
+        "share": ("IndexShare before DSA", lambda p: p["stages"][0].update(index_share=True), "stages[0].index_share"),
+        "sparse": ("sparse before DSA", lambda p: p["stages"][0].update(dsa="sparse"), "stages[0].dsa"),
+        "too_long": ("beyond the model's positions", lambda p: p["stages"][2].update(seq_len=512, batch_tokens=512),
+                     "stages[2].seq_len"),
+    }
+    for key, (why, change, path) in bad.items():
+        data = plan(tmp_path / key, source=str(source))
+        change(data)
+        with pytest.raises(ConfigError, match=path.replace("[", r"\[").replace("]", r"\]")):
+            prepare(load_plan(write_plan(tmp_path / f"{key}.yaml", data)))
+    # Through the CLI: exit status 2, the message, and nothing written.
+    data = plan(tmp_path / "cli")
+    data["stages"][2]["seq_len"] = 32
+    out = midtrain("-c", write_plan(tmp_path / "cli.yaml", data), "--from", source, check=False)
+    assert out.returncode == 2 and "config error: stages[2].seq_len: 32 is shorter than" in out.stderr, out.stderr
+    assert not (tmp_path / "cli").exists()
+
+
+def test_sigkill_inside_a_stage_and_resume_reproduces_the_run(reference, source, tmp_path):
+    ref, _ = reference
+    run = tmp_path / "mid"
+    proc = subprocess.Popen(midtrain_cmd("-c", write_plan(tmp_path / "plan.yaml", plan(run)), "--from", source, "--no-eval"),
+                            cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    target = run / "stages" / "01_dsa" / "checkpoints" / "step_00000002"  # end of phase 1
+    deadline = time.time() + 300
+    while not target.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (run / "stages" / "02_share").exists() or not (run / "stages" / "02_share" / "stage_done.json").exists()
+
+    out = midtrain("--resume", run, "--no-eval")
+    assert "resumed from" in out.stdout + out.stderr
+    for stage in STAGES:
+        got, want = _metrics(run, stage), _metrics(ref, stage)
+        assert [r["step"] for r in got] == [r["step"] for r in want]
+        for a, b in zip(got, want):  # bit-identical: the same floats, not merely close
+            assert {k: a[k] for k in ("loss", "lr", "grad_norm", "indexer_kl") if k in a} == \
+                   {k: b[k] for k in ("loss", "lr", "grad_norm", "indexer_kl") if k in b}, stage
+        seen = sample_ids(run / "stages" / stage)
+        assert seen == sample_ids(ref / "stages" / stage) and len(seen) == len(set(seen)), stage
