@@ -10,7 +10,8 @@ class MetricsLogger:
     """One JSON object per line in ``metrics.jsonl`` plus TensorBoard scalars under ``tb/``.
 
     On resume the JSONL is cut back to the checkpoint's step, so the file never holds two values for
-    one step (a crash after the checkpoint leaves lines the resumed run will write again)."""
+    one step (a crash after the checkpoint leaves lines the resumed run will write again); a fresh
+    run (resume_step None) starts the file anew."""
 
     def __init__(self, run_dir, enabled: bool = True, resume_step: int | None = None, tensorboard: bool = True):
         self.enabled = enabled
@@ -18,9 +19,10 @@ class MetricsLogger:
         self.writer = None
         if not enabled:
             return
-        if resume_step is not None and self.path.exists():
+        if self.path.exists():
+            # A fresh run (resume_step None) starts a new file: nothing stale is ever appended to.
             kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", -1) <= resume_step]
+                    if resume_step is not None and line.strip() and json.loads(line).get("step", -1) <= resume_step]
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             tmp.replace(self.path)

@@ -222,8 +222,9 @@ class Trainer:
         if not (self.cfg.log_sample_ids and self.rank == 0):
             return None
         path = self.run_dir / "samples.jsonl"
-        if resume_step is not None and path.exists():
-            kept = [l for l in path.read_text().splitlines() if l and json.loads(l)["step"] <= resume_step]
+        if path.exists():  # cut back to the checkpoint (or empty for a fresh run), as the metrics
+            kept = [l for l in path.read_text().splitlines()
+                    if resume_step is not None and l and json.loads(l)["step"] <= resume_step]
             path.write_text("".join(l + "\n" for l in kept))
         return open(path, "a")
 
