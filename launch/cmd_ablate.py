@@ -16,7 +16,7 @@ def register(parser, name):
 
 def run(args, name):
     from orthon.launch.cmd_pretrain import with_builtin_data
-    from orthon.optim.ablation import format_table, summarize
+    from orthon.optim.ablation import format_table, moving_average, summarize
     from orthon.pretrain.metrics import plot_curves, read_metrics
     from orthon.pretrain.trainer import Trainer, write_run_config
 
@@ -43,13 +43,14 @@ def run(args, name):
     (out / "summary.json").write_text(json.dumps(rows, indent=1))
     merged = {}
     for name, (steps, losses) in curves.items():
-        for s, l in zip(steps, losses):
+        # Batches mix code and arithmetic, so the raw loss is noisy: plot the moving average the table uses.
+        for s, l in zip(steps, moving_average(losses, ab.smooth)):
             merged.setdefault(s, {"step": s})[f"loss_{name}"] = l
         for s, m in logits[name]:
             if m is not None:
                 merged.setdefault(s, {"step": s})[f"max_attn_logit_{name}"] = m
     records = [merged[s] for s in sorted(merged)]
-    plot_curves(records, [f"loss_{n}" for n in curves], out / "loss.png", title="optimizer ablation: training loss",
+    plot_curves(records, [f"loss_{n}" for n in curves], out / "loss.png", title=f"optimizer ablation: training loss ({ab.smooth}-step mean)",
                 logy=True)
     plot_curves(records, [f"max_attn_logit_{n}" for n in curves], out / "max_attn_logit.png",
                 title="largest attention logit per step (no gradient clipping)")
