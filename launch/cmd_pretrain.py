@@ -10,7 +10,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from orthon.launch.recipe import Recipe, add_recipe_args, load_recipe
-from orthon.launch import config as config_io
 
 
 def register(parser, name):

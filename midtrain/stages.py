@@ -33,7 +33,6 @@ from orthon.midtrain.losses import chunked_cross_entropy
 from orthon.midtrain.optimizer import StageOptimizer, copy_training_state, set_trainable
 from orthon.optim import build_for_model, lr_at
 from orthon.optim.config import BatchRampConfig, ScheduleConfig
-from orthon.pretrain import parallel
 from orthon.pretrain.checkpoint import Checkpointer
 from orthon.pretrain.metrics import plot_curves, read_metrics
 from orthon.pretrain.model import GLMForCausalLM

@@ -7,7 +7,7 @@ Defaults are the published GLM-5 numbers (SPEC.md section 1).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 from orthon.launch.config import ConfigError

@@ -14,7 +14,6 @@ import math
 import random
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np

@@ -5,7 +5,6 @@ same parts on different threads / actors.
 """
 from __future__ import annotations
 
-import json
 import math
 import random
 import time

@@ -5,7 +5,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 from pretrain_support import ROOT, env, losses, make_stores, orthon, sample_ids, write_recipe
 
