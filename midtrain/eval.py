@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from orthon.midtrain.config import LongEvalConfig
+from orthon.pretrain.metrics import save_figure
 from orthon.midtrain.losses import token_nll
 
 NEEDLE = "\nPASSKEY = {key}\n"
@@ -212,12 +213,7 @@ def plot_report(results: dict[str, dict], out_png) -> None:
     ax.set_ylabel("perplexity")
     ax.set_title("perplexity by position\n(dashed: length trained at)")
     ax.legend()
-    fig.tight_layout()
-    out_png = Path(out_png)
-    tmp = out_png.with_name(out_png.stem + ".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    tmp.replace(out_png)
+    save_figure(fig, out_png)
 
 
 def write_report(results: dict[str, dict], out_dir) -> str:

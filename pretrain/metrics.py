@@ -85,6 +85,13 @@ def plot_curves(records: list[dict], keys: list[str], out_png, title: str = "", 
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
+    save_figure(fig, out_png)
+
+
+def save_figure(fig, out_png) -> None:
+    """Write a matplotlib figure to PNG atomically (temp name, then rename) and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out_png = Path(out_png)
     tmp = out_png.with_name(out_png.stem + ".tmp.png")
