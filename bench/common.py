@@ -19,3 +19,25 @@ def median_time(fn, repeats: int, warmup: int = 1) -> float:
 
 def report(name: str, figures: dict, ratios: dict) -> None:
     print(json.dumps({"bench": name, "figures": figures, "ratios": ratios}))
+
+
+def tiny_pair(overrides=()):
+    """orthon's tiny model (configs/tiny.yaml with DSA on) and transformers' GlmMoeDsaForCausalLM holding
+    the same weights (written by orthon's HF exporter, read by transformers)."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    from transformers import GlmMoeDsaForCausalLM
+
+    from orthon.launch.recipe import load_recipe
+    from orthon.pretrain.model import GLMForCausalLM
+
+    root = Path(__file__).resolve().parents[1]
+    config = load_recipe(root / "configs/tiny.yaml", ["model.sparse_attention=true", *overrides]).model
+    torch.manual_seed(0)
+    ours = GLMForCausalLM(config)
+    with tempfile.TemporaryDirectory() as d:
+        ours.save_hf(d)
+        theirs = GlmMoeDsaForCausalLM.from_pretrained(d, dtype=torch.float32)
+    return ours, theirs

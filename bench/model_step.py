@@ -10,18 +10,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import median_time, report  # noqa: E402
+from common import median_time, report, tiny_pair  # noqa: E402
 
-from orthon.launch.recipe import load_recipe  # noqa: E402
-from orthon.pretrain.model import GLMForCausalLM  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def step_fn(model, ids, forward):
@@ -53,14 +49,9 @@ def main():
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from transformers import GlmMoeDsaForCausalLM
-
-    config = load_recipe(ROOT / "configs/tiny.yaml", ["model.sparse_attention=true"]).model
-    torch.manual_seed(0)
-    ours = GLMForCausalLM(config).train()
-    with tempfile.TemporaryDirectory() as d:
-        ours.save_hf(d)
-        theirs = GlmMoeDsaForCausalLM.from_pretrained(d, dtype=torch.float32).train()
+    ours, theirs = tiny_pair()
+    ours.train(), theirs.train()
+    config = ours.config
     n_params = sum(p.numel() for p in ours.parameters())
     print(f"config: {n_params / 1e6:.2f}M parameters, hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
           f"{config.n_routed_experts} experts top-{config.num_experts_per_tok}, index_topk {config.index_topk}; "

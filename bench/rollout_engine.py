@@ -21,21 +21,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import report  # noqa: E402
+from common import report, tiny_pair  # noqa: E402
 
-from orthon.launch.recipe import load_recipe  # noqa: E402
-from orthon.pretrain.model import GLMForCausalLM  # noqa: E402
 from orthon.rl.engine import EngineConfig, InProcessEngine  # noqa: E402
 from orthon.rl.sampling import SamplingParams  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def best_times(fns: dict, repeats: int) -> tuple[dict, dict]:
@@ -60,14 +56,9 @@ def main():
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from transformers import GlmMoeDsaForCausalLM
-
-    config = load_recipe(ROOT / "configs/tiny.yaml", ["model.sparse_attention=true"]).model
-    torch.manual_seed(0)
-    ours = GLMForCausalLM(config).eval()
-    with tempfile.TemporaryDirectory() as tmp:
-        ours.save_hf(tmp)
-        hf = GlmMoeDsaForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    ours, hf = tiny_pair()
+    ours.eval(), hf.eval()
+    config = ours.config
     engine = InProcessEngine(ours, EngineConfig(max_batch_size=max(int(b) for b in args.batches.split(","))))
     n_new, temp, top_k = args.new_tokens, (1.0 if args.sample else 0.0), (50 if args.sample else 0)
     params = SamplingParams(max_new_tokens=n_new, temperature=temp, top_k=top_k, stop_token_ids=(), seed=0)
