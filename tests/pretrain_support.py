@@ -87,3 +87,19 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def sample_ids(run_dir: Path) -> list[int]:
     return [i for line in (run_dir / "samples.jsonl").read_text().splitlines() for i in json.loads(line)["ids"]]
+
+
+def kill_when(cmd: list, target: Path, timeout: float = 300) -> None:
+    """Start ``cmd``, SIGKILL it as soon as ``target`` exists, and check it really died mid-run."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.time() + timeout
+    while not target.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL

@@ -2,16 +2,14 @@
 touching only the indexers, IndexShare, the LR segments, optimizer state carried across stages, bad
 plans failing before training, and SIGKILL + resume inside a stage reproducing the uninterrupted run."""
 import json
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 import yaml
 
-from pretrain_support import ROOT, env, make_stores, orthon, sample_ids, write_recipe
+from pretrain_support import ROOT, env, kill_when, make_stores, orthon, sample_ids, write_recipe
 
 # `orthon midtrain`, whether or not launch/cli.py lists it yet.
 CLI = ("import sys; from orthon.launch import cli; "
@@ -174,16 +172,8 @@ def test_bad_plans_fail_before_training(source, tmp_path):
 def test_sigkill_inside_a_stage_and_resume_reproduces_the_run(reference, source, tmp_path):
     ref, _ = reference
     run = tmp_path / "mid"
-    proc = subprocess.Popen(midtrain_cmd("-c", write_plan(tmp_path / "plan.yaml", plan(run)), "--from", source, "--no-eval"),
-                            cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    target = run / "stages" / "01_dsa" / "checkpoints" / "step_00000002"  # end of phase 1
-    deadline = time.time() + 300
-    while not target.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    kill_when(midtrain_cmd("-c", write_plan(tmp_path / "plan.yaml", plan(run)), "--from", source, "--no-eval"),
+              run / "stages" / "01_dsa" / "checkpoints" / "step_00000002")  # end of phase 1
     assert not (run / "stages" / "02_share").exists() or not (run / "stages" / "02_share" / "stage_done.json").exists()
 
     out = midtrain("--resume", run, "--no-eval")

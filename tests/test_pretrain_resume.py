@@ -1,12 +1,9 @@
 """Kill the pretraining process with SIGKILL mid-run and resume: the same losses, bit for bit, and every
 sample seen exactly once."""
-import signal
-import subprocess
 import sys
-import time
 
 
-from pretrain_support import ROOT, env, losses, make_stores, orthon, sample_ids, write_recipe
+from pretrain_support import kill_when, losses, make_stores, orthon, sample_ids, write_recipe
 
 STEPS = 24
 
@@ -17,16 +14,8 @@ def test_sigkill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
     orthon("pretrain", "-c", write_recipe(tmp_path / "ref.yaml", stores, ref_dir, train={"max_steps": STEPS}))
 
     recipe = write_recipe(tmp_path / "run.yaml", stores, run_dir, train={"max_steps": STEPS})
-    proc = subprocess.Popen([sys.executable, "-m", "orthon.launch.cli", "pretrain", "-c", str(recipe)],
-                            cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    target = run_dir / "checkpoints" / "step_00000012"
-    deadline = time.time() + 300
-    while not target.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    kill_when([sys.executable, "-m", "orthon.launch.cli", "pretrain", "-c", recipe],
+              run_dir / "checkpoints" / "step_00000012")
     killed_at = max(losses(run_dir))
     assert 12 <= killed_at < STEPS
 
