@@ -41,6 +41,13 @@ def update_expert_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> t
     return bias + rate * torch.sign(load.float().mean() - load.float())
 
 
+def _grouped_mm_applies(x: torch.Tensor) -> bool:
+    if not (x.is_cuda and hasattr(F, "grouped_mm")):
+        return False
+    return x.dtype == torch.bfloat16 or (torch.is_autocast_enabled("cuda")
+                                         and torch.get_autocast_dtype("cuda") == torch.bfloat16)
+
+
 def grouped_experts(
     x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
@@ -56,11 +63,13 @@ def grouped_experts(
     token = order // k
     counts = torch.bincount(flat, minlength=E)
     xs = x.index_select(0, token)
-    if x.is_cuda and hasattr(F, "grouped_mm"):
+    if _grouped_mm_applies(x):
+        # torch's grouped GEMM takes bf16 only: the bf16 forward (or autocast) uses it, fp32 loops.
+        bf16 = torch.bfloat16
         offs = counts.cumsum(0).to(torch.int32)
-        h = F.grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)
+        h = F.grouped_mm(xs.to(bf16), gate_up.to(bf16).transpose(1, 2), offs=offs)
         g, u = h.chunk(2, dim=-1)
-        ys = F.grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs)
+        ys = F.grouped_mm(F.silu(g) * u, down.to(bf16).transpose(1, 2), offs=offs)
     else:
         pieces = []
         # unbind once: indexing gate_up[e] per expert would make autograd build a full-size
@@ -72,7 +81,7 @@ def grouped_experts(
             pieces.append(F.linear(F.silu(g) * u, w_down))
         ys = torch.cat(pieces)
     ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
-    return torch.zeros_like(x).index_add_(0, token, ys)
+    return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
 
 
 class Router(nn.Module):
