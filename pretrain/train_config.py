@@ -28,6 +28,9 @@ class TrainConfig:
     track_max_logit: bool = True  # log the largest attention logit (the Muon Split claim)
     log_sample_ids: bool = False  # write every consumed sample id to samples.jsonl
     progress: bool = True
+    # Start from another run's final weights (its run directory or a weights directory), with a fresh
+    # optimizer and schedule: continued pretraining on other data. "" = random initialisation.
+    init_from: str = ""
     # Where the built-in corpus is prepared when data.sources is empty ("" = no built-in corpus).
     builtin_dir: str = "runs/builtin"
 

@@ -9,6 +9,7 @@ size.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -22,13 +23,14 @@ import yaml
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from orthon.data.loader import TrainData, ValidData
+from orthon.launch.config import ConfigError
 from orthon.optim import batch_size_at, build_for_model, lr_at
 from orthon.pretrain import parallel
 from orthon.pretrain.checkpoint import Checkpointer
 from orthon.pretrain.metrics import MetricsLogger, plot_curves, read_metrics
 from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.moe import update_expert_bias
-from orthon.pretrain.weights_dir import save_weights_dir
+from orthon.pretrain.weights_dir import load_weights_dir, save_weights_dir
 
 CONFIG_NAME = "config.yaml"
 
@@ -42,6 +44,17 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
 
 
+def initial_weights(source, config) -> dict:
+    """The state dict of ``source`` (a run directory's final/ or a weights directory), checked to hold
+    the model ``config`` describes."""
+    path = Path(source)
+    loaded = load_weights_dir(path / "final" if (path / "final").is_dir() else path)
+    differ = [f.name for f in dataclasses.fields(config) if getattr(loaded.config, f.name) != getattr(config, f.name)]
+    if differ:
+        raise ConfigError(f"train.init_from: {source} holds another model (model.{', model.'.join(differ)} differ)")
+    return loaded.state_dict()
+
+
 class Trainer:
     def __init__(self, recipe, run_dir: Path, log=print):
         self.recipe = recipe
@@ -53,7 +66,10 @@ class Trainer:
         random.seed(self.cfg.seed)
         np.random.seed(self.cfg.seed)
 
-        self.model = GLMForCausalLM(recipe.model).to(self.device)
+        self.model = GLMForCausalLM(recipe.model)
+        if self.cfg.init_from:
+            self.model.load_state_dict(initial_weights(self.cfg.init_from, recipe.model))
+        self.model.to(self.device)
         self.model.set_indexers_trainable(False)  # the LM loss never reaches them; mid-training trains them
         self.model.checkpoint_layers = self.cfg.activation_checkpointing
         self.model.track_max_logit(self.cfg.track_max_logit)

@@ -29,6 +29,7 @@ import torch
 
 from orthon.launch.config import ConfigError
 from orthon.pretrain.model import GLMForCausalLM
+from orthon.rl.logprobs import sequence_log_probs
 from orthon.rl.sample import Sample, SampleStatus
 from orthon.rl.sampling import SamplingParams, gather_log_probs, request_uniforms, sample_step, stop_table
 
@@ -41,12 +42,20 @@ class EngineConfig:
     max_length: int | None = None
     max_batch_size: int = 64  # rows decoded together; more prompts run in successive waves
     seed: int = 0  # draws the seed of every request that brings none
+    # Where the recorded policy log-probs come from. "decode": the logits each token was sampled from
+    # (cached decoding; equal to the trainer's recompute up to fp32 round-off, about 1e-5 at most on a
+    # trained model). "rescore": one more forward of each finished wave through the trainer's own
+    # scoring function (orthon.rl.logprobs), which gives the same bits whatever the batch holds, so
+    # rollout and trainer log-probs match exactly on the same weights. Costs one prefill per wave.
+    logprobs: Literal["decode", "rescore"] = "decode"
 
     def __post_init__(self):
         if self.max_length is not None and (isinstance(self.max_length, bool) or self.max_length < 2):
             raise ConfigError(f"max_length: must be >= 2 or None, got {self.max_length!r}")
         if isinstance(self.max_batch_size, bool) or self.max_batch_size < 1:
             raise ConfigError(f"max_batch_size: must be >= 1, got {self.max_batch_size!r}")
+        if self.logprobs not in ("decode", "rescore"):
+            raise ConfigError(f"logprobs: must be 'decode' or 'rescore', got {self.logprobs!r}")
 
 
 @dataclass
@@ -229,6 +238,8 @@ class InProcessEngine:
         produced = torch.zeros(B, dtype=torch.long, device=device)  # tokens each row ended with
         stopped = torch.zeros(B, dtype=torch.bool, device=device)
         self._decode(wave, lengths, width, budgets, steps, out_tokens, out_logps, produced, stopped)
+        if self.config.logprobs == "rescore":
+            self._rescore(wave, out_tokens, out_logps, produced)
         results = []
         for row, request in enumerate(wave):
             n = int(produced[row])
@@ -244,6 +255,17 @@ class InProcessEngine:
                 status=status, finish_reason=reason, policy_version=self.policy_version, seed=request.seed,
             ))
         return results
+
+    def _rescore(self, wave, out_tokens, out_logps, produced):
+        """Replace the policy-mode log-probs of the wave by the trainer's recompute of them."""
+        rows = [r for r, request in enumerate(wave) if request.params.logprob_mode == "policy" and int(produced[r]) > 0]
+        if not rows:
+            return
+        counts = [int(produced[r]) for r in rows]
+        sequences = [list(wave[r].prompt) + out_tokens[r, :n].tolist() for r, n in zip(rows, counts)]
+        scored = sequence_log_probs(self.model, sequences, counts)
+        for k, (r, n) in enumerate(zip(rows, counts)):
+            out_logps[r, :n] = scored.log_probs[k, :n]
 
     def _decode(self, wave, lengths, width, budgets, steps, out_tokens, out_logps, produced, stopped):
         model = self.model

@@ -29,9 +29,13 @@ class ArithmeticTask:
     task_type = "arithmetic"
     reward_fn = staticmethod(arithmetic_reward)
 
-    def __init__(self, tokenizer, seed: int = 0, difficulty: int = 2, eval_size: int = 200):
+    def __init__(self, tokenizer, seed: int = 0, difficulty: int = 2, eval_size: int = 200, min_difficulty: int = 1):
+        """Problems of a difficulty drawn uniformly from [min_difficulty, difficulty] (see make_problem)."""
+        if not 1 <= min_difficulty <= difficulty:
+            raise ValueError(f"ArithmeticTask: need 1 <= min_difficulty <= difficulty, got {min_difficulty}, {difficulty}")
         self.tokenizer = tokenizer
         self.difficulty = difficulty
+        self.min_difficulty = min_difficulty
         self.rng = random.Random(seed)
         self._eval_rng_seed = seed + 1_000_003
         self.eval_size = eval_size
@@ -40,7 +44,7 @@ class ArithmeticTask:
         self.stop_token_ids = tuple(i for i in range(tokenizer.vocab_size) if "\n" in tokenizer.decode([i]))
 
     def _prompt(self, rng: random.Random, instance_id: str) -> Prompt:
-        text, answer = make_problem(rng, rng.randint(1, self.difficulty))
+        text, answer = make_problem(rng, rng.randint(self.min_difficulty, self.difficulty))
         return Prompt(instance_id, text, self.tokenizer.encode(text), answer)
 
     def sample(self, n: int) -> list[Prompt]:

@@ -19,9 +19,15 @@ class RLConfig:
     top_p: float = 1.0
     optimizer: Literal["adamw"] = "adamw"
     lr: float = 2e-5
+    # Linear LR warmup over the first iterations: Adam's first bias-corrected steps move every weight by
+    # about lr whatever its gradient, which a small policy does not survive at full lr.
+    lr_warmup_iterations: int = 0
     weight_decay: float = 0.0
     micro_batch_size: int = 64  # samples per forward/backward
     eval_interval: int = 5
+    # Held-out evaluation: eval_reward is the policy's mean reward over eval_samples draws per prompt at
+    # the rollout temperature (what RL maximises); eval_greedy the reward of the greedy answer.
+    eval_samples: int = 4
     checkpoint_interval: int = 10
     keep_last: int = 2
     seed: int = 0
@@ -35,8 +41,10 @@ class RLConfig:
     progress: bool = True
 
     def __post_init__(self):
-        for name in ("iterations", "prompts_per_iteration", "micro_batch_size", "keep_last"):
+        for name in ("iterations", "prompts_per_iteration", "micro_batch_size", "keep_last", "eval_samples"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.lr_warmup_iterations < 0:
+            raise ConfigError(f"lr_warmup_iterations: must be >= 0, got {self.lr_warmup_iterations}")
         if self.lr < 0:
             raise ConfigError(f"lr: must be >= 0, got {self.lr}")

@@ -111,10 +111,25 @@ class RLTrainer:
         self.engine.update_weights(self.model.state_dict())
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        results = self.engine.generate([p.ids for p in self.eval_prompts], self.sampling(greedy=True))
-        rewards = [self.reward(self.tokenizer.decode(r.tokens), p.label) for p, r in zip(self.eval_prompts, results)]
-        return sum(rewards) / len(rewards)
+    def evaluate(self) -> dict:
+        """Held-out rewards: the mean over eval_samples sampled answers per prompt (a fixed seed, so every
+        evaluation draws the same uniforms) and the greedy answer's."""
+        n = self.cfg.eval_samples
+        prompts = [p for p in self.eval_prompts for _ in range(n)]
+        sampled = self.engine.generate([p.ids for p in prompts], self.sampling(seed=self.cfg.seed + 7_919))
+        greedy = self.engine.generate([p.ids for p in self.eval_prompts], self.sampling(greedy=True))
+
+        def mean_reward(prompts, results):
+            return sum(self.reward(self.tokenizer.decode(r.tokens), p.label) for p, r in zip(prompts, results)) / len(results)
+
+        return {"eval_reward": mean_reward(prompts, sampled), "eval_greedy": mean_reward(self.eval_prompts, greedy)}
+
+    def set_lr(self) -> float:
+        warmup = self.cfg.lr_warmup_iterations
+        lr = self.cfg.lr * min(1.0, (self.iteration + 1) / warmup) if warmup else self.cfg.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
     # ------------------------------------------------------------ state
     def save_checkpoint(self) -> None:
@@ -141,9 +156,9 @@ class RLTrainer:
         resumed = self.iteration or None
         metrics = MetricsLogger(self.run_dir, resume_step=resumed)
         if not resumed:
-            start_reward = self.evaluate()
-            metrics.log(0, eval_reward=start_reward)
-            self.log(f"iteration 0: held-out reward {start_reward:.3f}")
+            start = self.evaluate()
+            metrics.log(0, **start)
+            self.log(f"iteration 0: held-out reward {start['eval_reward']:.3f} (greedy {start['eval_greedy']:.3f})")
         bar = None
         if cfg.progress:
             from tqdm import tqdm
@@ -151,7 +166,7 @@ class RLTrainer:
             bar = tqdm(total=cfg.iterations, initial=self.iteration, desc="rl", unit="it")
         while self.iteration < cfg.iterations:
             start = time.perf_counter()
-            stats = self.rollout()
+            stats = {"lr": self.set_lr(), **self.rollout()}
             groups = self.buffer.take_ready()
             stats.update(self.train_on(groups))
             self.sync_weights()
@@ -161,7 +176,7 @@ class RLTrainer:
             stats.update({f"reward_{k}": v for k, v in self.reward.stats.as_dict().items()
                           if isinstance(v, (int, float))})
             if cfg.eval_interval and self.iteration % cfg.eval_interval == 0 or self.iteration == cfg.iterations:
-                stats["eval_reward"] = self.evaluate()
+                stats.update(self.evaluate())
             stats["iteration_time_s"] = time.perf_counter() - start
             metrics.log(self.iteration, **stats)
             if bar is not None:
@@ -176,8 +191,8 @@ class RLTrainer:
         metrics.close()
         save_weights_dir(self.model, self.run_dir / "final")
         records = read_metrics(self.run_dir / "metrics.jsonl")
-        plot_curves(records, ["reward_mean", "eval_reward"], self.run_dir / "reward.png",
-                    title="GRPO + IcePop: mean reward (train samples, held-out greedy)")
+        plot_curves(records, ["reward_mean", "eval_reward", "eval_greedy"], self.run_dir / "reward.png",
+                    title="GRPO + IcePop: mean reward (train samples; held-out sampled and greedy)")
         evals = [r["eval_reward"] for r in records if "eval_reward" in r]
         return {"iterations": self.iteration, "eval_start": evals[0] if evals else math.nan,
                 "eval_end": evals[-1] if evals else math.nan, "eval_best": max(evals) if evals else math.nan}

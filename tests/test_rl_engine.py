@@ -66,6 +66,25 @@ def test_engine_log_probs_equal_trainer_recompute(case, overrides):
     assert torch.allclose(rho[again.mask], torch.ones(()), atol=2e-5)
 
 
+@pytest.mark.parametrize("case,overrides", [("moe", dict(sparse_attention=False)), ("dsa", dict(index_topk=8))])
+def test_rescored_log_probs_equal_the_trainer_recompute_exactly(case, overrides):
+    model = _model(case, **overrides)
+    engine = InProcessEngine(model, EngineConfig(logprobs="rescore", max_batch_size=4))
+    prompts = _prompts()
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=24, temperature=0.8, seed=7, stop_token_ids=()))
+    decoded = InProcessEngine(model).generate(prompts, SamplingParams(max_new_tokens=24, temperature=0.8, seed=7,
+                                                                      stop_token_ids=()))
+    samples = [r.to_sample(Sample(f"p{i}", p)) for i, (r, p) in enumerate(zip(results, prompts))]
+    # The trainer scores in another order and batch (reversed, all at once; the engine ran waves of 4),
+    # with gradients on.
+    again = sample_log_probs(model, samples[::-1])
+    for row, sample in enumerate(samples[::-1]):
+        assert torch.equal(again.log_probs[row, : sample.response_length].detach(), sample.rollout_log_probs)
+    for a, b in zip(results, decoded):
+        assert a.tokens == b.tokens  # rescoring changes the recorded log-probs only
+        assert (a.log_probs - b.log_probs).abs().max() < 1e-5
+
+
 def test_recompute_has_gradients_and_entropy():
     model = _model()
     seqs = [[5, 6, 7, 8, 9], [10, 11, 12]]

@@ -1,0 +1,28 @@
+"""Continued pretraining: `train.init_from` starts a new run from another run's final weights."""
+import pytest
+import torch
+
+from pretrain_support import make_stores, orthon, write_recipe
+from orthon.launch.config import ConfigError
+from orthon.launch.recipe import load_recipe
+from orthon.pretrain.trainer import Trainer
+from orthon.pretrain.weights_dir import load_weights_dir
+
+
+def test_init_from_starts_from_the_source_weights_and_checks_the_model(tmp_path):
+    stores = make_stores(tmp_path / "data")
+    source = tmp_path / "source"
+    orthon("pretrain", "-c", write_recipe(tmp_path / "a.yaml", stores, source, train={"max_steps": 3}))
+    trained = load_weights_dir(source / "final").state_dict()
+
+    recipe_path = write_recipe(tmp_path / "b.yaml", stores, tmp_path / "b", train={"init_from": str(source)})
+    model = Trainer(load_recipe(recipe_path, []), tmp_path / "b").model
+    state = model.state_dict()
+    assert state.keys() == trained.keys()
+    assert all(torch.equal(state[k], trained[k]) for k in trained)
+    # A fresh run of the same recipe would start elsewhere: init_from is what set these weights.
+    fresh = Trainer(load_recipe(recipe_path, ["train.init_from="]), tmp_path / "c").model.state_dict()
+    assert not torch.equal(fresh["model.layers.0.self_attn.q_a_proj.weight"], trained["model.layers.0.self_attn.q_a_proj.weight"])
+
+    with pytest.raises(ConfigError, match=r"train.init_from: .*model.num_hidden_layers"):
+        Trainer(load_recipe(recipe_path, ["model.num_hidden_layers=3"]), tmp_path / "d")
