@@ -25,7 +25,7 @@ def _recipe(tmp_path, run_dir, iterations):
     path = tmp_path / "rl.yaml"
     path.write_text(yaml.safe_dump({"rl": {
         "run_dir": str(run_dir), "iterations": iterations, "prompts_per_iteration": 3, "max_new_tokens": 12,
-        "lr": 1e-3, "eval_interval": 2, "checkpoint_interval": 2, "progress": False, "micro_batch_size": 5,
+        "lr": 1e-3, "lr_warmup_iterations": 2, "engine": {"logprobs": "rescore"}, "eval_interval": 2, "checkpoint_interval": 2, "progress": False, "micro_batch_size": 5,
         "task_args": {"difficulty": 1, "eval_size": 6}, "buffer": {"num_repeat_per_sample": 4},
     }}))
     return path
@@ -38,9 +38,12 @@ def test_rl_loop_runs_and_resumes(tmp_path):
     records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["lr"] for r in steps] == [5e-4, 1e-3, 1e-3]  # linear warmup over 2 iterations
+    evals = [r for r in records if "eval_reward" in r]
+    assert [r["step"] for r in evals] == [0, 2, 3] and all(0 <= r["eval_greedy"] <= 1 for r in evals)
     for r in steps:
-        # Rollout and trainer share the model code and weights: the mismatch is float32 round-off.
-        assert r["logp_mismatch_max"] < 1e-5
+        # The engine rescored its samples with the trainer's own scoring: the same bits, no mismatch.
+        assert r["logp_mismatch_max"] == 0.0
         assert r["masked_fraction"] == 0.0
         assert r["buffer_consumed_groups"] == 3 * r["step"]
         assert r["policy_version"] == r["step"]
