@@ -66,6 +66,7 @@ def stage_recipe(source: Recipe, plan: MidtrainPlan, index: int, run_dir) -> Rec
         checkpoint_interval=plan.checkpoint_interval, keep_last=plan.keep_last, log_interval=plan.log_interval,
         activation_checkpointing=plan.activation_checkpointing, track_max_logit=False,
         log_sample_ids=plan.log_sample_ids, progress=plan.progress, parallel="ddp",
+        init_from="",  # a stage starts from the previous stage's weights and optimizer, loaded by the stage
     )
     # A different shuffle per stage, reproducible from the source seed.
     data = replace(source.data, seq_len=stage.seq_len, seed=source.data.seed + 1000 * (index + 1))

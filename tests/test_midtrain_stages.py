@@ -186,3 +186,17 @@ def test_sigkill_inside_a_stage_and_resume_reproduces_the_run(reference, source,
                    {k: b[k] for k in ("loss", "lr", "grad_norm", "indexer_kl") if k in b}, stage
         seen = sample_ids(run / "stages" / stage)
         assert seen == sample_ids(ref / "stages" / stage) and len(seen) == len(set(seen)), stage
+
+
+def test_a_continued_pretraining_run_is_a_valid_source(source, tmp_path):
+    """A source run that itself started from another run (train.init_from): its stages start from the
+    source's weights, not from the source's own origin."""
+    from orthon.launch.config import build
+    from orthon.launch.recipe import load_recipe
+    from orthon.midtrain.config import MidtrainPlan
+    from orthon.midtrain.stages import stage_recipe
+
+    continued = load_recipe(source / "config.yaml", [f"train.init_from={source}"])
+    recipe = stage_recipe(continued, build(MidtrainPlan, plan(tmp_path / "mid"), ""), 0, tmp_path / "mid" / "s0")
+    assert recipe.train.init_from == ""
+    assert recipe.model.rope_theta == 100000.0
