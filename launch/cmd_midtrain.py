@@ -10,6 +10,7 @@ by side (RUN/eval/: eval.txt, eval.json, eval.png) unless --no-eval.
 """
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -68,6 +69,6 @@ def run(args, name):
         print(f"stage {s['stage']}: {s['step']} steps, {s['tokens']:,} tokens, train loss {s.get('loss', float('nan')):.4f}, "
               f"held-out loss {eval_loss if eval_loss is not None else float('nan'):.4f}")
     print(f"done in {time.perf_counter() - start:.0f}s; run directory {plan.run_dir}")
-    if not args.no_eval:
+    if not args.no_eval and int(os.environ.get("RANK", "0")) == 0:  # one process evaluates
         _evaluate([plan.source, plan.run_dir], plan.eval, Path(plan.run_dir) / "eval")
     return 0

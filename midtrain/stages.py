@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import replace
@@ -33,6 +34,7 @@ from orthon.midtrain.losses import chunked_cross_entropy
 from orthon.midtrain.optimizer import StageOptimizer, copy_training_state, set_trainable
 from orthon.optim import build_for_model, lr_at
 from orthon.optim.config import BatchRampConfig, ScheduleConfig
+from orthon.pretrain import parallel
 from orthon.pretrain.checkpoint import Checkpointer
 from orthon.pretrain.metrics import plot_curves, read_metrics
 from orthon.pretrain.model import GLMForCausalLM
@@ -77,13 +79,17 @@ def stage_recipe(source: Recipe, plan: MidtrainPlan, index: int, run_dir) -> Rec
 
 
 class StageTrainer(Trainer):
-    """The pretraining Trainer running one mid-training stage."""
+    """The pretraining Trainer running one mid-training stage.
+
+    Data parallel without a DDP wrapper: the chunked LM loss and the indexer objective are computed
+    outside the model's forward, so each rank sums its micro-batches' gradients and
+    ``all_reduce_gradients`` adds them over the ranks once per step."""
+
+    wrap_model = False
 
     def __init__(self, plan: MidtrainPlan, index: int, source: Recipe, run_dir, log=print):
         self.plan, self.index, self.stage = plan, index, plan.stages[index]
         super().__init__(stage_recipe(source, plan, index, run_dir), run_dir, log)
-        if self.world > 1:
-            raise RuntimeError("orthon midtrain runs on one process (its chunked loss bypasses the DDP wrapper)")
         # Everything trainable until a step says otherwise: torch.distributed.checkpoint restores optimizer
         # state only for parameters that require grad, and a resume must restore all of it.
         self.model.requires_grad_(True)
@@ -103,11 +109,13 @@ class StageTrainer(Trainer):
         self.optimizer.set_lr(lr, indexer_lr)
         batch = self.data.next_batch(n_seqs)
         self.sample_ids = batch.sample_ids
-        count = (batch.labels != -100).sum().float()
+        # Global counts: each rank divides by them, and the gradient sum over ranks is the global mean.
+        count = float(parallel.all_reduce_sum((batch.labels != -100).sum().float().to(self.device)))
         micro = self.cfg.micro_batch_size
         n_micro = math.ceil(batch.input_ids.shape[0] / micro)
         n_full = sum(1 for layer in self.model.model.layers if layer.self_attn.indexer is not None)
-        query_total = batch.input_ids.numel() * n_full
+        query_total = float(parallel.all_reduce_sum(torch.tensor(float(batch.input_ids.numel() * n_full),
+                                                                 device=self.device)))
         loss_sum, kl_sum, recall_sum, oracle_sum, recall_count = 0.0, 0.0, 0.0, 0.0, 0
         for i in range(n_micro):
             sl = slice(i * micro, (i + 1) * micro)
@@ -125,6 +133,10 @@ class StageTrainer(Trainer):
                 oracle_sum += terms.oracle_sum
             objective.backward()
             loss_sum += float(lm.detach())
+        parallel.all_reduce_gradients(self.model)
+        sums = parallel.all_reduce_sum(torch.tensor([loss_sum, kl_sum, recall_sum, oracle_sum, float(recall_count)],
+                                                    dtype=torch.float64, device=self.device))
+        loss_sum, kl_sum, recall_sum, oracle_sum, recall_count = [float(v) for v in sums]
         grad_norm = self._clip_and_norm()
         self.optimizer.step(phase)
         self.optimizer.zero_grad(set_to_none=True)
@@ -166,14 +178,15 @@ class StageTrainer(Trainer):
             return None
         self.model.eval()
         total, count = 0.0, 0
-        for batch in self.valid.batches(self.cfg.micro_batch_size):
-            docs = batch.doc_ids if self.recipe.data.document_mask else None
+        for batch in self.valid.batches(self.cfg.micro_batch_size, self.rank, self.world):
+            docs = batch.doc_ids.to(self.device) if self.recipe.data.document_mask else None
             hidden, _ = self.model.hidden_states(batch.input_ids.to(self.device), doc_ids=docs)
             total += float(chunked_cross_entropy(hidden, self.model.lm_head.weight, batch.labels.to(self.device),
                                                  self.ce_chunk))
             count += int((batch.labels != -100).sum())
         self.model.train()
-        return total / count if count else None
+        total, count = parallel.all_reduce_sum(torch.tensor([total, count], dtype=torch.float64, device=self.device))
+        return float(total / count) if count else None
 
     def finish(self, state: dict) -> None:
         super().finish(state)
@@ -255,7 +268,9 @@ def run_plan(plan: MidtrainPlan, log=print) -> list[dict]:
     """Run (or continue) every stage of ``plan`` in plan.run_dir; returns each stage's summary."""
     source = prepare(plan)
     run_dir = Path(plan.run_dir)
-    write_plan(run_dir, plan)
+    rank = int(os.environ.get("RANK", "0"))  # the process group starts in the first StageTrainer
+    if rank == 0:
+        write_plan(run_dir, plan)
     summaries = []
     for i, stage in enumerate(plan.stages):
         directory = stage_dir(run_dir, plan, i)
@@ -266,10 +281,13 @@ def run_plan(plan: MidtrainPlan, log=print) -> list[dict]:
         log(f"stage {i} {stage.name!r}: seq_len {stage.seq_len}, {stage.tokens:,} tokens, dsa {stage.dsa}, "
             f"IndexShare {'on' if stage.index_share else 'off'}")
         trainer = StageTrainer(plan, i, source, directory, log=log)
-        if not (directory / CONFIG_NAME).is_file():
+        if rank == 0 and not (directory / CONFIG_NAME).is_file():
             write_run_config(directory, trainer.recipe)
+        parallel.barrier()
         if not trainer.resume():
-            _clear_partial(directory)  # a start killed before its first checkpoint left these behind
+            if rank == 0:
+                _clear_partial(directory)  # a start killed before its first checkpoint left these behind
+            parallel.barrier()
             if i == 0:
                 src_model, src_opts = _load_source_run(Path(plan.source), source, log)
             else:
@@ -279,8 +297,10 @@ def run_plan(plan: MidtrainPlan, log=print) -> list[dict]:
         result = trainer.fit()
         trainer.probe.remove()
         summary = {"stage": stage.name, "index": i, **{k: v for k, v in result.items() if not isinstance(v, torch.Tensor)}}
-        tmp = done.with_suffix(".tmp")
-        tmp.write_text(json.dumps(summary))
-        tmp.replace(done)
+        if rank == 0:
+            tmp = done.with_suffix(".tmp")
+            tmp.write_text(json.dumps(summary))
+            tmp.replace(done)
+        parallel.barrier()
         summaries.append(summary)
     return summaries

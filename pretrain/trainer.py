@@ -56,6 +56,9 @@ def initial_weights(source, config) -> dict:
 
 
 class Trainer:
+    # False: the model is not wrapped in DDP/FSDP; the subclass reduces gradients itself.
+    wrap_model = True
+
     def __init__(self, recipe, run_dir: Path, log=print):
         self.recipe = recipe
         self.cfg = recipe.train
@@ -73,7 +76,7 @@ class Trainer:
         self.model.set_indexers_trainable(False)  # the LM loss never reaches them; mid-training trains them
         self.model.checkpoint_layers = self.cfg.activation_checkpointing
         self.model.track_max_logit(self.cfg.track_max_logit)
-        self.wrapped = parallel.wrap(self.model, self.cfg.parallel)
+        self.wrapped = parallel.wrap(self.model, self.cfg.parallel) if self.wrap_model else self.model
         self.optimizer = build_for_model(self.model, recipe.optim, recipe.schedule)
         self.data = TrainData(recipe.data, self.rank, self.world)
         self.valid = ValidData(recipe.data, recipe.train.eval_samples, self.data.eod_id) if recipe.data.valid else None
