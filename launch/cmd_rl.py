@@ -38,6 +38,7 @@ def run(args, name):
     if args.resume and not trainer.resume():
         print(f"no usable RL checkpoint in {run_dir}; starting at iteration 0")
     result = trainer.fit()
-    print(f"done: {result['iterations']} iterations; held-out reward {result['eval_start']:.3f} -> "
-          f"{result['eval_end']:.3f} (best {result['eval_best']:.3f}); {run_dir / 'reward.png'}")
+    print(f"done: {result['iterations']} iterations; held-out mean reward {result['eval_start']:.3f} -> "
+          f"{result['eval_end']:.3f} (best {result['eval_best']:.3f}), greedy {result['greedy_start']:.3f} -> "
+          f"{result['greedy_end']:.3f}; {run_dir / 'reward.png'}")
     return 0

@@ -194,5 +194,7 @@ class RLTrainer:
         plot_curves(records, ["reward_mean", "eval_reward", "eval_greedy"], self.run_dir / "reward.png",
                     title="GRPO + IcePop: mean reward (train samples; held-out sampled and greedy)")
         evals = [r["eval_reward"] for r in records if "eval_reward" in r]
+        greedy = [r["eval_greedy"] for r in records if "eval_greedy" in r]
         return {"iterations": self.iteration, "eval_start": evals[0] if evals else math.nan,
-                "eval_end": evals[-1] if evals else math.nan, "eval_best": max(evals) if evals else math.nan}
+                "eval_end": evals[-1] if evals else math.nan, "eval_best": max(evals) if evals else math.nan,
+                "greedy_start": greedy[0] if greedy else math.nan, "greedy_end": greedy[-1] if greedy else math.nan}

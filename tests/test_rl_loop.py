@@ -34,7 +34,7 @@ def _recipe(tmp_path, run_dir, iterations):
 def test_rl_loop_runs_and_resumes(tmp_path):
     pre, run = _pretrain_dir(tmp_path), tmp_path / "rl"
     out = orthon("rl", "-c", _recipe(tmp_path, run, 3), "--from", pre)
-    assert "held-out reward" in out.stdout
+    assert "held-out reward" in out.stdout and "held-out mean reward" in out.stdout and "greedy" in out.stdout
     records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
