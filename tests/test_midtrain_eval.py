@@ -19,13 +19,7 @@ from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.weights_dir import save_weights_dir
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Decoding runs many tiny ops: one thread avoids the thread hand-offs that dominate them.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_place_needle_length_and_depth():

@@ -9,13 +9,7 @@ from orthon.pretrain.attention import index_scores
 from orthon.pretrain.model import GLMForCausalLM
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Small tensors: one thread avoids thread hand-offs that dominate on a busy 2-core machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _record(model, ids, doc_ids=None):

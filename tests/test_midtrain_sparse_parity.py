@@ -12,12 +12,7 @@ from orthon.pretrain.model import GLMForCausalLM
 T = 520  # many times index_topk, several query chunks
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_gathered_topk_equals_masked_dense_on_the_same_indices():

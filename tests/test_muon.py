@@ -14,14 +14,7 @@ from orthon.pretrain.param_spec import ParamSpec
 SHAPES = [(24, 40), (40, 24), (24, 40), (32, 32), (16, 56)]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Many tiny matmuls: with 2 threads on a 2-core machine shared with other jobs, every
-    # parallel region can wait a scheduler quantum for a busy core; one thread does not.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run(make_opt, inits, grads):

@@ -8,14 +8,7 @@ from orthon.optim.newton_schulz import DEFAULT_COEFFICIENTS, newton_schulz, newt
 A, B, C = DEFAULT_COEFFICIENTS
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Many tiny matmuls: with 2 threads on a 2-core machine shared with other jobs, every
-    # parallel region can wait a scheduler quantum for a busy core; one thread does not.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def quintic(x: float, steps: int = 5) -> float:

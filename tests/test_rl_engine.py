@@ -18,13 +18,7 @@ from orthon.rl.sampling import (
 LENGTHS = (3, 9, 14, 6)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matrices: a second OpenMP thread only adds spin-waits (badly so on a busy machine).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(case="moe", **overrides):
