@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from orthon.launch.config import ConfigError
+from orthon.pretrain.decode import DecodeWeights
 from orthon.pretrain.model import GLMForCausalLM
 from orthon.rl.logprobs import sequence_log_probs
 from orthon.rl.sample import Sample, SampleStatus
@@ -48,6 +49,10 @@ class EngineConfig:
     # scoring function (orthon.rl.logprobs), which gives the same bits whatever the batch holds, so
     # rollout and trainer log-probs match exactly on the same weights. Costs one prefill per wave.
     logprobs: Literal["decode", "rescore"] = "decode"
+    # Decode steps through fused, pre-packed weights (orthon.pretrain.decode): the same function as the
+    # model's cached forward to float round-off, about 1.6x faster at batch 8 on a CPU. False: the
+    # model's own forward (bit-compatible with the layer-by-layer code).
+    fused_decode: bool = True
 
     def __post_init__(self):
         if self.max_length is not None and (isinstance(self.max_length, bool) or self.max_length < 2):
@@ -113,6 +118,7 @@ class InProcessEngine:
         self.policy_version = 0
         self.stats = EngineStats()
         self._rng = torch.Generator().manual_seed(self.config.seed)
+        self._fused: DecodeWeights | None = None  # built on first use, refreshed when the weights change
         # generate() and update_weights() never interleave: a wave runs on one set of weights.
         self._lock = threading.RLock()
 
@@ -141,6 +147,7 @@ class InProcessEngine:
         with self._lock:
             for name, value in items:
                 targets[name].data.copy_(value)
+            self._fused = None  # .data writes bump no version counter: rebuild the fused weights
             self.policy_version = self.policy_version + 1 if version is None else version
         return self.policy_version
 
@@ -267,8 +274,19 @@ class InProcessEngine:
         for k, (r, n) in enumerate(zip(rows, counts)):
             out_logps[r, :n] = scored.log_probs[k, :n]
 
+    def _decode_weights(self) -> DecodeWeights | None:
+        """The fused decode weights of the current policy version, or None where they do not apply."""
+        if not self.config.fused_decode or self.model.config.attention_bias:
+            return None
+        if self._fused is None:
+            self._fused = DecodeWeights(self.model)
+        elif self._fused.stale():
+            self._fused.refresh()
+        return self._fused
+
     def _decode(self, wave, lengths, width, budgets, steps, out_tokens, out_logps, produced, stopped):
         model = self.model
+        fused = self._decode_weights()
         device = lengths.device
         B = len(wave)
         pads = width - lengths
@@ -320,5 +338,8 @@ class InProcessEngine:
                 cache.select(keep)
                 live, tokens = live[keep], tokens[keep]
             pos = (width + step - pads[live])[:, None] if padded else None
-            hidden, _ = model.hidden_states(tokens[:, None], cache, pos)
-            logits = model.lm_head(hidden[:, -1]).float()
+            if fused is not None:
+                logits = fused.logits(fused.step(tokens, cache, pos))
+            else:
+                hidden, _ = model.hidden_states(tokens[:, None], cache, pos)
+                logits = model.lm_head(hidden[:, -1]).float()

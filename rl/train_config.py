@@ -24,6 +24,13 @@ class RLConfig:
     lr_warmup_iterations: int = 0
     weight_decay: float = 0.0
     micro_batch_size: int = 64  # samples per forward/backward
+    # Optimizer steps per rollout (slime's num_steps_per_rollout): the iteration's groups split into this
+    # many equal shares, one step each. 1: fully on-policy.
+    updates_per_iteration: int = 1
+    # DAPO's dynamic-sampling filter (without refill): groups whose G rewards are all equal have zero
+    # advantage, so they add nothing to the gradient but their tokens to the loss's normaliser. Dropped,
+    # the step size stays that of the informative groups as more prompts saturate.
+    drop_zero_std_groups: bool = False
     eval_interval: int = 5
     # Held-out evaluation: eval_reward is the policy's mean reward over eval_samples draws per prompt at
     # the rollout temperature (what RL maximises); eval_greedy the reward of the greedy answer.
@@ -41,7 +48,7 @@ class RLConfig:
     progress: bool = True
 
     def __post_init__(self):
-        for name in ("iterations", "prompts_per_iteration", "micro_batch_size", "keep_last", "eval_samples"):
+        for name in ("iterations", "prompts_per_iteration", "micro_batch_size", "updates_per_iteration", "keep_last", "eval_samples"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
         if self.lr_warmup_iterations < 0:

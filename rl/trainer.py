@@ -72,15 +72,42 @@ class RLTrainer:
         return {"rollout_failed": failed}
 
     def train_on(self, groups: list[list[Sample]]) -> dict:
-        """One optimizer step on ready groups: GRPO advantages, recomputed log-probs, IcePop loss."""
+        """The iteration's optimizer steps on its ready groups: GRPO advantages per group, then
+        ``updates_per_iteration`` steps on equal shares of the groups (slime's steps per rollout). The
+        first step runs on the weights that generated the samples, so its log-prob mismatch is the
+        rollout/trainer one (``logp_mismatch_max``); later steps are off-policy by design, which
+        IcePop's ratio and the asymmetric clip account for."""
         cfg = self.cfg.loss
-        samples = [s for g in groups for s in g]
         rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)
-        advantages = grpo_advantages(rewards, unbiased=cfg.advantage_std == "unbiased").reshape(-1)
+        advantages = grpo_advantages(rewards, unbiased=cfg.advantage_std == "unbiased")
+        samples = [s for g in groups for s in g]
+        equal = rewards.std(-1) == 0
+        stats = {"reward_mean": rewards.mean().item(), "groups_all_equal": float(equal.float().mean()),
+                 "response_length": sum(s.response_length for s in samples) / len(samples)}
+        if self.cfg.drop_zero_std_groups:
+            keep = (~equal).nonzero().squeeze(-1).tolist()
+            groups, advantages = [groups[i] for i in keep], advantages[keep]
+            if not groups:
+                return stats  # nothing to learn from this iteration: no step
+        share = math.ceil(len(groups) / self.cfg.updates_per_iteration)
+        sums, tokens = {}, 0
+        for k, start in enumerate(range(0, len(groups), share)):
+            part = [s for g in groups[start : start + share] for s in g]
+            step_sums, step_tokens, mismatch = self._update(part, advantages[start : start + share].reshape(-1))
+            if k == 0:
+                stats["logp_mismatch_max"] = mismatch
+            for key, value in step_sums.items():
+                sums[key] = sums.get(key, 0.0) + value
+            tokens += step_tokens
+        stats.update({k: v / max(tokens, 1) for k, v in sums.items()})
+        return stats
+
+    def _update(self, samples: list[Sample], advantages: torch.Tensor) -> tuple[dict, int, float]:
+        """One optimizer step: recomputed log-probs, IcePop loss, micro-batched backward. Returns the
+        token-weighted metric sums, the token count and the largest |logp_train - logp_rollout|."""
+        cfg = self.cfg.loss
         trainable = [i for i, s in enumerate(samples) if s.response_length > 0]
         total_tokens = sum(samples[i].response_length for i in trainable)
-        stats = {"reward_mean": rewards.mean().item(), "groups_all_equal": float((rewards.std(-1) == 0).float().mean()),
-                 "response_length": sum(s.response_length for s in samples) / len(samples)}
         sums, mismatch_max = {}, 0.0
         self.optimizer.zero_grad(set_to_none=True)
         for start in range(0, len(trainable), self.cfg.micro_batch_size):
@@ -102,9 +129,7 @@ class RLTrainer:
                 sums[key] = sums.get(key, 0.0) + float(metrics[key]) * n
             mismatch_max = max(mismatch_max, float(((out.log_probs.detach() - rollout).abs() * out.mask).max()))
         self.optimizer.step()
-        stats.update({k: v / max(total_tokens, 1) for k, v in sums.items()})
-        stats["logp_mismatch_max"] = mismatch_max
-        return stats
+        return sums, total_tokens, mismatch_max
 
     def sync_weights(self) -> None:
         """Hand the new weights to the engine (copied in place; the engine bumps its policy version)."""

@@ -1,0 +1,223 @@
+"""The one-token decode step with fused weights: the same function as ``GLMForCausalLM.hidden_states``
+on a cached single token, in far fewer and cheaper operations.
+
+At decode batch sizes (a few rows) every matmul is a thin GEMM that streams its weights, and the
+step's time is that streaming plus the per-op overhead of a few hundred small ops. ``DecodeWeights``
+folds, once per weight version, what a cached token multiplies by:
+
+- per layer, one input matmul for everything that reads the normed hidden state: q_a, kv_a and the
+  indexer's key and head-weight projections;
+- one query matmul from the q_a residual: the absorbed-attention queries (W_UK folded into the
+  no-rope half of W_QB, per head), the rope half, and the indexer's queries;
+- one output matmul: W_UV folded into o_proj;
+- MoE layers: one matmul for the router and the shared expert's gate/up; the routed experts run
+  only on the rows that chose them.
+
+Every matmul goes through ``PackedLinear`` (orthon.pretrain.thin_gemm), whose pre-packed weights
+stream at close to memory speed for the few rows of a decode step.
+
+The folded products sum in another order than the layer-by-layer forward, so logits agree to float
+round-off (about 1e-6 relative), not bit for bit; the engine's ``logprobs: rescore`` mode records the
+trainer's own log-probs whatever the decode path computed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from orthon.pretrain.attention import MLAttention
+from orthon.pretrain.cache import KVCache
+from orthon.pretrain.layers import MLP, apply_rope, rope_cos_sin
+from orthon.pretrain.model import GLMForCausalLM
+from orthon.pretrain.moe import MoE, route
+from orthon.pretrain.thin_gemm import PackedLinear
+from orthon.pretrain.topk import deterministic_topk
+
+
+@dataclass
+class _Layer:
+    w_in: PackedLinear  # (q_lora + rank + rope [+ idx_dim + idx_heads], hidden)
+    w_q: PackedLinear  # (H * rank + H * rope [+ idx_heads * idx_dim], q_lora)
+    w_out: PackedLinear  # (hidden, H * rank)
+    norms: dict  # name -> the norm module
+    indexer: object | None  # the Indexer module (k_norm, scale), None without DSA or on a shared layer
+    mlp_in: PackedLinear  # dense: gate and up (2I, hidden); MoE: router and shared gate/up (E + 2Is, hidden)
+    mlp_down: PackedLinear | None  # dense: (hidden, I); MoE: the shared expert's (hidden, Is)
+    moe: MoE | None
+    experts: list[tuple[PackedLinear, PackedLinear]] | None = None  # MoE: each routed expert's gate/up, down
+
+
+class DecodeWeights:
+    """Fused decode weights of one model, built from its current parameters; ``stale()`` tells when
+    they changed since, ``refresh()`` rebuilds. Supports attention without biases."""
+
+    def __init__(self, model: GLMForCausalLM):
+        if model.config.attention_bias:
+            raise ValueError("DecodeWeights: attention biases are not folded; use the model's forward")
+        self.model = model
+        self.layers: list[_Layer] = []
+        self.refresh()
+
+    def _fingerprint(self) -> tuple:
+        # Every in-place change of a parameter (optimizer step, copy_, load_state_dict) bumps its version.
+        return tuple((p.data_ptr(), p._version) for p in self.model.parameters())
+
+    def stale(self) -> bool:
+        """True when a parameter changed since the last refresh."""
+        return self._fingerprint() != self._built_from
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        c = self.model.config
+        H, nope, rope, rank, v = (c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank,
+                                  c.v_head_dim)
+        layers = []
+        for block in self.model.model.layers:
+            attn: MLAttention = block.self_attn
+            idx = attn.indexer if c.sparse_attention else None
+            ins = [attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight]
+            if idx is not None:
+                ins += [idx.wk.weight, idx.weights_proj.weight]
+            qb = attn.q_b_proj.weight.view(H, nope + rope, -1)
+            kvb = attn.kv_b_proj.weight.view(H, nope + v, rank)
+            w_uk, w_uv = kvb[:, :nope], kvb[:, nope:]
+            # q_lat[h] = W_UK[h]^T q_nope[h] = (W_UK[h]^T W_QB_nope[h]) q_resid
+            q_lat = torch.einsum("hnr,hnq->hrq", w_uk, qb[:, :nope]).reshape(H * rank, -1)
+            qs = [q_lat, qb[:, nope:].reshape(H * rope, -1)]
+            if idx is not None:
+                qs.append(idx.wq_b.weight)
+            # o_proj(W_UV[h] o_lat[h] for all h) = (W_O[:, h] W_UV[h]) o_lat[h]
+            w_out = torch.einsum("dhv,hvr->dhr", attn.o_proj.weight.view(-1, H, v), w_uv).reshape(-1, H * rank)
+            mlp, experts = block.mlp, None
+            if isinstance(mlp, MLP):
+                mlp_in = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+                mlp_down, moe = PackedLinear(mlp.down_proj.weight), None
+            else:
+                shared, mlp_down = [], None
+                if mlp.shared_experts is not None:
+                    shared = [mlp.shared_experts.gate_proj.weight, mlp.shared_experts.up_proj.weight]
+                    mlp_down = PackedLinear(mlp.shared_experts.down_proj.weight)
+                mlp_in, moe = torch.cat([mlp.gate.weight, *shared]), mlp
+                experts = [(PackedLinear(gu), PackedLinear(d))
+                           for gu, d in zip(mlp.experts.gate_up_proj.unbind(0), mlp.experts.down_proj.unbind(0))]
+            norms = {"input": block.input_layernorm, "post": block.post_attention_layernorm,
+                     "q_a": attn.q_a_layernorm, "kv_a": attn.kv_a_layernorm}
+            layers.append(_Layer(PackedLinear(torch.cat(ins)), PackedLinear(torch.cat(qs)), PackedLinear(w_out), norms,
+                                 idx, PackedLinear(mlp_in), mlp_down, moe, experts))
+        self.layers = layers
+        self.lm_head = PackedLinear(self.model.lm_head.weight)
+        self._built_from = self._fingerprint()
+
+    # ------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-norm hidden states (B, hidden) of one new token per row. tokens: (B,) or (B, 1);
+        positions: (B, 1) RoPE positions (default: the cache slot)."""
+        model, c = self.model, self.model.config
+        tokens = tokens.reshape(-1, 1)
+        model._check_ids(tokens)
+        B = tokens.shape[0]
+        H, rope, rank = c.num_attention_heads, c.qk_rope_head_dim, c.kv_lora_rank
+        slot = cache.slots(1, tokens.device)
+        positions = slot if positions is None else positions
+        x = model.model.embed_tokens(tokens)[:, 0]  # (B, hidden)
+        cos, sin = rope_cos_sin(positions, rope, c.rope_theta, x.dtype)  # (B or 1, 1, rope/2)
+        cos, sin = cos[:, 0], sin[:, 0]
+        q_doc = cache.write_docs(None, 1)
+        S = cache.length + 1
+        visible = None
+        if q_doc is not None:
+            visible = cache.docs[:, :S] == q_doc  # left padding is document -1
+        chosen = None  # the last full indexer's top-k, which IndexShare's shared layers reuse
+        for i, layer in enumerate(self.layers):
+            attn, chosen = self._attention(i, layer, layer.norms["input"](x), cos, sin, cache, S, visible, chosen)
+            x = x + attn
+            h = layer.norms["post"](x)
+            x = x + (self._moe(layer, h) if layer.moe is not None else self._mlp(layer, h))
+        cache.advance(1)
+        return model.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head of the step's hidden states, fp32 (B, vocab)."""
+        return self.lm_head(hidden).float()
+
+    def _attention(self, i, layer: _Layer, x, cos, sin, cache: KVCache, S: int, visible, chosen):
+        """The layer's attention output (B, hidden) and the top-k it attended (None: every key)."""
+        c = self.model.config
+        B = x.shape[0]
+        H, rope, rank, ql = c.num_attention_heads, c.qk_rope_head_dim, c.kv_lora_rank, c.q_lora_rank
+        idx = layer.indexer
+        sizes = [ql, rank, rope] + ([idx.head_dim, idx.n_heads] if idx is not None else [])
+        parts = layer.w_in(x).split(sizes, dim=-1)
+        q_resid = layer.norms["q_a"](parts[0])
+        latent = torch.cat([layer.norms["kv_a"](parts[1]), _rope(parts[2], cos, sin)], dim=-1)
+        index_key = None
+        if idx is not None:
+            k = idx.k_norm(parts[3])
+            index_key = torch.cat([_rope(k[:, :rope], cos, sin), k[:, rope:]], dim=-1)
+        latents, index_keys = cache.append(i, latent[:, None], None if index_key is None else index_key[:, None])
+        qsizes = [H * rank, H * rope] + ([idx.n_heads * idx.head_dim] if idx is not None else [])
+        qparts = layer.w_q(q_resid).split(qsizes, dim=-1)
+        q = torch.cat([qparts[0].view(B, H, rank), _rope(qparts[1].view(B, H, rope), cos[:, None], sin[:, None])], dim=-1)
+        keys = latents  # (B, S, D)
+        mask = visible
+        sparse = c.sparse_attention and S > c.index_topk
+        if sparse and idx is not None:
+            iq = qparts[2].view(B, idx.n_heads, idx.head_dim)
+            iq = torch.cat([_rope(iq[..., :rope], cos[:, None], sin[:, None]), iq[..., rope:]], dim=-1)
+            w = parts[4] * idx.n_heads**-0.5
+            logits = torch.relu(torch.bmm(index_keys, iq.transpose(1, 2)) * idx.scale)  # (B, S, n)
+            scores = torch.bmm(logits, w[:, :, None]).squeeze(-1)  # (B, S)
+            if visible is not None:
+                scores = scores.masked_fill(~visible, float("-inf"))
+            chosen = deterministic_topk(scores, c.index_topk)  # (B, k)
+        if sparse:
+            # One index_select on the whole cache buffer seen flat (no copy of the live prefix; a gather
+            # with an expanded index is ~10x slower).
+            buffer = cache.latent[i]
+            flat = chosen + (torch.arange(B, device=chosen.device) * buffer.shape[1])[:, None]
+            keys = buffer.view(-1, buffer.shape[-1]).index_select(0, flat.reshape(-1)).view(B, -1, buffer.shape[-1])
+            mask = None if visible is None else visible.gather(1, chosen)
+        scale = c.qk_head_dim**-0.5
+        att = torch.bmm(q, keys.transpose(1, 2)) * scale  # (B, H, S or k)
+        if mask is not None:
+            att = att.masked_fill(~mask[:, None], float("-inf"))
+        o = torch.bmm(torch.softmax(att.float(), dim=-1).to(q.dtype), keys[..., :rank])  # (B, H, rank)
+        return layer.w_out(o.reshape(B, H * rank)), (chosen if sparse else None)
+
+    @staticmethod
+    def _mlp(layer: _Layer, x):
+        g, u = layer.mlp_in(x).chunk(2, dim=-1)
+        return layer.mlp_down(F.silu(g) * u)
+
+    def _moe(self, layer: _Layer, x):
+        c = self.model.config
+        E = c.n_routed_experts
+        logits, shared_in = layer.mlp_in(x).split([E, layer.mlp_in.out_features - E], dim=-1)
+        router = layer.moe.gate
+        weights, chosen = route(logits.float(), router.e_score_correction_bias.float(), c.num_experts_per_tok,
+                                c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+        # Rows grouped by expert; only the chosen experts' weights are read.
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)
+        token = order // c.num_experts_per_tok
+        counts = torch.bincount(flat, minlength=E).tolist()
+        pieces = []
+        for (gate_up, down), part in zip(layer.experts, x.index_select(0, token).split(counts)):
+            if part.shape[0]:
+                g, u = gate_up(part).chunk(2, dim=-1)
+                pieces.append(down(F.silu(g) * u))
+        ys = torch.cat(pieces) * weights.reshape(-1)[order, None].to(x.dtype)
+        y = torch.zeros_like(x).index_add_(0, token, ys)
+        if layer.mlp_down is not None:
+            g, u = shared_in.chunk(2, dim=-1)
+            y = y + layer.mlp_down(F.silu(g) * u)
+        return y
+
+
+def _rope(x, cos, sin):
+    """apply_rope for one token per row: x (B, d) or (B, heads, d); cos/sin broadcastable to x's halves."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -1,0 +1,62 @@
+"""The thin-batch matmul kernel equals F.linear, and falls back to it where it cannot run."""
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from orthon.pretrain import thin_gemm
+from orthon.pretrain.thin_gemm import MAX_ROWS, PackedLinear
+
+needs_kernel = pytest.mark.skipif(thin_gemm.library() is None, reason=f"thin GEMM kernel: {thin_gemm.why_unavailable}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8])
+@pytest.mark.parametrize("out_features,in_features", [(16, 8), (37, 13), (448, 128), (3, 256)])
+def test_kernel_equals_linear(rows, out_features, in_features):
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    w = torch.randn(out_features, in_features, generator=g)
+    x = torch.randn(rows, in_features, generator=g)
+    packed = PackedLinear(w)
+    assert packed.panels is not None
+    got = packed(x)
+    assert got.shape == (rows, out_features)
+    torch.testing.assert_close(got, F.linear(x, w), atol=1e-5, rtol=1e-5)
+    # Leading dims are kept; a non-contiguous input is read correctly.
+    x3 = torch.randn(in_features, rows, generator=g).t()[None]
+    torch.testing.assert_close(packed(x3), F.linear(x3, w), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_outside_its_range_it_is_f_linear():
+    w = torch.randn(24, 32)
+    packed = PackedLinear(w)
+    many = torch.randn(MAX_ROWS + 1, 32)
+    assert torch.equal(packed(many), F.linear(many, w))  # the same call, bit for bit
+    assert packed(torch.randn(0, 32)).shape == (0, 24)
+    bf16 = PackedLinear(w.bfloat16())
+    assert bf16.panels is None
+    x = torch.randn(2, 32).bfloat16()
+    assert torch.equal(bf16(x), F.linear(x, w.bfloat16()))
+
+
+def _probe(env: dict) -> str:
+    code = ("from orthon.pretrain import thin_gemm; import torch; lib = thin_gemm.library();"
+            "p = thin_gemm.PackedLinear(torch.ones(4, 4)); print(lib is None, p.panels is None, p(torch.ones(1, 4)).tolist());"
+            "print(thin_gemm.why_unavailable)")
+    import os
+
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, check=True)
+    return out.stdout
+
+
+def test_disabled_or_unbuildable_falls_back(tmp_path):
+    out = _probe({"ORTHON_THIN_GEMM": "0"})
+    assert out.splitlines()[0] == "True True [[4.0, 4.0, 4.0, 4.0]]" and "ORTHON_THIN_GEMM=0" in out
+    # No compiler: a fresh cache, CC pointing at a program that fails.
+    out = _probe({"ORTHON_CACHE": str(tmp_path / "cache"), "CC": "false"})
+    if thin_gemm._cpu_has_avx2_fma():
+        assert out.splitlines()[0] == "True True [[4.0, 4.0, 4.0, 4.0]]" and "could not build" in out
+    assert not list((tmp_path / "cache").glob("*.so"))  # no half-built library left behind
