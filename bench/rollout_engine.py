@@ -5,7 +5,9 @@ with save_hf and loaded by transformers' GlmMoeDsaForCausalLM. Every row gets a 
 exactly 128 new tokens (no stop token), greedy on both by default or the same temperature / top-k
 with --sample. Generated tokens per second at batch 1, 8 and 64, in one run; the two run in turn
 and each keeps its fastest repeat (the machine is shared). orthon's time includes what the engine
-does beyond generate(): the fp32 log-prob of every token.
+does beyond generate(): the fp32 log-prob of every token. The engine decodes through its fused,
+pre-packed decode weights (orthon.pretrain.decode; built in the warm-up, as after every weight update,
+about 20 ms for this model).
 
 One thread by default: on this shared 2-core machine, two OpenMP threads make both sides' times
 erratic (a busy second core stalls every parallel region).
