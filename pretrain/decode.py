@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from orthon.pretrain.attention import MLAttention
 from orthon.pretrain.cache import KVCache
-from orthon.pretrain.layers import MLP, apply_rope, rope_cos_sin
+from orthon.pretrain.layers import MLP, rope_cos_sin
 from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.moe import MoE, route
 from orthon.pretrain.thin_gemm import PackedLinear
@@ -118,12 +118,9 @@ class DecodeWeights:
         model, c = self.model, self.model.config
         tokens = tokens.reshape(-1, 1)
         model._check_ids(tokens)
-        B = tokens.shape[0]
-        H, rope, rank = c.num_attention_heads, c.qk_rope_head_dim, c.kv_lora_rank
-        slot = cache.slots(1, tokens.device)
-        positions = slot if positions is None else positions
+        positions = cache.slots(1, tokens.device) if positions is None else positions
         x = model.model.embed_tokens(tokens)[:, 0]  # (B, hidden)
-        cos, sin = rope_cos_sin(positions, rope, c.rope_theta, x.dtype)  # (B or 1, 1, rope/2)
+        cos, sin = rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, x.dtype)  # (B or 1, 1, rope/2)
         cos, sin = cos[:, 0], sin[:, 0]
         q_doc = cache.write_docs(None, 1)
         S = cache.length + 1
