@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from orthon.pretrain.attention import MLAttention
 from orthon.pretrain.cache import KVCache
-from orthon.pretrain.layers import MLP, rope_cos_sin
+from orthon.pretrain.layers import MLP, apply_rope, rope_cos_sin
 from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.moe import MoE, route
 from orthon.pretrain.thin_gemm import PackedLinear
@@ -149,21 +149,21 @@ class DecodeWeights:
         sizes = [ql, rank, rope] + ([idx.head_dim, idx.n_heads] if idx is not None else [])
         parts = layer.w_in(x).split(sizes, dim=-1)
         q_resid = layer.norms["q_a"](parts[0])
-        latent = torch.cat([layer.norms["kv_a"](parts[1]), _rope(parts[2], cos, sin)], dim=-1)
+        latent = torch.cat([layer.norms["kv_a"](parts[1]), apply_rope(parts[2], cos, sin)], dim=-1)
         index_key = None
         if idx is not None:
             k = idx.k_norm(parts[3])
-            index_key = torch.cat([_rope(k[:, :rope], cos, sin), k[:, rope:]], dim=-1)
+            index_key = torch.cat([apply_rope(k[:, :rope], cos, sin), k[:, rope:]], dim=-1)
         latents, index_keys = cache.append(i, latent[:, None], None if index_key is None else index_key[:, None])
         qsizes = [H * rank, H * rope] + ([idx.n_heads * idx.head_dim] if idx is not None else [])
         qparts = layer.w_q(q_resid).split(qsizes, dim=-1)
-        q = torch.cat([qparts[0].view(B, H, rank), _rope(qparts[1].view(B, H, rope), cos[:, None], sin[:, None])], dim=-1)
+        q = torch.cat([qparts[0].view(B, H, rank), apply_rope(qparts[1].view(B, H, rope), cos[:, None], sin[:, None])], dim=-1)
         keys = latents  # (B, S, D)
         mask = visible
         sparse = c.sparse_attention and S > c.index_topk
         if sparse and idx is not None:
             iq = qparts[2].view(B, idx.n_heads, idx.head_dim)
-            iq = torch.cat([_rope(iq[..., :rope], cos[:, None], sin[:, None]), iq[..., rope:]], dim=-1)
+            iq = torch.cat([apply_rope(iq[..., :rope], cos[:, None], sin[:, None]), iq[..., rope:]], dim=-1)
             w = parts[4] * idx.n_heads**-0.5
             logits = torch.relu(torch.bmm(index_keys, iq.transpose(1, 2)) * idx.scale)  # (B, S, n)
             scores = torch.bmm(logits, w[:, :, None]).squeeze(-1)  # (B, S)
@@ -212,9 +212,3 @@ class DecodeWeights:
             g, u = shared_in.chunk(2, dim=-1)
             y = y + layer.mlp_down(F.silu(g) * u)
         return y
-
-
-def _rope(x, cos, sin):
-    """apply_rope for one token per row: x (B, d) or (B, heads, d); cos/sin broadcastable to x's halves."""
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
