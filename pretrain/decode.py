@@ -31,7 +31,7 @@ from orthon.pretrain.attention import MLAttention
 from orthon.pretrain.cache import KVCache
 from orthon.pretrain.layers import MLP, apply_rope, rope_cos_sin
 from orthon.pretrain.model import GLMForCausalLM
-from orthon.pretrain.moe import MoE, route
+from orthon.pretrain.moe import MoE, combine_experts, route, sort_by_expert
 from orthon.pretrain.thin_gemm import PackedLinear
 from orthon.pretrain.topk import deterministic_topk
 
@@ -197,17 +197,13 @@ class DecodeWeights:
         weights, chosen = route(logits.float(), router.e_score_correction_bias.float(), c.num_experts_per_tok,
                                 c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
         # Rows grouped by expert; only the chosen experts' weights are read.
-        flat = chosen.reshape(-1)
-        order = flat.argsort(stable=True)
-        token = order // c.num_experts_per_tok
-        counts = torch.bincount(flat, minlength=E).tolist()
+        order, token, counts = sort_by_expert(chosen, E)
         pieces = []
-        for (gate_up, down), part in zip(layer.experts, x.index_select(0, token).split(counts)):
+        for (gate_up, down), part in zip(layer.experts, x.index_select(0, token).split(counts.tolist())):
             if part.shape[0]:
                 g, u = gate_up(part).chunk(2, dim=-1)
                 pieces.append(down(F.silu(g) * u))
-        ys = torch.cat(pieces) * weights.reshape(-1)[order, None].to(x.dtype)
-        y = torch.zeros_like(x).index_add_(0, token, ys)
+        y = combine_experts(x, token, order, weights, torch.cat(pieces))
         if layer.mlp_down is not None:
             g, u = shared_in.chunk(2, dim=-1)
             y = y + layer.mlp_down(F.silu(g) * u)

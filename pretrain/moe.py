@@ -48,6 +48,22 @@ def _grouped_mm_applies(x: torch.Tensor) -> bool:
                                          and torch.get_autocast_dtype("cuda") == torch.bfloat16)
 
 
+def sort_by_expert(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, expert) pairs of a routing, grouped by expert. indices: (N, k) ->
+    order (N*k,) (positions in indices.reshape(-1)), token (N*k,) (the row of each pair), counts (E,)."""
+    flat = indices.reshape(-1)
+    order = flat.argsort(stable=True)
+    return order, order // indices.shape[1], torch.bincount(flat, minlength=num_experts)
+
+
+def combine_experts(x: torch.Tensor, token: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
+                    ys: torch.Tensor) -> torch.Tensor:
+    """Sum the expert outputs ys (N*k, H), in sort_by_expert's order, into their rows, each times its
+    routing weight. Returns (N, H) in x's dtype."""
+    ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
+    return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
+
+
 def grouped_experts(
     x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
@@ -56,12 +72,7 @@ def grouped_experts(
     x: (N, H); indices/weights: (N, k); gate_up: (E, 2I, H) (gate rows then up rows); down: (E, H, I).
     One matmul pair per expert that received tokens (grouped GEMM on CUDA), never a loop over tokens.
     """
-    N, k = indices.shape
-    E = gate_up.shape[0]
-    flat = indices.reshape(-1)
-    order = flat.argsort(stable=True)
-    token = order // k
-    counts = torch.bincount(flat, minlength=E)
+    order, token, counts = sort_by_expert(indices, gate_up.shape[0])
     xs = x.index_select(0, token)
     if _grouped_mm_applies(x):
         # torch's grouped GEMM takes bf16 only: the bf16 forward (or autocast) uses it, fp32 loops.
@@ -80,8 +91,7 @@ def grouped_experts(
             g, u = F.linear(part, w_gu).chunk(2, dim=-1)
             pieces.append(F.linear(F.silu(g) * u, w_down))
         ys = torch.cat(pieces)
-    ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
-    return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
+    return combine_experts(x, token, order, weights, ys)
 
 
 class Router(nn.Module):

@@ -275,7 +275,7 @@ class InProcessEngine:
             out_logps[r, :n] = scored.log_probs[k, :n]
 
     def _decode_weights(self) -> DecodeWeights | None:
-        """The fused decode weights of the current policy version, or None where they do not apply."""
+        """The fused decode weights of the current parameters, or None where they do not apply."""
         if not self.config.fused_decode or self.model.config.attention_bias:
             return None
         if self._fused is None:
