@@ -6,7 +6,10 @@ Two kinds of text:
   files, without tests, ``site-packages`` and IDLE), one document per file,
   headed by a ``# path`` comment;
 - arithmetic: generated lines such as ``Q: 37+45=? A: 82`` (``arithmetic.py``,
-  the same generator the RL task uses), ``problems_per_doc`` per document.
+  the same generator the RL task uses), ``problems_per_doc`` per document;
+- recall (``recall_docs`` > 0): windows of the code with ``NAME = 48213`` lines
+  restated later (``recall.py``), the train split's cut from train code and the
+  held-out split's from held-out code.
 
 ``prepare_builtin(out_dir)`` does everything: writes the corpus as JSON lines
 (train and a held-out split), trains a sentencepiece tokenizer on it, and
@@ -28,12 +31,13 @@ from orthon.data.arithmetic import make_document
 from orthon.data.config import BuiltinConfig, DataConfig, PrepareConfig, ReadConfig, StoreSource
 from orthon.data.fileutil import atomic_write_json, tmp_path
 from orthon.data.prepare import prepare
+from orthon.data.recall import make_recall_document
 from orthon.data.store import read_manifest
 from orthon.data.tokenizer import CHAT_TOKENS, sample_lines, train_sentencepiece
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__", "ensurepip"}
 _CODE_PARTS = 4  # train code files, so that prepare has parallel work from the first file on
-KINDS = ("code", "arithmetic")
+KINDS = ("code", "arithmetic", "recall")
 
 
 @dataclasses.dataclass
@@ -106,6 +110,13 @@ def build_corpus(out_dir: str | Path, cfg: BuiltinConfig) -> dict[str, list[Path
     arith_train = [make_document(train_rng, cfg.problems_per_doc, cfg.max_difficulty) for _ in range(n_docs)]
     arith_valid = [make_document(valid_rng, cfg.problems_per_doc, cfg.max_difficulty) for _ in range(n_valid)]
     files: dict[str, list[Path]] = {"train": [], "valid": []}
+    if cfg.recall_docs and code_train:
+        n_valid_recall = max(1, round(cfg.recall_docs * cfg.valid_fraction)) if code_valid else 0
+        recall_rng = random.Random(cfg.seed + 2_000_003)
+        for split, n, docs in (("train", cfg.recall_docs, code_train), ("valid", n_valid_recall, code_valid)):
+            if n:
+                texts = [make_recall_document(recall_rng, recall_rng.choice(docs)) for _ in range(n)]
+                files[split].append(_write_jsonl(out / split / "recall.jsonl", texts))
     step = -(-len(code_train) // _CODE_PARTS) if code_train else 0
     for i in range(0, len(code_train), max(step, 1)):
         files["train"].append(_write_jsonl(out / "train" / f"code_{i // step:02d}.jsonl", code_train[i : i + step]))
@@ -119,7 +130,7 @@ def build_corpus(out_dir: str | Path, cfg: BuiltinConfig) -> dict[str, list[Path
 
 
 def _kind(path: Path) -> str:
-    return "arithmetic" if path.name.startswith("arithmetic") else "code"
+    return next((k for k in KINDS[1:] if path.name.startswith(k)), "code")
 
 
 def prepare_builtin(out_dir: str | Path, vocab_size: int = 4096, seed: int = 0, log=print,

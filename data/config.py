@@ -111,18 +111,20 @@ class DedupConfig:
 
 @dataclass
 class BuiltinConfig:
-    """The built-in corpus: Python standard library source + generated arithmetic."""
+    """The built-in corpus: Python standard library source + generated arithmetic (+ generated recall
+    documents, ``orthon.data.recall``, when ``recall_docs`` > 0)."""
 
     vocab_size: int = 4096
     seed: int = 0
     arithmetic_problems: int = 100_000
     problems_per_doc: int = 32
     max_difficulty: int = 3
+    recall_docs: int = 0  # key-value recall documents cut from the training code (0: no "recall" kind)
     include_stdlib: bool = True
     max_code_mb: float = 0.0  # 0: the whole standard library
     valid_fraction: float = 0.01
     workers: int = 0
-    # Blend weights by kind ("code", "arithmetic") for training; empty: in proportion to their tokens.
+    # Blend weights by kind ("code", "arithmetic", "recall") for training; empty: in proportion to their tokens.
     weights: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -132,8 +134,12 @@ class BuiltinConfig:
             raise ConfigError("arithmetic_problems: must be >= 0 (and problems_per_doc >= 1)")
         if self.max_difficulty < 1:
             raise ConfigError(f"max_difficulty: must be >= 1, got {self.max_difficulty}")
+        if self.recall_docs < 0 or (self.recall_docs and not self.include_stdlib):
+            raise ConfigError(f"recall_docs: must be >= 0, and needs include_stdlib (the documents are cut from "
+                              f"the code), got {self.recall_docs}")
         if self.weights:
             kinds = {"code", "arithmetic"} if self.include_stdlib else {"arithmetic"}
+            kinds |= {"recall"} if self.recall_docs else set()
             if set(self.weights) != kinds:
                 raise ConfigError(f"weights: give one weight for each of {sorted(kinds)}, got {sorted(self.weights)}")
             if not all(w > 0 for w in self.weights.values()):

@@ -158,7 +158,8 @@ def evaluate_run(path, cfg: LongEvalConfig, log=print) -> dict:
         raise ValueError(f"{run_dir}: the run names no tokenizer or held-out stores (data.tokenizer, data.valid)")
     model = load_weights_dir(weights).eval()
     tokenizer = load_tokenizer(recipe.data.tokenizer)
-    haystack = Haystack([TokenStore(s.path) for s in recipe.data.valid])
+    # Recall documents hold needles of their own; the haystack is plain held-out text.
+    haystack = Haystack([TokenStore(s.path) for s in recipe.data.valid if s.name != "recall"])
     log(f"evaluating {run_dir} (trained at {recipe.data.seq_len} tokens, rope_theta {model.config.rope_theta:g}, "
         f"DSA {'on' if model.config.sparse_attention else 'off'})")
     return {"run": str(run_dir), "train_seq_len": recipe.data.seq_len, "rope_theta": model.config.rope_theta,

@@ -31,6 +31,10 @@ class RLConfig:
     # advantage, so they add nothing to the gradient but their tokens to the loss's normaliser. Dropped,
     # the step size stays that of the informative groups as more prompts saturate.
     drop_zero_std_groups: bool = False
+    # With drop_zero_std_groups, DAPO's refill: up to this many rollout rounds of prompts_per_iteration
+    # prompts per iteration, until prompts_per_iteration informative groups are gathered (extra ones are
+    # dropped and counted). 1: no refill, the step trains on however many informative groups one round gave.
+    max_sampling_rounds: int = 1
     eval_interval: int = 5
     # Held-out evaluation: eval_reward is the policy's mean reward over eval_samples draws per prompt at
     # the rollout temperature (what RL maximises); eval_greedy the reward of the greedy answer.
@@ -48,9 +52,12 @@ class RLConfig:
     progress: bool = True
 
     def __post_init__(self):
-        for name in ("iterations", "prompts_per_iteration", "micro_batch_size", "updates_per_iteration", "keep_last", "eval_samples"):
+        for name in ("iterations", "prompts_per_iteration", "micro_batch_size", "updates_per_iteration", "keep_last", "eval_samples",
+                     "max_sampling_rounds"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.max_sampling_rounds > 1 and not self.drop_zero_std_groups:
+            raise ConfigError("max_sampling_rounds: refill rounds only make sense with drop_zero_std_groups: true")
         if self.lr_warmup_iterations < 0:
             raise ConfigError(f"lr_warmup_iterations: must be >= 0, got {self.lr_warmup_iterations}")
         if self.lr < 0:

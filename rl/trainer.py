@@ -71,26 +71,44 @@ class RLTrainer:
             self.buffer.add(sample)
         return {"rollout_failed": failed}
 
+    def collect_groups(self) -> tuple[list[list[Sample]], dict]:
+        """The iteration's ready groups and rollout statistics over everything sampled. With
+        ``drop_zero_std_groups`` only informative groups (rewards not all equal) are kept, and up to
+        ``max_sampling_rounds`` rollout rounds refill them to ``prompts_per_iteration`` (DAPO's dynamic
+        sampling); informative groups beyond that are dropped."""
+        cfg = self.cfg
+        kept, rewards, failed, rounds = [], [], 0, 0
+        while rounds < cfg.max_sampling_rounds and (not rounds or len(kept) < cfg.prompts_per_iteration):
+            failed += self.rollout()["rollout_failed"]
+            rounds += 1
+            for group in self.buffer.take_ready():
+                r = [s.reward for s in group]
+                rewards.append(r)
+                if not cfg.drop_zero_std_groups or min(r) != max(r):
+                    kept.append(group)
+        extra = max(0, len(kept) - cfg.prompts_per_iteration) if cfg.drop_zero_std_groups else 0
+        rewards_t = torch.tensor(rewards, dtype=torch.float32)
+        samples = [s for g in kept for s in g] or [None]
+        stats = {"rollout_failed": failed, "reward_mean": rewards_t.mean().item(),
+                 "groups_all_equal": float((rewards_t.std(-1) == 0).float().mean()),
+                 "response_length": sum(s.response_length for s in samples if s) / len(samples)}
+        if cfg.drop_zero_std_groups:
+            stats.update(sampling_rounds=rounds, groups_kept=len(kept) - extra, groups_extra_dropped=extra)
+        return kept[: len(kept) - extra], stats
+
     def train_on(self, groups: list[list[Sample]]) -> dict:
-        """The iteration's optimizer steps on its ready groups: GRPO advantages per group, then
+        """The iteration's optimizer steps on its groups: GRPO advantages per group, then
         ``updates_per_iteration`` steps on equal shares of the groups (slime's steps per rollout). The
         first step runs on the weights that generated the samples, so its log-prob mismatch is the
         rollout/trainer one (``logp_mismatch_max``); later steps are off-policy by design, which
-        IcePop's ratio and the asymmetric clip account for."""
+        IcePop's ratio and the asymmetric clip account for. No groups: no step."""
+        if not groups:
+            return {}
         cfg = self.cfg.loss
         rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)
         advantages = grpo_advantages(rewards, unbiased=cfg.advantage_std == "unbiased")
-        samples = [s for g in groups for s in g]
-        equal = rewards.std(-1) == 0
-        stats = {"reward_mean": rewards.mean().item(), "groups_all_equal": float(equal.float().mean()),
-                 "response_length": sum(s.response_length for s in samples) / len(samples)}
-        if self.cfg.drop_zero_std_groups:
-            keep = (~equal).nonzero().squeeze(-1).tolist()
-            groups, advantages = [groups[i] for i in keep], advantages[keep]
-            if not groups:
-                return stats  # nothing to learn from this iteration: no step
         share = math.ceil(len(groups) / self.cfg.updates_per_iteration)
-        sums, tokens = {}, 0
+        stats, sums, tokens = {}, {}, 0
         for k, start in enumerate(range(0, len(groups), share)):
             part = [s for g in groups[start : start + share] for s in g]
             step_sums, step_tokens, mismatch = self._update(part, advantages[start : start + share].reshape(-1))
@@ -191,9 +209,9 @@ class RLTrainer:
             bar = tqdm(total=cfg.iterations, initial=self.iteration, desc="rl", unit="it")
         while self.iteration < cfg.iterations:
             start = time.perf_counter()
-            stats = {"lr": self.set_lr(), **self.rollout()}
-            groups = self.buffer.take_ready()
-            stats.update(self.train_on(groups))
+            lr = self.set_lr()
+            groups, stats = self.collect_groups()
+            stats.update(lr=lr, **self.train_on(groups))
             self.sync_weights()
             self.iteration += 1
             stats["policy_version"] = self.engine.policy_version

@@ -1,4 +1,5 @@
-"""The trainer's step options: several optimizer steps per rollout, and dropping zero-std groups."""
+"""The trainer's step options: several optimizer steps per rollout, and dropping zero-std groups with
+DAPO's refill."""
 import pytest
 import torch
 
@@ -25,15 +26,15 @@ def _trainer(tmp_path, name, **overrides):
     return RLTrainer(cfg, pre / "final", tokenizer, tmp_path / name / "rl")
 
 
-def _groups(trainer, rewards):
+def _groups(trainer, rewards, first_id=0):
     """Groups of G samples with the given rewards; rollout log-probs are the trainer's own (rescore)."""
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(first_id)
     groups = []
     for i, row in enumerate(rewards):
         seqs = [torch.randint(3, 500, (9,), generator=g).tolist() for _ in row]
         with torch.no_grad():
             lp = sequence_log_probs(trainer.model, seqs, [4] * len(row)).log_probs
-        groups.append([Sample(f"p{i}", s, response_length=4, loss_mask=[1] * 4, rollout_log_probs=lp[j].clone(),
+        groups.append([Sample(f"p{first_id + i}", s, response_length=4, loss_mask=[1] * 4, rollout_log_probs=lp[j].clone(),
                               reward=r, status=SampleStatus.COMPLETED) for j, (s, r) in enumerate(zip(seqs, row))])
     return groups
 
@@ -51,26 +52,68 @@ def test_updates_per_iteration_take_that_many_steps(tmp_path):
     assert stats["logp_abs_diff"] > 0
 
 
+def _script_rollouts(trainer, rounds):
+    """Replace generation by groups with scripted rewards, one list of groups per rollout round."""
+    calls = []
+
+    def rollout():
+        groups = _groups(trainer, rounds[len(calls)], first_id=100 * len(calls))
+        calls.append(len(groups))
+        for sample in (s for g in groups for s in g):
+            trainer.buffer.add(sample)
+        return {"rollout_failed": 0}
+
+    trainer.rollout = rollout
+    return calls
+
+
 def test_zero_std_groups_are_dropped_exactly(tmp_path):
     rewards = [[1, 1, 1, 1], [0, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0]]
-    dropping = _trainer(tmp_path, "a", drop_zero_std_groups=True)
-    groups = _groups(dropping, rewards)
-    stats = dropping.train_on(groups)
+    dropping = _trainer(tmp_path, "a", drop_zero_std_groups=True, prompts_per_iteration=4)
+    _script_rollouts(dropping, [rewards])
+    kept, stats = dropping.collect_groups()
+    assert [g[0].instance_id for g in kept] == ["p1", "p3"]
     assert stats["groups_all_equal"] == 0.5 and stats["reward_mean"] == pytest.approx(7 / 16)
-    # The same step as training on the informative groups alone (the normaliser counts their tokens only).
-    alone = _trainer(tmp_path, "b")
-    alone.train_on([groups[1], groups[3]])
-    for p, q in zip(dropping.model.parameters(), alone.model.parameters()):
-        assert torch.equal(p, q)
-    # Keeping them changes the step: their tokens dilute the token-mean loss.
+    assert stats["sampling_rounds"] == 1 and stats["groups_kept"] == 2
+    # Keeping the zero-std groups changes the step: their tokens dilute the token-mean loss.
+    dropping.train_on(kept)
     keeping = _trainer(tmp_path, "c")
-    keeping.train_on(groups)
-    assert any(not torch.equal(p, q) for p, q in zip(keeping.model.parameters(), alone.model.parameters()))
+    keeping.train_on(_groups(keeping, rewards))
+    assert any(not torch.equal(p, q) for p, q in zip(keeping.model.parameters(), dropping.model.parameters()))
+
+
+def test_refill_rounds_until_enough_informative_groups(tmp_path):
+    trainer = _trainer(tmp_path, "a", drop_zero_std_groups=True, prompts_per_iteration=2, max_sampling_rounds=3)
+    calls = _script_rollouts(trainer, [[[1, 1, 1, 1], [0, 1, 0, 0]], [[0, 0, 0, 0], [1, 1, 0, 1]], [[1, 0, 1, 0]] * 2])
+    kept, stats = trainer.collect_groups()
+    assert len(calls) == 2  # the second round filled the batch; the third never ran
+    assert [g[0].instance_id for g in kept] == ["p1", "p101"]
+    assert stats["sampling_rounds"] == 2 and stats["groups_all_equal"] == 0.5
+    assert stats["reward_mean"] == pytest.approx(8 / 16)
+    # More informative groups than the batch holds: the extra ones are dropped and counted.
+    trainer = _trainer(tmp_path, "b", drop_zero_std_groups=True, prompts_per_iteration=1, max_sampling_rounds=3)
+    _script_rollouts(trainer, [[[1, 0, 0, 0], [0, 1, 1, 1]]])
+    kept, stats = trainer.collect_groups()
+    assert len(kept) == 1 and stats["groups_extra_dropped"] == 1 and stats["groups_kept"] == 1
+    # Rounds run out: the step trains on what it has.
+    trainer = _trainer(tmp_path, "c", drop_zero_std_groups=True, prompts_per_iteration=2, max_sampling_rounds=2)
+    calls = _script_rollouts(trainer, [[[1, 1, 1, 1], [0, 1, 0, 0]], [[0, 0, 0, 0]] * 2])
+    kept, stats = trainer.collect_groups()
+    assert len(calls) == 2 and len(kept) == 1 and stats["groups_all_equal"] == 0.75
+
+
+def test_refill_needs_the_filter():
+    from orthon.launch.config import ConfigError
+
+    with pytest.raises(ConfigError, match="max_sampling_rounds"):
+        RLConfig(max_sampling_rounds=2)
 
 
 def test_nothing_to_learn_takes_no_step(tmp_path):
     trainer = _trainer(tmp_path, "a", drop_zero_std_groups=True)
+    _script_rollouts(trainer, [[[1, 1, 1, 1], [0, 0, 0, 0]]])
     before = [p.clone() for p in trainer.model.parameters()]
-    stats = trainer.train_on(_groups(trainer, [[1, 1, 1, 1], [0, 0, 0, 0]]))
-    assert _steps(trainer) == 0 and stats["groups_all_equal"] == 1.0 and "logp_mismatch_max" not in stats
+    kept, stats = trainer.collect_groups()
+    assert kept == [] and stats["groups_all_equal"] == 1.0
+    assert trainer.train_on(kept) == {} and _steps(trainer) == 0
     assert all(torch.equal(p, q) for p, q in zip(before, trainer.model.parameters()))

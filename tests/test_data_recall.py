@@ -1,0 +1,71 @@
+"""Key-value recall documents: every definition is restated later, nothing of the code is lost, and the
+built-in corpus carries them as their own kind."""
+import json
+import random
+import re
+
+import pytest
+
+from orthon.data.builtin import prepare_builtin, stdlib_sources
+from orthon.data.config import BuiltinConfig
+from orthon.data.recall import EXCLUDED_NAMES, make_recall_document
+from orthon.data.store import TokenStore
+from orthon.data.tokenizer import load_tokenizer
+from orthon.launch.config import ConfigError
+
+PAIR = re.compile(r"^([A-Z_]+) = (\d{5})$")
+
+
+def _pairs(doc: str) -> list[tuple[int, str, str]]:
+    return [(i, m[1], m[2]) for i, line in enumerate(doc.splitlines()) if (m := PAIR.match(line))]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_each_definition_is_restated_later_with_its_value(seed):
+    rng = random.Random(seed)
+    code = stdlib_sources(1.0)[seed][1]
+    doc = make_recall_document(rng, code, chars_per_pair=300)
+    pairs = _pairs(doc)
+    by_name: dict[str, list[tuple[int, str]]] = {}
+    for line, name, value in pairs:
+        by_name.setdefault(name, []).append((line, value))
+    assert by_name and all(len(v) == 2 for v in by_name.values())  # a definition and one restatement
+    assert all(a[1] == b[1] and a[0] < b[0] for a, b in by_name.values())
+    assert not set(by_name) & EXCLUDED_NAMES
+    # Removing the inserted lines gives back a contiguous (wrapped) run of the code's lines.
+    kept = [line for line in doc.splitlines() if not PAIR.match(line)]
+    lines = code.splitlines()
+    start = next(i for i in range(len(lines)) if (lines[i:] + lines[:i])[: len(kept)] == kept)
+    assert start >= 0
+    # The window holds about max(1, chars // 300) pairs.
+    assert len(by_name) == max(1, (sum(len(x) + 1 for x in kept)) // 300)
+
+
+def test_window_lengths_span_the_range():
+    rng = random.Random(0)
+    code = "\n".join(f"x_{i} = {i}" for i in range(5000))
+    sizes = [len(make_recall_document(rng, code, min_chars=200, max_chars=20_000)) for _ in range(300)]
+    assert min(sizes) < 600 and max(sizes) > 12_000  # log-uniform: short and long windows both occur
+
+
+def test_builtin_corpus_with_recall_kind(tmp_path):
+    paths = prepare_builtin(tmp_path, vocab_size=600, seed=0, log=None, arithmetic_problems=500, max_code_mb=0.3,
+                            valid_fraction=0.05, recall_docs=40, workers=1)
+    assert set(paths.train_stores) == set(paths.valid_stores) == {"code", "arithmetic", "recall"}
+    docs = [json.loads(line)["text"] for line in (tmp_path / "corpus/train/recall.jsonl").open()]
+    assert len(docs) == 40 and all(_pairs(d) for d in docs)
+    tok = load_tokenizer(paths.tokenizer)
+    store = TokenStore(paths.train_stores["recall"])
+    assert store.n_docs == 40 and tok.decode(store.doc(7)) == docs[7]
+    cfg = paths.data_config(weights={"code": 1.0, "arithmetic": 1.0, "recall": 2.0})
+    assert {s.name: s.weight for s in cfg.sources} == {"code": 1.0, "arithmetic": 1.0, "recall": 2.0}
+
+
+def test_recall_config_validation():
+    with pytest.raises(ConfigError, match="recall_docs"):
+        BuiltinConfig(recall_docs=-1)
+    with pytest.raises(ConfigError, match="recall_docs"):
+        BuiltinConfig(recall_docs=5, include_stdlib=False)
+    with pytest.raises(ConfigError, match="weights"):
+        BuiltinConfig(recall_docs=5, weights={"code": 1.0, "arithmetic": 1.0})
+    BuiltinConfig(recall_docs=5, weights={"code": 1.0, "arithmetic": 1.0, "recall": 0.5})
