@@ -22,6 +22,8 @@ class RLConfig:
     # Linear LR warmup over the first iterations: Adam's first bias-corrected steps move every weight by
     # about lr whatever its gradient, which a small policy does not survive at full lr.
     lr_warmup_iterations: int = 0
+    # After the warmup, cosine decay to lr * lr_min_ratio at the last iteration (1.0: constant LR).
+    lr_min_ratio: float = 1.0
     weight_decay: float = 0.0
     micro_batch_size: int = 64  # samples per forward/backward
     # Optimizer steps per rollout (slime's num_steps_per_rollout): the iteration's groups split into this
@@ -58,6 +60,8 @@ class RLConfig:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
         if self.max_sampling_rounds > 1 and not self.drop_zero_std_groups:
             raise ConfigError("max_sampling_rounds: refill rounds only make sense with drop_zero_std_groups: true")
+        if not 0.0 <= self.lr_min_ratio <= 1.0:
+            raise ConfigError(f"lr_min_ratio: must be in [0, 1], got {self.lr_min_ratio}")
         if self.lr_warmup_iterations < 0:
             raise ConfigError(f"lr_warmup_iterations: must be >= 0, got {self.lr_warmup_iterations}")
         if self.lr < 0:

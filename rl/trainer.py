@@ -26,6 +26,18 @@ from orthon.rl.sampling import SamplingParams
 from orthon.rl.train_config import RLConfig
 
 
+def rl_lr(iteration: int, cfg: RLConfig) -> float:
+    """The LR of 0-based ``iteration``: linear warmup over ``lr_warmup_iterations`` (reaching ``lr`` at the
+    last warmup iteration), then cosine decay to ``lr * lr_min_ratio`` at the last iteration."""
+    warmup = cfg.lr_warmup_iterations
+    if iteration < warmup:
+        return cfg.lr * (iteration + 1) / warmup
+    span = cfg.iterations - 1 - max(warmup - 1, 0)
+    progress = min(1.0, (iteration - max(warmup - 1, 0)) / span) if span > 0 else 1.0
+    floor = cfg.lr * cfg.lr_min_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 class RLTrainer:
     def __init__(self, cfg: RLConfig, policy_dir: Path, tokenizer, run_dir: Path, log=print):
         self.cfg, self.run_dir, self.log = cfg, Path(run_dir), log
@@ -168,8 +180,7 @@ class RLTrainer:
         return {"eval_reward": mean_reward(prompts, sampled), "eval_greedy": mean_reward(self.eval_prompts, greedy)}
 
     def set_lr(self) -> float:
-        warmup = self.cfg.lr_warmup_iterations
-        lr = self.cfg.lr * min(1.0, (self.iteration + 1) / warmup) if warmup else self.cfg.lr
+        lr = rl_lr(self.iteration, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         return lr

@@ -117,3 +117,18 @@ def test_nothing_to_learn_takes_no_step(tmp_path):
     assert kept == [] and stats["groups_all_equal"] == 1.0
     assert trainer.train_on(kept) == {} and _steps(trainer) == 0
     assert all(torch.equal(p, q) for p, q in zip(before, trainer.model.parameters()))
+
+
+def test_lr_warmup_then_cosine_to_the_floor():
+    from orthon.rl.trainer import rl_lr
+
+    cfg = RLConfig(lr=1e-4, lr_warmup_iterations=10, iterations=250, lr_min_ratio=0.1)
+    # Warmup 1/10 .. 10/10 of lr over iterations 0..9, then the cosine from iteration 9 (lr) to 249 (floor):
+    # its midpoint, iteration 129, is halfway between lr and the floor.
+    expected = {0: 1e-5, 4: 5e-5, 9: 1e-4, 129: 0.55e-4, 249: 1e-5}
+    assert {i: rl_lr(i, cfg) for i in expected} == pytest.approx(expected)
+    assert all(rl_lr(i, cfg) >= rl_lr(i + 1, cfg) for i in range(9, 249))  # monotone decay
+    constant = RLConfig(lr=1e-4, lr_warmup_iterations=10, iterations=250)
+    assert [rl_lr(i, constant) for i in (9, 100, 249)] == pytest.approx([1e-4] * 3)
+    assert rl_lr(0, RLConfig(lr=3e-5, iterations=5, lr_min_ratio=0.0)) == pytest.approx(3e-5)
+    assert rl_lr(4, RLConfig(lr=3e-5, iterations=5, lr_min_ratio=0.0)) == pytest.approx(0.0)
