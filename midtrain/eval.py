@@ -7,6 +7,11 @@ Passkey: a prompt of exactly L tokens of real held-out text (the haystack) with 
 
 Perplexity by position: held-out sequences of one length, next-token NLL averaged per position
 bucket; positions beyond the pretraining length show whether the model still predicts there.
+
+Copying: random token sequences repeated once, at each length. The first half cannot be predicted; a
+model with an induction (copy) head predicts the repeat, so its NLL on the second half falls far below
+the first's. Retrieval of any kind needs that mechanism: where the two NLLs are equal, a passkey of 0
+says the model cannot copy at all, not that its context is too short.
 """
 from __future__ import annotations
 
@@ -130,6 +135,31 @@ def perplexity_by_position(model, data_cfg, cfg: LongEvalConfig, chunk: int = 10
     return buckets
 
 
+def repeated_sequences(n: int, length: int, vocab_size: int, seed: int, low: int = 3) -> torch.Tensor:
+    """(n, length) token ids: a random sequence of length // 2 ids in [low, vocab_size) and its exact
+    repeat (one more random id first when length is odd)."""
+    g = torch.Generator().manual_seed(seed)
+    half = torch.randint(low, vocab_size, (n, length // 2), generator=g)
+    head = torch.randint(low, vocab_size, (n, length % 2), generator=g)
+    return torch.cat([head, half, half], dim=1)
+
+
+@torch.no_grad()
+def copy_nll(model, cfg: LongEvalConfig, n: int = 4, chunk: int = 1024) -> dict[int, dict[str, float]]:
+    """{length: {"first": mean NLL predicting the random first half, "repeat": mean NLL predicting
+    the repeat (its first token excluded: nothing tells where the repeat starts)}}."""
+    model.eval()
+    device = model.lm_head.weight.device
+    out = {}
+    for length in cfg.lengths:
+        ids = repeated_sequences(n, length, model.config.vocab_size, cfg.seed).to(device)
+        hidden, _ = model.hidden_states(ids[:, :-1])
+        nll = token_nll(hidden, model.lm_head.weight, ids[:, 1:], chunk).cpu()
+        start = length % 2 + length // 2  # index of the repeat's first token in ids
+        out[length] = {"first": float(nll[:, length % 2 : start - 1].mean()), "repeat": float(nll[:, start:].mean())}
+    return out
+
+
 # ---------------------------------------------------------------- runs and reports
 def resolve_run(path) -> tuple[Path, Path]:
     """(run directory with config.yaml, its final weights dir) for a pretraining run, a mid-training
@@ -165,7 +195,8 @@ def evaluate_run(path, cfg: LongEvalConfig, log=print) -> dict:
     return {"run": str(run_dir), "train_seq_len": recipe.data.seq_len, "rope_theta": model.config.rope_theta,
             "sparse_attention": model.config.sparse_attention,
             "passkey": passkey_accuracy(model, tokenizer, haystack, cfg, log),
-            "ppl_by_position": perplexity_by_position(model, recipe.data, cfg)}
+            "ppl_by_position": perplexity_by_position(model, recipe.data, cfg),
+            "copy_nll": copy_nll(model, cfg)}
 
 
 def format_table(results: dict[str, dict]) -> str:
@@ -179,6 +210,9 @@ def format_table(results: dict[str, dict]) -> str:
             lines.append(f"    L={length:<15d}" + "".join(f"{a:<8.2f}" for a in vals) + f"  {sum(vals) / len(vals):.2f}")
         lines.append("  perplexity by position  " + "  ".join(f"[{b['start']},{b['end']}): {b['ppl']:.2f}"
                                                            for b in r["ppl_by_position"]))
+        if "copy_nll" in r:
+            lines.append("  copying, NLL of a random half / of its repeat  " + "  ".join(
+                f"L={L}: {c['first']:.2f} / {c['repeat']:.2f}" for L, c in r["copy_nll"].items()))
     return "\n".join(lines)
 
 

@@ -13,7 +13,8 @@ from test_data_support import corpus_texts, make_store, run_cli, train_tiny_toke
 from orthon.launch.config import to_dict
 from orthon.launch.recipe import Recipe
 from orthon.midtrain.config import LongEvalConfig
-from orthon.midtrain.eval import answer_matches, evaluate_run, greedy_continuations, place_needle, resolve_run
+from orthon.midtrain.eval import (answer_matches, copy_nll, evaluate_run, greedy_continuations, place_needle,
+                                  repeated_sequences, resolve_run)
 from orthon.pretrain.generate import generate_ids
 from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.weights_dir import save_weights_dir
@@ -94,6 +95,27 @@ def test_perplexity_by_position_matches_direct_computation(run_dir):
         assert b["ppl"] == pytest.approx(expected, rel=1e-4)
 
 
+def test_repeated_sequences_and_copy_nll_match_direct_computation():
+    ids = repeated_sequences(3, 11, vocab_size=50, seed=0)
+    assert ids.shape == (3, 11) and int(ids.min()) >= 3 and int(ids.max()) < 50
+    assert torch.equal(ids[:, 1:6], ids[:, 6:])  # odd length: one random id, then the half twice
+    assert not torch.equal(ids[0], ids[1])
+    assert torch.equal(repeated_sequences(3, 11, 50, seed=0), ids)
+
+    model = GLMForCausalLM(small_config("dsa", vocab_size=64)).eval()
+    cfg = LongEvalConfig(lengths=[16, 21])
+    result = copy_nll(model, cfg, n=2)
+    for length in (16, 21):
+        x = repeated_sequences(2, length, 64, cfg.seed)
+        with torch.no_grad():
+            nll = F.cross_entropy(model(x).logits[:, :-1].transpose(1, 2), x[:, 1:], reduction="none")
+        h0, half = length % 2, length // 2
+        # Targets x[h0 + 1 .. h0 + half - 1] (the first half after its first token) and
+        # x[h0 + half + 1 ..] (the repeat after its first token).
+        assert result[length]["first"] == pytest.approx(float(nll[:, h0 : h0 + half - 1].mean()), rel=1e-5)
+        assert result[length]["repeat"] == pytest.approx(float(nll[:, h0 + half :].mean()), rel=1e-5)
+
+
 def test_cli_eval_writes_table_json_and_heat_map(run_dir, tmp_path):
     plan = tmp_path / "plan.yaml"
     plan.write_text(yaml.safe_dump({"stages": [{"name": "a", "seq_len": 32, "tokens": 64}],
@@ -103,7 +125,8 @@ def test_cli_eval_writes_table_json_and_heat_map(run_dir, tmp_path):
     report = json.loads((tmp_path / "out" / "eval.json").read_text())
     assert list(report) == ["run"] and list(report["run"]["passkey"]) == ["32", "64"]
     table = (tmp_path / "out" / "eval.txt").read_text()
-    assert "L=32" in table and "L=64" in table and "perplexity by position" in table
+    assert "L=32" in table and "L=64" in table and "perplexity by position" in table and "copying" in table
+    assert set(report["run"]["copy_nll"]) == {"32", "64"}
     png = (tmp_path / "out" / "eval.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
