@@ -3,9 +3,10 @@
 Long-context mid-training data mixes in synthetic retrieval (key-value lookups across a long
 document) so that a model learns to use far context, not only nearby text. A recall document here is
 a window of a code file with a few definitions ``\\nNAME = 48213\\n`` inserted at random line
-boundaries; each definition is restated, name and value alike, at a later line boundary, the distance log-uniform in lines. The
-value after a restated name is unpredictable except by copying it from the definition, so the
-document trains an induction (copy) head over whatever distance separates the two.
+boundaries; each definition is restated, name and value alike, at a later line boundary, the
+distance log-uniform in lines. The value after a restated name is unpredictable except by copying it
+from the definition, so the document rewards an induction (copy) head over whatever distance
+separates the two.
 
 Names are drawn from ``NAME_WORDS`` (one to three words joined by ``_``); ``PASSKEY``, the name that
 the passkey evaluation (``orthon.midtrain.eval``) asks about, is never drawn, so that evaluation
