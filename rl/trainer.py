@@ -89,21 +89,21 @@ class RLTrainer:
         ``max_sampling_rounds`` rollout rounds refill them to ``prompts_per_iteration`` (DAPO's dynamic
         sampling); informative groups beyond that are dropped."""
         cfg = self.cfg
-        kept, rewards, failed, rounds = [], [], 0, 0
+        kept, rewards, lengths, failed, rounds = [], [], [], 0, 0
         while rounds < cfg.max_sampling_rounds and (not rounds or len(kept) < cfg.prompts_per_iteration):
             failed += self.rollout()["rollout_failed"]
             rounds += 1
             for group in self.buffer.take_ready():
                 r = [s.reward for s in group]
                 rewards.append(r)
+                lengths += [s.response_length for s in group]
                 if not cfg.drop_zero_std_groups or min(r) != max(r):
                     kept.append(group)
         extra = max(0, len(kept) - cfg.prompts_per_iteration) if cfg.drop_zero_std_groups else 0
         rewards_t = torch.tensor(rewards, dtype=torch.float32)
-        samples = [s for g in kept for s in g] or [None]
         stats = {"rollout_failed": failed, "reward_mean": rewards_t.mean().item(),
                  "groups_all_equal": float((rewards_t.std(-1) == 0).float().mean()),
-                 "response_length": sum(s.response_length for s in samples if s) / len(samples)}
+                 "response_length": sum(lengths) / max(len(lengths), 1)}
         if cfg.drop_zero_std_groups:
             stats.update(sampling_rounds=rounds, groups_kept=len(kept) - extra, groups_extra_dropped=extra)
         return kept[: len(kept) - extra], stats
