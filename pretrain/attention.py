@@ -145,18 +145,18 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
         self.scale = self.head_dim**-0.5
 
-    def _rope_first(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rope_first(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # The indexer rotates its first rope_dim numbers and passes the rest.
         return torch.cat([apply_rope(x[..., : self.rope_dim], cos, sin), x[..., self.rope_dim :]], dim=-1)
 
     def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """(B, T, d) indexer keys of new tokens (what the cache stores)."""
-        return self._rope_first(self.k_norm(self.wk(x)), cos, sin)
+        return self.rope_first(self.k_norm(self.wk(x)), cos, sin)
 
     def queries(self, x, q_resid, cos, sin):
         """(B, T, n, d) queries and (B, T, n) head weights."""
         B, T, _ = x.shape
-        q = self._rope_first(self.wq_b(q_resid).view(B, T, self.n_heads, self.head_dim), cos, sin)
+        q = self.rope_first(self.wq_b(q_resid).view(B, T, self.n_heads, self.head_dim), cos, sin)
         w = self.weights_proj(x).float() * self.n_heads**-0.5
         return q, w
 

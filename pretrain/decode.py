@@ -36,6 +36,12 @@ from orthon.pretrain.thin_gemm import PackedLinear
 from orthon.pretrain.topk import deterministic_topk
 
 
+def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused gate/up output (gate half first)."""
+    g, u = gate_up.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
 @dataclass
 class _Layer:
     w_in: PackedLinear  # (q_lora + rank + rope [+ idx_dim + idx_heads], hidden)
@@ -152,8 +158,7 @@ class DecodeWeights:
         latent = torch.cat([layer.norms["kv_a"](parts[1]), apply_rope(parts[2], cos, sin)], dim=-1)
         index_key = None
         if idx is not None:
-            k = idx.k_norm(parts[3])
-            index_key = torch.cat([apply_rope(k[:, :rope], cos, sin), k[:, rope:]], dim=-1)
+            index_key = idx.rope_first(idx.k_norm(parts[3]), cos, sin)
         latents, index_keys = cache.append(i, latent[:, None], None if index_key is None else index_key[:, None])
         qsizes = [H * rank, H * rope] + ([idx.n_heads * idx.head_dim] if idx is not None else [])
         qparts = layer.w_q(q_resid).split(qsizes, dim=-1)
@@ -162,8 +167,7 @@ class DecodeWeights:
         mask = visible
         sparse = c.sparse_attention and S > c.index_topk
         if sparse and idx is not None:
-            iq = qparts[2].view(B, idx.n_heads, idx.head_dim)
-            iq = torch.cat([apply_rope(iq[..., :rope], cos[:, None], sin[:, None]), iq[..., rope:]], dim=-1)
+            iq = idx.rope_first(qparts[2].view(B, idx.n_heads, idx.head_dim), cos[:, None], sin[:, None])
             w = parts[4] * idx.n_heads**-0.5
             logits = torch.relu(torch.bmm(index_keys, iq.transpose(1, 2)) * idx.scale)  # (B, S, n)
             scores = torch.bmm(logits, w[:, :, None]).squeeze(-1)  # (B, S)
@@ -186,8 +190,7 @@ class DecodeWeights:
 
     @staticmethod
     def _mlp(layer: _Layer, x):
-        g, u = layer.mlp_in(x).chunk(2, dim=-1)
-        return layer.mlp_down(F.silu(g) * u)
+        return layer.mlp_down(_swiglu(layer.mlp_in(x)))
 
     def _moe(self, layer: _Layer, x):
         c = self.model.config
@@ -201,10 +204,8 @@ class DecodeWeights:
         pieces = []
         for (gate_up, down), part in zip(layer.experts, x.index_select(0, token).split(counts.tolist())):
             if part.shape[0]:
-                g, u = gate_up(part).chunk(2, dim=-1)
-                pieces.append(down(F.silu(g) * u))
+                pieces.append(down(_swiglu(gate_up(part))))
         y = combine_experts(x, token, order, weights, torch.cat(pieces))
         if layer.mlp_down is not None:
-            g, u = shared_in.chunk(2, dim=-1)
-            y = y + layer.mlp_down(F.silu(g) * u)
+            y = y + layer.mlp_down(_swiglu(shared_in))
         return y
