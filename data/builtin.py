@@ -7,9 +7,15 @@ Two kinds of text:
   headed by a ``# path`` comment;
 - arithmetic: generated lines such as ``Q: 37+45=? A: 82`` (``arithmetic.py``,
   the same generator the RL task uses), ``problems_per_doc`` per document;
-- recall (``recall_docs`` > 0): windows of the code with ``NAME = 48213`` lines
-  restated later (``recall.py``), the train split's cut from train code and the
+- recall (``recall_docs`` > 0): synthetic retrieval documents made from the code
+  (``recall.py``), in the styles and shares of ``recall_mix``: code windows with
+  ``NAME = 48213`` lines restated later, key-value lists restated shuffled, and
+  lines of words each repeated; the train split's made from train code and the
   held-out split's from held-out code.
+
+``tokenizer`` reuses a given tokenizer instead of training one, so that a run
+continued from another (``train.init_from``) can add kinds to its corpus and keep
+the token ids its embeddings were trained on.
 
 ``prepare_builtin(out_dir)`` does everything: writes the corpus as JSON lines
 (train and a held-out split), trains a sentencepiece tokenizer on it, and
@@ -31,7 +37,7 @@ from orthon.data.arithmetic import make_document
 from orthon.data.config import BuiltinConfig, DataConfig, PrepareConfig, ReadConfig, StoreSource
 from orthon.data.fileutil import atomic_write_json, tmp_path
 from orthon.data.prepare import prepare
-from orthon.data.recall import make_recall_document
+from orthon.data.recall import make_mixed_recall_document
 from orthon.data.store import read_manifest
 from orthon.data.tokenizer import CHAT_TOKENS, sample_lines, train_sentencepiece
 
@@ -115,7 +121,7 @@ def build_corpus(out_dir: str | Path, cfg: BuiltinConfig) -> dict[str, list[Path
         recall_rng = random.Random(cfg.seed + 2_000_003)
         for split, n, docs in (("train", cfg.recall_docs, code_train), ("valid", n_valid_recall, code_valid)):
             if n:
-                texts = [make_recall_document(recall_rng, recall_rng.choice(docs)) for _ in range(n)]
+                texts = [make_mixed_recall_document(recall_rng, recall_rng.choice(docs), cfg.recall_mix) for _ in range(n)]
                 files[split].append(_write_jsonl(out / split / "recall.jsonl", texts))
     step = -(-len(code_train) // _CODE_PARTS) if code_train else 0
     for i in range(0, len(code_train), max(step, 1)):
@@ -164,9 +170,14 @@ def prepare_builtin(out_dir: str | Path, vocab_size: int = 4096, seed: int = 0, 
         f"in {seconds['corpus']:.1f}s")
 
     t = time.perf_counter()
-    tokenizer = root / f"tokenizer_{vocab_size}.model"
+    tokenizer = Path(cfg.tokenizer) if cfg.tokenizer else root / f"tokenizer_{vocab_size}.model"
     retrained = not (tokenizer.is_file() and done.get("tokenizer_settings") == settings)
-    if retrained:
+    if cfg.tokenizer:
+        _check_given_tokenizer(tokenizer, vocab_size)
+        done = {"corpus_settings": corpus_settings, "tokenizer_settings": settings,
+                "corpus": {s: [str(p) for p in ps] for s, ps in corpus.items()}}
+        atomic_write_json(done_path, done)
+    elif retrained:
         lines = sample_lines(_texts(corpus["train"]), 200_000, seed)
         train_sentencepiece(lines, tokenizer, vocab_size, special_tokens=CHAT_TOKENS, seed=seed)
         done = {"corpus_settings": corpus_settings, "tokenizer_settings": settings,
@@ -197,6 +208,16 @@ def prepare_builtin(out_dir: str | Path, vocab_size: int = 4096, seed: int = 0, 
     atomic_write_json(done_path, {**done, **report})
     return BuiltinPaths(root=root, tokenizer=tokenizer, train_stores=stores["train"], valid_stores=stores["valid"],
                         corpus=corpus, report=report)
+
+
+def _check_given_tokenizer(path: Path, vocab_size: int) -> None:
+    from orthon.data.tokenizer import load_tokenizer
+
+    if not path.is_file():
+        raise FileNotFoundError(f"builtin.tokenizer: {path} does not exist")
+    size = load_tokenizer(path).vocab_size
+    if size != vocab_size:
+        raise ValueError(f"builtin.tokenizer: {path} has {size} pieces, builtin.vocab_size is {vocab_size}")
 
 
 def _texts(files: list[Path]):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from orthon.data.recall import RECALL_STYLES
 from orthon.launch.config import ConfigError
 
 SourceFormat = Literal["auto", "jsonl", "parquet", "text"]
@@ -119,7 +120,13 @@ class BuiltinConfig:
     arithmetic_problems: int = 100_000
     problems_per_doc: int = 32
     max_difficulty: int = 3
-    recall_docs: int = 0  # key-value recall documents cut from the training code (0: no "recall" kind)
+    recall_docs: int = 0  # recall documents made from the training code (0: no "recall" kind)
+    # Shares of the recall documents by style (orthon.data.recall): "code" (definitions restated in a
+    # code window), "kv" (a list of pairs, restated shuffled), "copy" (lines of words, each repeated).
+    recall_mix: dict[str, float] = field(default_factory=lambda: {"code": 1.0, "kv": 1.0, "copy": 3.0})
+    # A tokenizer to reuse ("": train one on the corpus), e.g. the one of a run being continued, whose
+    # embeddings are tied to its token ids.
+    tokenizer: str = ""
     include_stdlib: bool = True
     max_code_mb: float = 0.0  # 0: the whole standard library
     valid_fraction: float = 0.01
@@ -137,6 +144,9 @@ class BuiltinConfig:
         if self.recall_docs < 0 or (self.recall_docs and not self.include_stdlib):
             raise ConfigError(f"recall_docs: must be >= 0, and needs include_stdlib (the documents are cut from "
                               f"the code), got {self.recall_docs}")
+        if set(self.recall_mix) - set(RECALL_STYLES) or any(w < 0 for w in self.recall_mix.values()) \
+                or not sum(self.recall_mix.values()) > 0:
+            raise ConfigError(f"recall_mix: non-negative shares of {list(RECALL_STYLES)}, not all 0, got {self.recall_mix}")
         if self.weights:
             kinds = {"code", "arithmetic"} if self.include_stdlib else {"arithmetic"}
             kinds |= {"recall"} if self.recall_docs else set()

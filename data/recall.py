@@ -1,21 +1,26 @@
-"""Generated key-value recall documents: real code with ``NAME = 48213`` lines restated later.
+"""Generated retrieval documents, three styles, each made from real code:
 
-Long-context mid-training data mixes in synthetic retrieval (key-value lookups across a long
-document) so that a model learns to use far context, not only nearby text. A recall document here is
-a window of a code file with a few definitions ``\\nNAME = 48213\\n`` inserted at random line
-boundaries; each definition is restated, name and value alike, at a later line boundary, the
-distance log-uniform in lines. The value after a restated name is unpredictable except by copying it
-from the definition, so the document rewards an induction (copy) head over whatever distance
-separates the two.
+- code (``make_recall_document``): a window of a code file with a few definitions
+  ``\nNAME = 48213\n`` inserted at random line boundaries, each restated, name and value alike, at a
+  later line boundary, the distance log-uniform in lines: retrieval over any distance, in code;
+- kv (``make_kv_document``): a list of ``NAME = 48213`` lines, then the same lines shuffled:
+  associative recall, the value found by its name alone;
+- copy (``make_copy_document``): lines of words, each followed by its exact repeat: the plainest
+  signal for an induction (copy) head.
 
-Names are drawn from ``NAME_WORDS`` (one to three words joined by ``_``); ``PASSKEY``, the name that
-the passkey evaluation (``orthon.midtrain.eval``) asks about, is never drawn, so that evaluation
-tests whether copying generalises to a new name.
+Long-context mid-training mixes in synthetic retrieval so that a model learns to use far context, not
+only nearby text. In every style the value (or repeated word) is unpredictable except by copying it
+from earlier in the document.
+
+Names are drawn from ``NAME_WORDS`` (one to three words joined by ``_``) and, in the kv style, from the
+code's identifiers; ``PASSKEY``, the name that the passkey evaluation (``orthon.midtrain.eval``) asks
+about, is never drawn, so that evaluation tests whether retrieval generalises to a new name.
 """
 from __future__ import annotations
 
 import math
 import random
+import re
 
 NAME_WORDS = (
     "ALPHA", "BETA", "GAMMA", "DELTA", "OMEGA", "SIGMA", "API", "AUTH", "SECRET", "TOKEN", "CODE", "PIN",
@@ -24,6 +29,7 @@ NAME_WORDS = (
     "BLOCK", "ID", "NUM", "REF", "TAG", "MARK", "SIGN", "BASE", "ROOT", "MAIN", "LAST", "FIRST", "NEXT",
 )
 EXCLUDED_NAMES = frozenset({"PASSKEY", "PASS_KEY"})
+SMALL_VOCAB = NAME_WORDS + tuple("0123456789")
 
 
 def make_name(rng: random.Random) -> str:
@@ -41,13 +47,8 @@ def make_recall_document(rng: random.Random, code: str, min_chars: int = 300, ma
     if not lines:
         raise ValueError("make_recall_document: empty code")
     target = math.exp(rng.uniform(math.log(min_chars), math.log(max_chars)))
-    start = rng.randrange(len(lines))
-    window, size = [], 0
-    for line in lines[start:] + lines[:start]:  # wrap around: a short file still fills the window
-        if size >= target:
-            break
-        window.append(line)
-        size += len(line) + 1
+    window = _window(rng, lines, target)  # wraps around: a short file still fills the window
+    size = sum(len(line) + 1 for line in window)
     n_pairs = max(1, int(size // chars_per_pair))
     # Slots are line boundaries 0..len(window); a definition goes at slot a, its restatement at b > a
     # (both inserted before line a / b of the window), so the restatement always comes later.
@@ -71,3 +72,63 @@ def make_recall_document(rng: random.Random, code: str, min_chars: int = 300, ma
         if i < len(window):
             out.append(window[i])
     return "\n".join(out) + "\n"
+
+
+_IDENTIFIER = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]{2,24}\b")
+
+
+def make_copy_document(rng: random.Random, code: str, min_words: int = 4, max_words: int = 48,
+                       blocks: int = 4, small_vocab_share: float = 0.5) -> str:
+    """``blocks`` lines of words drawn at random from the identifiers of ``code``, each line followed by
+    its exact repeat. The repeat is predictable only by copying the line above, token by token: the
+    plainest signal for an induction head (the toy task on which one forms within a few hundred steps),
+    over natural tokens and within a short training sequence."""
+    identifiers = sorted(set(_IDENTIFIER.findall(code)) - EXCLUDED_NAMES) or list(NAME_WORDS)
+    out = []
+    for _ in range(blocks):
+        n = round(math.exp(rng.uniform(math.log(min_words), math.log(max_words))))
+        # Half the lines draw from a small vocabulary (NAME_WORDS and digits, about 60 tokens): an
+        # induction head forms within ~150 steps on such a vocabulary, where the code's thousands of
+        # identifiers alone give no sign of one in 600.
+        vocab = SMALL_VOCAB if rng.random() < small_vocab_share else identifiers
+        line = " ".join(rng.choice(vocab) for _ in range(n))
+        out += [line, line]
+    return "\n".join(out) + "\n"
+
+
+def make_kv_document(rng: random.Random, code: str, min_pairs: int = 2, max_pairs: int = 16, digits: int = 5) -> str:
+    """A list of ``NAME = 48213`` lines, then every line again in a shuffled order: associative
+    recall, the value after a restated name found by the name alone. Names mix ``NAME_WORDS``
+    compounds with identifiers taken from ``code``, so the lookup is not tied to a small set of names."""
+    identifiers = sorted(set(_IDENTIFIER.findall(code)) - EXCLUDED_NAMES)
+    n = round(math.exp(rng.uniform(math.log(min_pairs), math.log(max_pairs))))
+    pairs: dict[str, str] = {}
+    while len(pairs) < n:
+        name = rng.choice(identifiers) if identifiers and rng.random() < 0.5 else make_name(rng)
+        pairs.setdefault(name, "".join(rng.choice("0123456789") for _ in range(digits)))
+    lines = [f"{k} = {v}" for k, v in pairs.items()]
+    restated = lines[:]
+    rng.shuffle(restated)
+    return "\n".join(lines + restated) + "\n"
+
+
+def _window(rng: random.Random, lines: list[str], chars: float) -> list[str]:
+    """Whole lines from a random start (wrapping around) until they hold ``chars`` characters."""
+    start = rng.randrange(len(lines))
+    out, size = [], 0
+    for line in lines[start:] + lines[:start]:
+        if size >= chars:
+            break
+        out.append(line)
+        size += len(line) + 1
+    return out
+
+
+RECALL_STYLES = ("code", "kv", "copy")
+
+
+def make_mixed_recall_document(rng: random.Random, code: str, mix: dict[str, float]) -> str:
+    """One recall document of a style drawn with the shares in ``mix`` ({style: share})."""
+    styles = [s for s in RECALL_STYLES if mix.get(s, 0) > 0]
+    style = rng.choices(styles, weights=[mix[s] for s in styles])[0]
+    return {"code": make_recall_document, "kv": make_kv_document, "copy": make_copy_document}[style](rng, code)

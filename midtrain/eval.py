@@ -25,6 +25,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from orthon.midtrain import heads
 from orthon.midtrain.config import LongEvalConfig
 from orthon.pretrain.metrics import save_figure
 from orthon.midtrain.losses import token_nll
@@ -160,6 +161,31 @@ def copy_nll(model, cfg: LongEvalConfig, n: int = 4, chunk: int = 1024) -> dict[
     return out
 
 
+@torch.no_grad()
+def head_scores(model, haystack: Haystack, cfg: LongEvalConfig, n: int = 2) -> dict[int, dict]:
+    """{length: per-layer best-head previous-token score (held-out text), best-head induction score
+    (a random half and its repeat), head-summed top-k mass (text, k = index_topk), and the uniform-
+    attention levels of the first two} (``orthon.midtrain.heads``)."""
+    model.eval()
+    device = model.lm_head.weight.device
+    k = model.config.index_topk
+    out = {}
+    for length in cfg.lengths:
+        even = length - length % 2
+        rng = random.Random(f"{cfg.seed}:heads:{length}")
+        text = torch.tensor([haystack.window(even, rng) for _ in range(n)], device=device)
+        repeats = repeated_sequences(n, even, model.config.vocab_size, cfg.seed).to(device)
+        layers = []
+        for p_text, p_rep in zip(heads.layer_attention(model, text), heads.layer_attention(model, repeats)):
+            layers.append({"previous_token": float(heads.previous_token_score(p_text).max()),
+                           "induction": float(heads.induction_score(p_rep, even // 2).max()),
+                           "topk_mass": heads.topk_mass(p_text, k)})
+        out[length] = {"layers": layers, "uniform_previous_token": heads.uniform_previous_token_score(even),
+                       "uniform_induction": heads.uniform_induction_score(even // 2),
+                       "k": k}
+    return out
+
+
 # ---------------------------------------------------------------- runs and reports
 def resolve_run(path) -> tuple[Path, Path]:
     """(run directory with config.yaml, its final weights dir) for a pretraining run, a mid-training
@@ -196,7 +222,8 @@ def evaluate_run(path, cfg: LongEvalConfig, log=print) -> dict:
             "sparse_attention": model.config.sparse_attention,
             "passkey": passkey_accuracy(model, tokenizer, haystack, cfg, log),
             "ppl_by_position": perplexity_by_position(model, recipe.data, cfg),
-            "copy_nll": copy_nll(model, cfg)}
+            "copy_nll": copy_nll(model, cfg),
+            "heads": head_scores(model, haystack, cfg)}
 
 
 def format_table(results: dict[str, dict]) -> str:
@@ -213,6 +240,11 @@ def format_table(results: dict[str, dict]) -> str:
         if "copy_nll" in r:
             lines.append("  copying, NLL of a random half / of its repeat  " + "  ".join(
                 f"L={L}: {c['first']:.2f} / {c['repeat']:.2f}" for L, c in r["copy_nll"].items()))
+        for L, h in r.get("heads", {}).items():
+            lines.append(f"  heads at L={L}, by layer: previous-token " + " ".join(f"{x['previous_token']:.2f}" for x in h["layers"])
+                         + f" (uniform {h['uniform_previous_token']:.2f}), induction "
+                         + " ".join(f"{x['induction']:.2f}" for x in h["layers"]) + f" (uniform {h['uniform_induction']:.3f}), "
+                         + f"top-{h['k']} mass " + " ".join(f"{x['topk_mass']:.2f}" for x in h["layers"]))
     return "\n".join(lines)
 
 

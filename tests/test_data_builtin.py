@@ -97,6 +97,26 @@ def test_prepare_builtin_reuses_finished_steps(small_builtin):
     assert again.report["tokens"] == small_builtin.report["tokens"]
 
 
+def test_prepare_builtin_reuses_a_given_tokenizer(small_builtin, tmp_path):
+    """A continuation adds kinds to the corpus and keeps the token ids its model was trained with."""
+    given = small_builtin.tokenizer
+    before = given.stat().st_mtime_ns
+    paths = prepare_builtin(tmp_path / "b", vocab_size=600, seed=0, log=None, arithmetic_problems=3000, max_code_mb=0.4,
+                            valid_fraction=0.05, workers=1, recall_docs=20, tokenizer=str(given))
+    assert paths.tokenizer == given and given.stat().st_mtime_ns == before and not list((tmp_path / "b").glob("*.model"))
+    assert set(paths.train_stores) == {"code", "arithmetic", "recall"}
+    # the same code and arithmetic, tokenised by the given tokenizer: token for token what the first build made
+    for kind in ("code", "arithmetic"):
+        assert TokenStore(paths.train_stores[kind]).doc(0).tolist() == TokenStore(small_builtin.train_stores[kind]).doc(0).tolist()
+    tok = load_tokenizer(given)
+    text = json.loads((tmp_path / "b/corpus/train/recall.jsonl").open().readline())["text"]
+    assert tok.decode(TokenStore(paths.train_stores["recall"]).doc(0)) == text
+    with pytest.raises(ValueError, match="600 pieces, builtin.vocab_size is 700"):
+        prepare_builtin(tmp_path / "c", vocab_size=700, log=None, arithmetic_problems=100, max_code_mb=0.1, tokenizer=str(given))
+    with pytest.raises(FileNotFoundError, match="builtin.tokenizer"):
+        prepare_builtin(tmp_path / "d", log=None, arithmetic_problems=100, max_code_mb=0.1, tokenizer=str(tmp_path / "none.model"))
+
+
 def test_builtin_data_config_feeds_the_loader(small_builtin):
     cfg = small_builtin.data_config(seq_len=32, seed=3)
     assert [s.name for s in cfg.sources] == ["code", "arithmetic"]

@@ -127,6 +127,12 @@ def test_cli_eval_writes_table_json_and_heat_map(run_dir, tmp_path):
     table = (tmp_path / "out" / "eval.txt").read_text()
     assert "L=32" in table and "L=64" in table and "perplexity by position" in table and "copying" in table
     assert set(report["run"]["copy_nll"]) == {"32", "64"}
+    heads = report["run"]["heads"]
+    assert set(heads) == {"32", "64"} and "previous-token" in table and "induction" in table
+    for h in heads.values():
+        assert len(h["layers"]) == 3 and all(0 <= x[key] <= 1 for x in h["layers"] for key in x)
+    # The tiny test model is untrained: its attention is near uniform, as the uniform levels say.
+    assert heads["64"]["uniform_previous_token"] == pytest.approx(sum(1 / (t + 1) for t in range(1, 64)) / 63)
     png = (tmp_path / "out" / "eval.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
