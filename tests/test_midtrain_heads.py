@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hf_reference import small_config
-from orthon.midtrain.heads import (attention_probs, induction_score, layer_attention, previous_token_score,
+from orthon.midtrain.heads import (induction_score, layer_attention, previous_token_score,
                                    topk_mass, uniform_induction_score, uniform_previous_token_score)
 from orthon.midtrain.indexer_fit import AttentionInputs
 from orthon.pretrain.model import GLMForCausalLM
