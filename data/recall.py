@@ -1,7 +1,7 @@
 """Generated retrieval documents, three styles, each made from real code:
 
 - code (``make_recall_document``): a window of a code file with a few definitions
-  ``\nNAME = 48213\n`` inserted at random line boundaries, each restated, name and value alike, at a
+  ``\\nNAME = 48213\\n`` inserted at random line boundaries, each restated, name and value alike, at a
   later line boundary, the distance log-uniform in lines: retrieval over any distance, in code;
 - kv (``make_kv_document``): a list of ``NAME = 48213`` lines, then the same lines shuffled:
   associative recall, the value found by its name alone;
@@ -79,17 +79,16 @@ _IDENTIFIER = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]{2,24}\b")
 
 def make_copy_document(rng: random.Random, code: str, min_words: int = 4, max_words: int = 48,
                        blocks: int = 4, small_vocab_share: float = 0.5) -> str:
-    """``blocks`` lines of words drawn at random from the identifiers of ``code``, each line followed by
-    its exact repeat. The repeat is predictable only by copying the line above, token by token: the
-    plainest signal for an induction head (the toy task on which one forms within a few hundred steps),
-    over natural tokens and within a short training sequence."""
+    """``blocks`` lines of random words, each line followed by its exact repeat. The repeat is
+    predictable only by copying the line above, token by token: the plainest signal for an induction
+    head, over natural tokens and within a short training sequence."""
     identifiers = sorted(set(_IDENTIFIER.findall(code)) - EXCLUDED_NAMES) or list(NAME_WORDS)
     out = []
     for _ in range(blocks):
         n = round(math.exp(rng.uniform(math.log(min_words), math.log(max_words))))
-        # Half the lines draw from a small vocabulary (NAME_WORDS and digits, about 60 tokens): an
-        # induction head forms within ~150 steps on such a vocabulary, where the code's thousands of
-        # identifiers alone give no sign of one in 600.
+        # Half the lines draw from a small vocabulary (NAME_WORDS and digits, about 60 tokens, the
+        # pieces recall values are made of), where copying needs only a small token-to-same-token map;
+        # the other half from the code's identifiers, so copying is not tied to that vocabulary.
         vocab = SMALL_VOCAB if rng.random() < small_vocab_share else identifiers
         line = " ".join(rng.choice(vocab) for _ in range(n))
         out += [line, line]
