@@ -90,6 +90,9 @@ def build_optimizer(
 ) -> HybridOptimizer:
     """The HybridOptimizer for a routing plan: Muon groups by split, AdamW groups by decay.
 
+    Its LRs start at the schedule's value for 0 tokens (0 under a warmup): call ``set_tokens`` with
+    the tokens consumed before each step, as the trainers do, or the steps change nothing.
+
     ``orthogonaliser`` defaults to the distributed one when torch.distributed
     is initialised with more than one rank and ``cfg.distributed_muon``.
     """
