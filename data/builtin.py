@@ -174,12 +174,10 @@ def prepare_builtin(out_dir: str | Path, vocab_size: int = 4096, seed: int = 0, 
     retrained = not (tokenizer.is_file() and done.get("tokenizer_settings") == settings)
     if cfg.tokenizer:
         _check_given_tokenizer(tokenizer, vocab_size)
-        done = {"corpus_settings": corpus_settings, "tokenizer_settings": settings,
-                "corpus": {s: [str(p) for p in ps] for s, ps in corpus.items()}}
-        atomic_write_json(done_path, done)
     elif retrained:
         lines = sample_lines(_texts(corpus["train"]), 200_000, seed)
         train_sentencepiece(lines, tokenizer, vocab_size, special_tokens=CHAT_TOKENS, seed=seed)
+    if retrained:
         done = {"corpus_settings": corpus_settings, "tokenizer_settings": settings,
                 "corpus": {s: [str(p) for p in ps] for s, ps in corpus.items()}}
         atomic_write_json(done_path, done)

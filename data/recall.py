@@ -82,7 +82,7 @@ def make_copy_document(rng: random.Random, code: str, min_words: int = 4, max_wo
     """``blocks`` lines of random words, each line followed by its exact repeat. The repeat is
     predictable only by copying the line above, token by token: the plainest signal for an induction
     head, over natural tokens and within a short training sequence."""
-    identifiers = sorted(set(_IDENTIFIER.findall(code)) - EXCLUDED_NAMES) or list(NAME_WORDS)
+    identifiers = _identifiers(code) or list(NAME_WORDS)
     out = []
     for _ in range(blocks):
         n = round(math.exp(rng.uniform(math.log(min_words), math.log(max_words))))
@@ -99,7 +99,7 @@ def make_kv_document(rng: random.Random, code: str, min_pairs: int = 2, max_pair
     """A list of ``NAME = 48213`` lines, then every line again in a shuffled order: associative
     recall, the value after a restated name found by the name alone. Names mix ``NAME_WORDS``
     compounds with identifiers taken from ``code``, so the lookup is not tied to a small set of names."""
-    identifiers = sorted(set(_IDENTIFIER.findall(code)) - EXCLUDED_NAMES)
+    identifiers = _identifiers(code)
     n = round(math.exp(rng.uniform(math.log(min_pairs), math.log(max_pairs))))
     pairs: dict[str, str] = {}
     while len(pairs) < n:
@@ -109,6 +109,11 @@ def make_kv_document(rng: random.Random, code: str, min_pairs: int = 2, max_pair
     restated = lines[:]
     rng.shuffle(restated)
     return "\n".join(lines + restated) + "\n"
+
+
+def _identifiers(code: str) -> list[str]:
+    """The code's distinct identifiers (3 to 25 characters), sorted, the passkey's names left out."""
+    return sorted(set(_IDENTIFIER.findall(code)) - EXCLUDED_NAMES)
 
 
 def _window(rng: random.Random, lines: list[str], chars: float) -> list[str]:

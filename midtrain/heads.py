@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from orthon.midtrain.indexer_fit import AttentionInputs, absorbed_queries
 from orthon.pretrain.attention import MLAttention
 
 
@@ -24,11 +25,9 @@ from orthon.pretrain.attention import MLAttention
 def attention_probs(attn: MLAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """(B, H, T, T) dense causal attention probabilities of one MLA layer for its input ``x``
     (after input_layernorm), in fp32."""
-    _, q_nope, q_rope, latent = attn._project(x, cos, sin)
-    B, T, H, _ = q_nope.shape
-    k_nope = attn.kv_b_proj(latent[..., : attn.rank]).view(B, T, H, attn.nope + attn.v_dim)[..., : attn.nope]
-    logits = (torch.einsum("bthd,bshd->bhts", q_nope.float(), k_nope.float())
-              + torch.einsum("bthd,bsd->bhts", q_rope.float(), latent[..., attn.rank :].float())) * attn.scale
+    q_abs, latent, _ = absorbed_queries(attn, x, cos, sin)
+    logits = torch.einsum("bthd,bsd->bhts", q_abs.float(), latent.float()) * attn.scale
+    T = x.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
     return torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
 
@@ -36,8 +35,6 @@ def attention_probs(attn: MLAttention, x: torch.Tensor, cos: torch.Tensor, sin: 
 @torch.no_grad()
 def layer_attention(model, ids: torch.Tensor) -> list[torch.Tensor]:
     """Per layer, (B, H, T, T) attention probabilities of ``model`` on ``ids`` (dense, causal)."""
-    from orthon.midtrain.indexer_fit import AttentionInputs
-
     recorder = AttentionInputs(model)
     try:
         with recorder.recording():
