@@ -45,10 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     module.register(cmd_parser, name)
     args = cmd_parser.parse_args(argv[1:])
     try:
-        return int(module.run(args, name) or 0)
+        code = int(module.run(args, name) or 0)
     except ConfigError as exc:
         print(f"orthon {name}: config error: {exc}", file=sys.stderr)
         return 2
+    if "torch.distributed" in sys.modules:  # only a command that may have started a process group
+        from orthon.pretrain.parallel import shutdown
+
+        shutdown()
+    return code
 
 
 if __name__ == "__main__":

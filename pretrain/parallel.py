@@ -96,3 +96,12 @@ def all_reduce_gradients(model: nn.Module) -> None:
 def barrier() -> None:
     if is_distributed():
         dist.barrier()
+
+
+def shutdown() -> None:
+    """Wait for every rank, then tear the process group down. Without it a rank that finishes first
+    exits with gloo's threads still running, and the C++ runtime aborts it ("terminate called without
+    an active exception"), failing an otherwise good run."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
