@@ -175,11 +175,9 @@ def head_scores(model, haystack: Haystack, cfg: LongEvalConfig, n: int = 2) -> d
         rng = random.Random(f"{cfg.seed}:heads:{length}")
         text = torch.tensor([haystack.window(even, rng) for _ in range(n)], device=device)
         repeats = repeated_sequences(n, even, model.config.vocab_size, cfg.seed).to(device)
-        layers = []
-        for p_text, p_rep in zip(heads.layer_attention(model, text), heads.layer_attention(model, repeats)):
-            layers.append({"previous_token": float(heads.previous_token_score(p_text).max()),
-                           "induction": float(heads.induction_score(p_rep, even // 2).max()),
-                           "topk_mass": heads.topk_mass(p_text, k)})
+        on_text = heads.layer_scores(model, text, k=k)
+        on_repeats = heads.layer_scores(model, repeats, half=even // 2)
+        layers = [{**t, "induction": r["induction"]} for t, r in zip(on_text, on_repeats)]
         out[length] = {"layers": layers, "uniform_previous_token": heads.uniform_previous_token_score(even),
                        "uniform_induction": heads.uniform_induction_score(even // 2),
                        "k": k}

@@ -38,10 +38,12 @@ class LayerInput:
 
 class AttentionInputs:
     """Records every attention layer's input while ``recording()`` is active (not during the recompute
-    of activation checkpointing, which runs the layers again in backward)."""
+    of activation checkpointing, which runs the layers again in backward). With ``on_record`` each
+    record is handed to it as the layer runs and not kept, so that a caller can reduce it at once."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, on_record=None):
         self.active = False
+        self.on_record = on_record
         self.records: list[LayerInput] = []
         self.handles = [m.register_forward_hook(self._hook, with_kwargs=True)
                         for m in model.modules() if isinstance(m, MLAttention)]
@@ -54,8 +56,11 @@ class AttentionInputs:
         a = bound.arguments
         if a["cache"] is not None:
             raise RuntimeError("AttentionInputs: recording a KV-cached forward is not supported")
-        self.records.append(LayerInput(module.layer, a["x"].detach(), a["cos"], a["sin"], a["q_slots"],
-                                       a["doc_ids"], output[1]))
+        record = LayerInput(module.layer, a["x"].detach(), a["cos"], a["sin"], a["q_slots"], a["doc_ids"], output[1])
+        if self.on_record is not None:
+            self.on_record(record)
+        else:
+            self.records.append(record)
 
     @contextmanager
     def recording(self):
