@@ -100,8 +100,8 @@ def barrier() -> None:
 
 def shutdown() -> None:
     """Wait for every rank, then tear the process group down. Without it a rank that finishes first
-    exits with gloo's threads still running, and the C++ runtime aborts it ("terminate called without
-    an active exception"), failing an otherwise good run."""
+    exits with gloo's threads still running and can be aborted by the C++ runtime ("terminate called
+    without an active exception"), failing an otherwise good run."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
