@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from orthon.midtrain.indexer_fit import AttentionInputs, LayerInput, absorbed_queries
-from orthon.pretrain.attention import MLAttention
+from orthon.pretrain.attention import MLAttention, causal_mask
 
 ROWS_BUDGET_BYTES = 1 << 28  # fp32 probabilities per query chunk (256 MiB)
 
@@ -38,7 +38,7 @@ def attention_rows(attn: MLAttention, x: torch.Tensor, cos: torch.Tensor, sin: t
     for q0 in range(0, T, chunk):
         q1 = min(T, q0 + chunk)
         logits = torch.einsum("bthd,bsd->bhts", q_abs[:, q0:q1].float(), latent[:, :q1].float()) * attn.scale
-        visible = torch.arange(q1, device=x.device)[None, :] <= torch.arange(q0, q1, device=x.device)[:, None]
+        visible = causal_mask(torch.arange(q0, q1, device=x.device), q1)
         yield q0, torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
 
 
