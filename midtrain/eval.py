@@ -4,6 +4,8 @@ Passkey: a prompt of exactly L tokens of real held-out text (the haystack) with 
 ``PASSKEY = 71432`` inserted at a fraction d of it and, at the end, the needle's own prefix
 ``PASSKEY =`` (as the classic passkey task ends on "The pass key is"); the model's greedy continuation
 (KV-cached decode, as generation runs) is right when its first digits are the key. Prompts are generated on the fly from a seed, at any length and depth.
+Beside exact match, the teacher-forced NLL of the answer per key digit: below ln 10 = 2.30 the model
+draws on the needle even where greedy decoding does not yet reproduce all five digits.
 
 Perplexity by position: held-out sequences of one length, next-token NLL averaged per position
 bucket; positions beyond the pretraining length show whether the model still predicts there.
@@ -28,7 +30,7 @@ import torch
 from orthon.midtrain import heads
 from orthon.midtrain.config import LongEvalConfig
 from orthon.pretrain.metrics import save_figure
-from orthon.midtrain.losses import token_nll
+from orthon.midtrain.losses import IGNORE_INDEX, token_nll
 
 NEEDLE = "\nPASSKEY = {key}\n"
 QUESTION = "\nPASSKEY ="
@@ -85,25 +87,68 @@ def greedy_continuations(model, prompts: list[list[int]], max_new_tokens: int) -
     return torch.cat(out, dim=1).tolist()
 
 
+def needle_answer(needle: Sequence[int], question: Sequence[int]) -> tuple[int, list[int]]:
+    """(n, answer): the needle and the question share their first n tokens; the answer is the rest of
+    the needle (the key and what ends the line), the continuation a retrieving model predicts."""
+    n = 0
+    while n < min(len(needle), len(question)) and needle[n] == question[n]:
+        n += 1
+    return n, list(needle[n:])
+
+
 @torch.no_grad()
-def passkey_accuracy(model, tokenizer, haystack: Haystack, cfg: LongEvalConfig, log=print) -> dict:
-    """{length: {depth: accuracy}} over cfg.trials random keys per cell."""
+def answer_nll(model, prompts: list[list[int]], question: Sequence[int], needles: list[list[int]],
+               chunk: int = 1024) -> list[float]:
+    """Teacher-forced NLL (nats, summed) of each needle's answer after its prompt: the prompt's
+    question is cut back to the prefix it shares with the needle, then the answer follows. Unlike exact
+    match, this shows retrieval that is partly there (chance for a 5-digit key: 5 ln 10)."""
+    model.eval()
+    device = model.lm_head.weight.device
+    seqs, answers = [], []
+    for prompt, needle in zip(prompts, needles):
+        n, answer = needle_answer(needle, question)
+        seqs.append(prompt[: len(prompt) - len(question) + n] + answer)
+        answers.append(len(answer))
+    out = [0.0] * len(seqs)
+    by_length: dict[int, list[int]] = {}
+    for i, seq in enumerate(seqs):
+        by_length.setdefault(len(seq), []).append(i)
+    for length, rows in by_length.items():
+        ids = torch.tensor([seqs[i] for i in rows], device=device)
+        labels = ids[:, 1:].clone()
+        for r, i in enumerate(rows):
+            labels[r, : length - 1 - answers[i]] = IGNORE_INDEX
+        hidden, _ = model.hidden_states(ids[:, :-1])
+        nll = token_nll(hidden, model.lm_head.weight, labels, chunk).sum(dim=1)
+        for r, i in enumerate(rows):
+            out[i] = float(nll[r])
+    return out
+
+
+@torch.no_grad()
+def passkey_scores(model, tokenizer, haystack: Haystack, cfg: LongEvalConfig, log=print) -> tuple[dict, dict]:
+    """({length: {depth: accuracy}}, {length: {depth: answer NLL per key digit}}) over cfg.trials
+    random keys per cell; accuracy is greedy exact match, the NLL is teacher-forced (answer_nll)."""
     question = tokenizer.encode(QUESTION)
-    results: dict[int, dict[float, float]] = {}
+    accuracy: dict[int, dict[float, float]] = {}
+    key_nll: dict[int, dict[float, float]] = {}
     for length in cfg.lengths:
-        results[length] = {}
+        accuracy[length], key_nll[length] = {}, {}
         for depth in cfg.depths:
             rng = random.Random(f"{cfg.seed}:{length}:{depth}")
-            keys, prompts = [], []
+            keys, needles, prompts = [], [], []
             for _ in range(cfg.trials):
                 keys.append("".join(rng.choice("0123456789") for _ in range(cfg.digits)))
-                needle = tokenizer.encode(NEEDLE.format(key=keys[-1]))
-                prompts.append(place_needle(haystack.window(length, rng), needle, question, length, depth))
+                needles.append(tokenizer.encode(NEEDLE.format(key=keys[-1])))
+                prompts.append(place_needle(haystack.window(length, rng), needles[-1], question, length, depth))
             answers = greedy_continuations(model, prompts, cfg.digits + 2)
             right = sum(answer_matches(tokenizer.decode(a), k) for a, k in zip(answers, keys))
-            results[length][depth] = right / cfg.trials
-        log(f"  passkey L={length}: " + " ".join(f"{d:.2f}:{a:.2f}" for d, a in results[length].items()))
-    return results
+            accuracy[length][depth] = right / cfg.trials
+            nats = answer_nll(model, prompts, question, needles)
+            key_nll[length][depth] = sum(nats) / (cfg.trials * cfg.digits)
+        log(f"  passkey L={length}: " + " ".join(f"{d:.2f}:{a:.2f}" for d, a in accuracy[length].items())
+            + "  answer nats/digit " + " ".join(f"{v:.2f}" for v in key_nll[length].values()))
+    return accuracy, key_nll
 
 
 @torch.no_grad()
@@ -216,9 +261,10 @@ def evaluate_run(path, cfg: LongEvalConfig, log=print) -> dict:
     haystack = Haystack([TokenStore(s.path) for s in recipe.data.valid if s.name != "recall"])
     log(f"evaluating {run_dir} (trained at {recipe.data.seq_len} tokens, rope_theta {model.config.rope_theta:g}, "
         f"DSA {'on' if model.config.sparse_attention else 'off'})")
+    accuracy, answer_nats = passkey_scores(model, tokenizer, haystack, cfg, log)
     return {"run": str(run_dir), "train_seq_len": recipe.data.seq_len, "rope_theta": model.config.rope_theta,
             "sparse_attention": model.config.sparse_attention,
-            "passkey": passkey_accuracy(model, tokenizer, haystack, cfg, log),
+            "passkey": accuracy, "passkey_answer_nll": answer_nats,
             "ppl_by_position": perplexity_by_position(model, recipe.data, cfg),
             "copy_nll": copy_nll(model, cfg),
             "heads": head_scores(model, haystack, cfg)}
@@ -233,6 +279,11 @@ def format_table(results: dict[str, dict]) -> str:
         for length, row in r["passkey"].items():
             vals = list(row.values())
             lines.append(f"    L={length:<15d}" + "".join(f"{a:<8.2f}" for a in vals) + f"  {sum(vals) / len(vals):.2f}")
+        if "passkey_answer_nll" in r:
+            lines.append(f"  answer NLL, nats per key digit (chance ln 10 = {math.log(10):.2f})")
+            for length, row in r["passkey_answer_nll"].items():
+                vals = list(row.values())
+                lines.append(f"    L={length:<15d}" + "".join(f"{a:<8.2f}" for a in vals) + f"  {sum(vals) / len(vals):.2f}")
         lines.append("  perplexity by position  " + "  ".join(f"[{b['start']},{b['end']}): {b['ppl']:.2f}"
                                                            for b in r["ppl_by_position"]))
         if "copy_nll" in r:

@@ -13,8 +13,8 @@ from test_data_support import corpus_texts, make_store, run_cli, train_tiny_toke
 from orthon.launch.config import to_dict
 from orthon.launch.recipe import Recipe
 from orthon.midtrain.config import LongEvalConfig
-from orthon.midtrain.eval import (answer_matches, copy_nll, evaluate_run, greedy_continuations, place_needle,
-                                  repeated_sequences, resolve_run)
+from orthon.midtrain.eval import (answer_matches, answer_nll, copy_nll, evaluate_run, greedy_continuations,
+                                  needle_answer, place_needle, repeated_sequences, resolve_run)
 from orthon.pretrain.generate import generate_ids
 from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.weights_dir import save_weights_dir
@@ -40,6 +40,32 @@ def test_place_needle_length_and_depth():
 def test_answer_matching():
     assert answer_matches(" 71432\n", "71432") and answer_matches("71432)", "71432")
     assert not answer_matches(" 7143", "71432") and not answer_matches(" 71433", "71432")
+
+
+def test_needle_answer_is_the_needle_after_the_shared_prefix():
+    assert needle_answer([5, 6, 7, 8, 9], [5, 6, 7]) == (3, [8, 9])
+    # A tokenizer may merge the question's last piece with the key: the answer starts where they part.
+    assert needle_answer([5, 6, 11, 8, 9], [5, 6, 7]) == (2, [11, 8, 9])
+    assert needle_answer([4, 5], [5]) == (0, [4, 5])
+
+
+def test_answer_nll_matches_direct_cross_entropy():
+    model = GLMForCausalLM(small_config("dsa", vocab_size=64, initializer_range=0.2)).eval()
+    g = torch.Generator().manual_seed(0)
+    filler = torch.randint(3, 64, (200,), generator=g).tolist()
+    question = [40, 41]
+    # Three needles: the question as prefix (answer of 3), a shorter shared prefix (answer of 4, the
+    # scored sequence one token shorter) and an answer of 2: rows of different lengths.
+    needles = [[40, 41, 7, 8, 9], [40, 50, 7, 8, 9], [40, 41, 7, 2]]
+    prompts = [place_needle(filler[i:], n, question, 30, 0.3) for i, n in enumerate(needles)]
+    got = answer_nll(model, prompts, question, needles, chunk=7)
+    for prompt, needle, value in zip(prompts, needles, got):
+        n, answer = needle_answer(needle, question)
+        seq = torch.tensor([prompt[: 30 - 2 + n] + answer])
+        with torch.no_grad():
+            nll = F.cross_entropy(model(seq).logits[0, :-1], seq[0, 1:], reduction="none")
+        assert value == pytest.approx(float(nll[-len(answer):].sum()), rel=1e-5)
+    assert got[0] != pytest.approx(got[2])
 
 
 def test_batched_greedy_equals_single_prompt_generation():
@@ -79,6 +105,9 @@ def test_perplexity_by_position_matches_direct_computation(run_dir):
     result = evaluate_run(run_dir, cfg, log=lambda *_: None)
     assert set(result["passkey"]) == {48} and set(result["passkey"][48]) == {0.0, 1.0}
     assert all(a in (0.0, 0.5, 1.0) for a in result["passkey"][48].values())
+    # An untrained model's answer costs about ln(vocab) nats per token, well above ln 10 per digit.
+    nats = result["passkey_answer_nll"][48]
+    assert set(nats) == {0.0, 1.0} and all(v > math.log(10) for v in nats.values())
 
     recipe = load_recipe(run_dir / "config.yaml")
     model = load_weights_dir(run_dir / "final").eval()
@@ -126,6 +155,7 @@ def test_cli_eval_writes_table_json_and_heat_map(run_dir, tmp_path):
     assert list(report) == ["run"] and list(report["run"]["passkey"]) == ["32", "64"]
     table = (tmp_path / "out" / "eval.txt").read_text()
     assert "L=32" in table and "L=64" in table and "perplexity by position" in table and "copying" in table
+    assert "nats per key digit" in table and set(report["run"]["passkey_answer_nll"]) == {"32", "64"}
     assert set(report["run"]["copy_nll"]) == {"32", "64"}
     heads = report["run"]["heads"]
     assert set(heads) == {"32", "64"} and "previous-token" in table and "induction" in table
