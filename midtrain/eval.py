@@ -131,9 +131,9 @@ def passkey_scores(model, tokenizer, haystack: Haystack, cfg: LongEvalConfig, lo
     random keys per cell; accuracy is greedy exact match, the NLL is teacher-forced (answer_nll)."""
     question = tokenizer.encode(QUESTION)
     accuracy: dict[int, dict[float, float]] = {}
-    key_nll: dict[int, dict[float, float]] = {}
+    per_digit: dict[int, dict[float, float]] = {}
     for length in cfg.lengths:
-        accuracy[length], key_nll[length] = {}, {}
+        accuracy[length], per_digit[length] = {}, {}
         for depth in cfg.depths:
             rng = random.Random(f"{cfg.seed}:{length}:{depth}")
             keys, needles, prompts = [], [], []
@@ -145,10 +145,10 @@ def passkey_scores(model, tokenizer, haystack: Haystack, cfg: LongEvalConfig, lo
             right = sum(answer_matches(tokenizer.decode(a), k) for a, k in zip(answers, keys))
             accuracy[length][depth] = right / cfg.trials
             nats = answer_nll(model, prompts, question, needles)
-            key_nll[length][depth] = sum(nats) / (cfg.trials * cfg.digits)
+            per_digit[length][depth] = sum(nats) / (cfg.trials * cfg.digits)
         log(f"  passkey L={length}: " + " ".join(f"{d:.2f}:{a:.2f}" for d, a in accuracy[length].items())
-            + "  answer nats/digit " + " ".join(f"{v:.2f}" for v in key_nll[length].values()))
-    return accuracy, key_nll
+            + "  answer nats/digit " + " ".join(f"{v:.2f}" for v in per_digit[length].values()))
+    return accuracy, per_digit
 
 
 @torch.no_grad()
@@ -270,20 +270,25 @@ def evaluate_run(path, cfg: LongEvalConfig, log=print) -> dict:
             "heads": head_scores(model, haystack, cfg)}
 
 
+def _grid_rows(grid: dict) -> list[str]:
+    """One table row per length of a {length: {depth: value}} grid, with the row mean."""
+    rows = []
+    for length, row in grid.items():
+        vals = list(row.values())
+        rows.append(f"    L={length:<15d}" + "".join(f"{a:<8.2f}" for a in vals) + f"  {sum(vals) / len(vals):.2f}")
+    return rows
+
+
 def format_table(results: dict[str, dict]) -> str:
     lines = []
     for name, r in results.items():
         depths = list(next(iter(r["passkey"].values())).keys())
         lines.append(f"{name}  ({r['run']}, trained at {r['train_seq_len']} tokens)")
         lines.append("  passkey accuracy   " + "".join(f"d={d:<6.2f}" for d in depths) + "  mean")
-        for length, row in r["passkey"].items():
-            vals = list(row.values())
-            lines.append(f"    L={length:<15d}" + "".join(f"{a:<8.2f}" for a in vals) + f"  {sum(vals) / len(vals):.2f}")
+        lines += _grid_rows(r["passkey"])
         if "passkey_answer_nll" in r:
             lines.append(f"  answer NLL, nats per key digit (chance ln 10 = {math.log(10):.2f})")
-            for length, row in r["passkey_answer_nll"].items():
-                vals = list(row.values())
-                lines.append(f"    L={length:<15d}" + "".join(f"{a:<8.2f}" for a in vals) + f"  {sum(vals) / len(vals):.2f}")
+            lines += _grid_rows(r["passkey_answer_nll"])
         lines.append("  perplexity by position  " + "  ".join(f"[{b['start']},{b['end']}): {b['ppl']:.2f}"
                                                            for b in r["ppl_by_position"]))
         if "copy_nll" in r:
