@@ -9,7 +9,7 @@ from pathlib import Path
 
 from setuptools import setup
 
-SUBPACKAGES = ["pretrain", "optim", "data", "midtrain", "rl", "launch"]
+SUBPACKAGES = ["core", "data", "optim", "pretrain", "engine", "midtrain", "rl", "launch"]
 
 
 def package_dirs() -> dict[str, str]:
@@ -17,6 +17,8 @@ def package_dirs() -> dict[str, str]:
     here = Path(__file__).parent
     dirs = {}
     for top in SUBPACKAGES:
+        if not (here / top).is_dir():
+            continue
         for init in sorted((here / top).rglob("__init__.py")):
             rel = init.parent.relative_to(here)
             dirs["orthon." + ".".join(rel.parts)] = rel.as_posix()

@@ -30,7 +30,8 @@ def tiny_pair(overrides=()):
     import torch
     from transformers import GlmMoeDsaForCausalLM
 
-    from orthon.launch.recipe import load_recipe
+    from orthon.pretrain.hf_io import save_hf
+from orthon.pretrain.recipe import load_recipe
     from orthon.pretrain.model import GLMForCausalLM
 
     root = Path(__file__).resolve().parents[1]
@@ -38,6 +39,6 @@ def tiny_pair(overrides=()):
     torch.manual_seed(0)
     ours = GLMForCausalLM(config)
     with tempfile.TemporaryDirectory() as d:
-        ours.save_hf(d)
+        save_hf(ours, d)
         theirs = GlmMoeDsaForCausalLM.from_pretrained(d, dtype=torch.float32)
     return ours, theirs

@@ -71,7 +71,7 @@ class Meter:
 
 
 def _model(way: str, device):
-    from orthon.launch.recipe import load_recipe
+    from orthon.pretrain.recipe import load_recipe
     from orthon.pretrain.model import GLMForCausalLM
 
     cfg = load_recipe(ROOT / "configs" / "tiny.yaml").model

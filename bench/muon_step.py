@@ -71,7 +71,7 @@ def time_it(fn, device, warmup, repeats):
 
 
 def tiny_set():
-    from orthon.launch.recipe import load_recipe
+    from orthon.pretrain.recipe import load_recipe
     from orthon.pretrain.model_info import meta_model
 
     plan = plan_for_model(meta_model(load_recipe(ROOT / "configs" / "tiny.yaml").model), OptimConfig())

@@ -32,9 +32,9 @@ def _rss_mb() -> float:
 def worker(variant: str, steps: int, batch: int, seq: int, weights: str) -> dict:
     import torch
 
-    from orthon.launch.recipe import load_recipe
+    from orthon.pretrain.recipe import load_recipe
     from orthon.optim import build_for_model
-    from orthon.pretrain.hf_io import from_hf
+    from orthon.pretrain.hf_io import save_hf, from_hf
 
     torch.manual_seed(0)
     recipe = load_recipe(ROOT / "configs/tiny.yaml", [f"model.index_topk={seq}", "model.sparse_attention=true"])
@@ -85,13 +85,13 @@ def main():
         return
     import torch
 
-    from orthon.launch.recipe import load_recipe
+    from orthon.pretrain.recipe import load_recipe
     from orthon.pretrain.model import GLMForCausalLM
 
     config = load_recipe(ROOT / "configs/tiny.yaml", [f"model.index_topk={args.seq}"]).model
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as weights:
-        GLMForCausalLM(config).save_hf(weights)
+        save_hf(GLMForCausalLM(config), weights)
         results = {}
         for variant in VARIANTS:
             out = subprocess.run([sys.executable, __file__, "--worker", variant, "--weights", weights,

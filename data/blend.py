@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from orthon.data.packing import PackedDataset
-from orthon.launch.config import ConfigError
+from orthon.core.errors import ConfigError
 
 
 def cycle_counts(weights: Sequence[float], cycle: int) -> np.ndarray:

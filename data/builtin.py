@@ -35,7 +35,7 @@ from pathlib import Path
 
 from orthon.data.arithmetic import make_document
 from orthon.data.config import BuiltinConfig, DataConfig, PrepareConfig, ReadConfig, StoreSource
-from orthon.data.fileutil import atomic_write_json, tmp_path
+from orthon.core.files import atomic_write_json, tmp_path
 from orthon.data.prepare import prepare
 from orthon.data.recall import make_mixed_recall_document
 from orthon.data.store import read_manifest

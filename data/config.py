@@ -1,4 +1,4 @@
-"""Typed configs of the data pipeline (filled from YAML by orthon.launch.config.build).
+"""Typed configs of the data pipeline (filled from YAML by orthon.core.config.build).
 
 - ``TokenizerTrainConfig``: ``orthon tokenizer train``.
 - ``PrepareConfig``: ``orthon data prepare`` (text files -> token store).
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from orthon.data.recall import RECALL_STYLES
-from orthon.launch.config import ConfigError
+from orthon.core.errors import ConfigError
 
 SourceFormat = Literal["auto", "jsonl", "parquet", "text"]
 # How a plain text file is cut into documents (the `sample_by` of datasets' text builder).

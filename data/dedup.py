@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from orthon.data.config import DedupConfig
-from orthon.data.fileutil import atomic_write_json, tmp_path
+from orthon.core.files import atomic_write_json, tmp_path
 from orthon.data.sources import classify, expand_inputs, iter_documents
 
 _WORD = re.compile(r"\w+")

@@ -18,8 +18,8 @@ import re
 from typing import Callable, Sequence
 
 from orthon.data.config import FilterConfig
-from orthon.launch.config import ConfigError
-from orthon.launch.plugins import resolve as resolve_plugin
+from orthon.core.errors import ConfigError
+from orthon.core.plugins import resolve as resolve_plugin
 
 _WORD = re.compile(r"\w+")
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")

@@ -17,7 +17,7 @@ import torch
 
 from orthon.data.blend import BlendedDataset
 from orthon.data.config import DataConfig, StoreSource
-from orthon.data.fileutil import DataError
+from orthon.core.errors import DataError
 from orthon.data.packing import PackedDataset
 from orthon.data.sampler import Sampler
 from orthon.data.store import TokenStore

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from orthon.data.fileutil import DataError
+from orthon.core.errors import DataError
 from orthon.data.store import TokenStore
 
 

@@ -32,7 +32,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from orthon.data.config import FilterConfig, PrepareConfig
-from orthon.data.fileutil import TMP_SUFFIX, DataError, atomic_write_json, sha256_file
+from orthon.core.errors import DataError
+from orthon.core.files import TMP_SUFFIX, atomic_write_json, sha256_file
 from orthon.data.filters import FilterChain
 from orthon.data.sources import classify, expand_inputs, iter_documents
 from orthon.data.store import MANIFEST, ShardWriter, token_dtype

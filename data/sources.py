@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterator
 
 from orthon.data.config import ReadConfig
-from orthon.data.fileutil import DataError
+from orthon.core.errors import DataError
 
 # Never reach a hub: every source is a local file.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from orthon.data.fileutil import DataError, tmp_path
+from orthon.core.errors import DataError
+from orthon.core.files import tmp_path
 
 MAGIC = b"ORTHTOK1"
 VERSION = 1

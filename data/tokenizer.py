@@ -14,7 +14,8 @@ import random
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from orthon.data.fileutil import DataError, tmp_path
+from orthon.core.errors import DataError
+from orthon.core.files import tmp_path
 
 # Special ids of a trained sentencepiece model.
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3

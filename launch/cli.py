@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from orthon.launch.config import ConfigError
+from orthon.core.errors import ConfigError
 
 COMMANDS = {
     "model-info": ("orthon.launch.cmd_model_info", "parameter counts per component (meta device)"),
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"orthon {name}: config error: {exc}", file=sys.stderr)
         return 2
     if "torch.distributed" in sys.modules:  # only a command that may have started a process group
-        from orthon.pretrain.parallel import shutdown
+        from orthon.core.distributed import shutdown
 
         shutdown()
     return code

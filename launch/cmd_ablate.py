@@ -7,7 +7,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from orthon.launch.recipe import add_recipe_args, load_recipe
+from orthon.launch.args import add_recipe_args
+from orthon.pretrain.recipe import load_recipe
 
 
 def register(parser, name):
@@ -17,7 +18,7 @@ def register(parser, name):
 def run(args, name):
     from orthon.launch.cmd_pretrain import with_builtin_data
     from orthon.optim.ablation import format_table, moving_average, summarize
-    from orthon.pretrain.metrics import plot_curves, read_metrics
+    from orthon.core.metrics import plot_curves, read_metrics
     from orthon.pretrain.trainer import Trainer, write_run_config
 
     base = load_recipe(args.config, args.overrides)

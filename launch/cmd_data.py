@@ -11,8 +11,8 @@ import argparse
 import sys
 
 from orthon.data.config import BuiltinConfig, DedupConfig, PrepareConfig
-from orthon.data.fileutil import DataError
-from orthon.launch.config import apply_overrides, build, read_yaml
+from orthon.core.errors import DataError
+from orthon.core.config import apply_overrides, build, read_yaml
 
 
 def _add_read_args(p: argparse.ArgumentParser) -> None:
@@ -132,7 +132,7 @@ def _dedup(args) -> int:
 def _inspect(args) -> int:
     from pathlib import Path
 
-    from orthon.data.fileutil import sha256_file
+    from orthon.core.files import sha256_file
     from orthon.data.store import StoreError, TokenStore
 
     store = TokenStore(args.store)

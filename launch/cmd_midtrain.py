@@ -14,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-from orthon.launch.config import ConfigError
+from orthon.core.errors import ConfigError
 
 
 def register(parser, name):

@@ -1,7 +1,8 @@
 """`orthon model-info -c recipe.yaml`: parameter counts without allocating weights."""
 from __future__ import annotations
 
-from orthon.launch.recipe import add_recipe_args, load_recipe
+from orthon.launch.args import add_recipe_args
+from orthon.pretrain.recipe import load_recipe
 from orthon.pretrain.model_info import format_counts, parameter_counts
 
 

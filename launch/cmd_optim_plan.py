@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from orthon.launch import config as config_io
-from orthon.launch.recipe import Recipe, add_recipe_args
+from orthon.core import config as config_io
+from orthon.launch.args import add_recipe_args
+from orthon.pretrain.recipe import Recipe
 from orthon.optim.config import OptimConfig
 from orthon.optim.hybrid import plan_for_model
 from orthon.optim.routing import format_plan

@@ -9,7 +9,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from orthon.launch.recipe import Recipe, add_recipe_args, load_recipe
+from orthon.launch.args import add_recipe_args
+from orthon.pretrain.recipe import Recipe, load_recipe
 
 
 def register(parser, name):

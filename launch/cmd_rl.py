@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orthon.launch.recipe import add_recipe_args, load_recipe
+from orthon.launch.args import add_recipe_args
+from orthon.pretrain.recipe import load_recipe
+from orthon.rl.recipe import load_rl_recipe
 
 
 def register(parser, name):
@@ -17,10 +19,10 @@ def run(args, name):
     import yaml
 
     from orthon.data.tokenizer import load_tokenizer
-    from orthon.launch.config import to_dict
+    from orthon.core.config import to_dict
     from orthon.rl.trainer import RLTrainer
 
-    recipe = load_recipe(args.config, args.overrides)
+    recipe = load_rl_recipe(args.config, args.overrides)
     cfg = recipe.rl
     run_dir = Path(cfg.run_dir)
     source = Path(args.source) if args.source else None

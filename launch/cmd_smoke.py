@@ -7,7 +7,8 @@ import time
 
 import torch
 
-from orthon.launch.recipe import add_recipe_args, load_recipe
+from orthon.launch.args import add_recipe_args
+from orthon.pretrain.recipe import load_recipe
 from orthon.pretrain.model import GLMForCausalLM
 
 

@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from orthon.data.config import TokenizerTrainConfig
-from orthon.data.fileutil import DataError
+from orthon.core.errors import DataError
 from orthon.launch.cmd_data import _add_read_args, _common, _config, _read_mapping
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from orthon.launch.config import ConfigError
+from orthon.core.errors import ConfigError
 
 DsaPhase = Literal["off", "indexer_warmup", "sparse"]
 STEP_PHASES = ("dense", "indexer_only", "sparse")  # what one optimizer step runs

@@ -29,7 +29,7 @@ import torch
 
 from orthon.midtrain import heads
 from orthon.midtrain.config import LongEvalConfig
-from orthon.pretrain.metrics import save_figure
+from orthon.core.metrics import save_figure
 from orthon.midtrain.losses import IGNORE_INDEX, token_nll
 
 NEEDLE = "\nPASSKEY = {key}\n"
@@ -248,7 +248,7 @@ def resolve_run(path) -> tuple[Path, Path]:
 def evaluate_run(path, cfg: LongEvalConfig, log=print) -> dict:
     from orthon.data.store import TokenStore
     from orthon.data.tokenizer import load_tokenizer
-    from orthon.launch.recipe import load_recipe
+    from orthon.pretrain.recipe import load_recipe
     from orthon.pretrain.weights_dir import load_weights_dir
 
     run_dir, weights = resolve_run(path)

@@ -25,18 +25,19 @@ from pathlib import Path
 import torch
 import yaml
 
-from orthon.launch import config as config_io
-from orthon.launch.config import ConfigError
-from orthon.launch.recipe import Recipe, load_recipe
+from orthon.core import config as config_io
+from orthon.core.errors import ConfigError
+from orthon.pretrain.recipe import Recipe, load_recipe
 from orthon.midtrain.config import MidtrainPlan
 from orthon.midtrain.indexer_fit import AttentionInputs, indexer_terms
 from orthon.midtrain.losses import chunked_cross_entropy
 from orthon.midtrain.optimizer import StageOptimizer, copy_training_state, set_trainable
 from orthon.optim import build_for_model, lr_at
 from orthon.optim.config import BatchRampConfig, ScheduleConfig
+from orthon.core import distributed
 from orthon.pretrain import parallel
 from orthon.pretrain.checkpoint import Checkpointer
-from orthon.pretrain.metrics import plot_curves, read_metrics
+from orthon.core.metrics import plot_curves, read_metrics
 from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.trainer import CONFIG_NAME, Trainer, write_run_config
 
@@ -110,11 +111,11 @@ class StageTrainer(Trainer):
         batch = self.data.next_batch(n_seqs)
         self.sample_ids = batch.sample_ids
         # Global counts: each rank divides by them, and the gradient sum over ranks is the global mean.
-        count = float(parallel.all_reduce_sum((batch.labels != -100).sum().float().to(self.device)))
+        count = float(distributed.all_reduce_sum((batch.labels != -100).sum().float().to(self.device)))
         micro = self.cfg.micro_batch_size
         n_micro = math.ceil(batch.input_ids.shape[0] / micro)
         n_full = sum(1 for layer in self.model.model.layers if layer.self_attn.indexer is not None)
-        query_total = float(parallel.all_reduce_sum(torch.tensor(float(batch.input_ids.numel() * n_full),
+        query_total = float(distributed.all_reduce_sum(torch.tensor(float(batch.input_ids.numel() * n_full),
                                                                  device=self.device)))
         loss_sum, kl_sum, recall_sum, oracle_sum, recall_count = 0.0, 0.0, 0.0, 0.0, 0
         for i in range(n_micro):
@@ -134,7 +135,7 @@ class StageTrainer(Trainer):
             objective.backward()
             loss_sum += float(lm.detach())
         parallel.all_reduce_gradients(self.model)
-        sums = parallel.all_reduce_sum(torch.tensor([loss_sum, kl_sum, recall_sum, oracle_sum, float(recall_count)],
+        sums = distributed.all_reduce_sum(torch.tensor([loss_sum, kl_sum, recall_sum, oracle_sum, float(recall_count)],
                                                     dtype=torch.float64, device=self.device))
         loss_sum, kl_sum, recall_sum, oracle_sum, recall_count = [float(v) for v in sums]
         grad_norm = self._clip_and_norm()
@@ -185,7 +186,7 @@ class StageTrainer(Trainer):
                                                  self.ce_chunk))
             count += int((batch.labels != -100).sum())
         self.model.train()
-        total, count = parallel.all_reduce_sum(torch.tensor([total, count], dtype=torch.float64, device=self.device))
+        total, count = distributed.all_reduce_sum(torch.tensor([total, count], dtype=torch.float64, device=self.device))
         return float(total / count) if count else None
 
     def finish(self, state: dict) -> None:
@@ -283,11 +284,11 @@ def run_plan(plan: MidtrainPlan, log=print) -> list[dict]:
         trainer = StageTrainer(plan, i, source, directory, log=log)
         if rank == 0 and not (directory / CONFIG_NAME).is_file():
             write_run_config(directory, trainer.recipe)
-        parallel.barrier()
+        distributed.barrier()
         if not trainer.resume():
             if rank == 0:
                 _clear_partial(directory)  # a start killed before its first checkpoint left these behind
-            parallel.barrier()
+            distributed.barrier()
             if i == 0:
                 src_model, src_opts = _load_source_run(Path(plan.source), source, log)
             else:
@@ -301,6 +302,6 @@ def run_plan(plan: MidtrainPlan, log=print) -> list[dict]:
             tmp = done.with_suffix(".tmp")
             tmp.write_text(json.dumps(summary))
             tmp.replace(done)
-        parallel.barrier()
+        distributed.barrier()
         summaries.append(summary)
     return summaries

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from orthon.launch.config import ConfigError
+from orthon.core.errors import ConfigError
 from orthon.optim.newton_schulz import DEFAULT_COEFFICIENTS, DEFAULT_EPS, DEFAULT_STEPS
 
 # "16M" and "64M" tokens: 4096 and 16384 sequences of the 4K pretraining context.

@@ -19,7 +19,7 @@ from typing import Literal
 
 from torch import Tensor
 
-from orthon.pretrain.param_spec import ParamSpec
+from orthon.optim.param_spec import ParamSpec
 
 MUON_KINDS = ("matrix", "expert_stack")
 ADAMW_KINDS = ("embedding", "output_head", "norm", "bias")

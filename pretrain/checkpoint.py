@@ -15,9 +15,11 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from orthon.core.distributed import barrier, rank
+from orthon.core.errors import CheckpointError
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
@@ -29,19 +31,6 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _barrier():
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 def verify(path: Path) -> None:
@@ -79,14 +68,14 @@ class Checkpointer:
         """Collective when distributed: every rank calls it."""
         final = self.root / f"step_{step:08d}"
         tmp = final.with_suffix(".tmp")
-        if _rank() == 0:
+        if rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        _barrier()
+        barrier()
         model_state, optim_state = get_state_dict(model, optimizers)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-        _barrier()
-        if _rank() == 0:
+        barrier()
+        if rank() == 0:
             (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state))
             files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
             (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
@@ -95,7 +84,7 @@ class Checkpointer:
             os.replace(tmp, final)
             for old in self.step_dirs()[: -self.keep_last] if self.keep_last > 0 else []:
                 shutil.rmtree(old, ignore_errors=True)
-        _barrier()
+        barrier()
         return final
 
     def has(self, step: int) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
-from orthon.launch.config import ConfigError
+from orthon.core.errors import ConfigError
 
 INDEXER_TYPES = ("full", "shared")
 

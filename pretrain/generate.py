@@ -44,7 +44,7 @@ def generate_ids(model: GLMForCausalLM, prompt: list[int], max_new_tokens: int, 
 def sample_text(run_dir, prompt: str, max_new_tokens: int = 100, temperature: float = 0.8, top_k: int = 40,
                 seed: int = 0) -> str:
     from orthon.data.tokenizer import load_tokenizer
-    from orthon.launch.recipe import load_recipe
+    from orthon.pretrain.recipe import load_recipe
     from orthon.pretrain.weights_dir import load_weights_dir
 
     run_dir = Path(run_dir)

@@ -11,15 +11,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from orthon.core.errors import CheckpointError
 from orthon.pretrain.config import ModelConfig
 from orthon.pretrain.model import GLMForCausalLM
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-
-
-class CheckpointError(ValueError):
-    """An HF directory that does not hold the model its config.json describes."""
 
 
 def _atomic_json(path: Path, data: dict) -> None:

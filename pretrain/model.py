@@ -18,7 +18,7 @@ from orthon.pretrain.cache import KVCache
 from orthon.pretrain.config import ModelConfig
 from orthon.pretrain.layers import MLP, RMSNorm, rope_cos_sin
 from orthon.pretrain.moe import MoE, Experts, Router
-from orthon.pretrain.param_spec import ParamSpec
+from orthon.optim.param_spec import ParamSpec
 
 
 @dataclass
@@ -211,8 +211,3 @@ class GLMForCausalLM(nn.Module):
         and DDP waits for none."""
         for indexer in self.indexers():
             indexer.requires_grad_(trainable)
-
-    def save_hf(self, directory, max_shard_bytes: int = 5 * 1024**3) -> None:
-        from orthon.pretrain.hf_io import save_hf
-
-        save_hf(self, directory, max_shard_bytes=max_shard_bytes)

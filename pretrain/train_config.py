@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from orthon.launch.config import ConfigError
+from orthon.core.errors import ConfigError
 
 
 @dataclass

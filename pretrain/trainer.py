@@ -23,11 +23,12 @@ import yaml
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from orthon.data.loader import TrainData, ValidData
-from orthon.launch.config import ConfigError
+from orthon.core.errors import ConfigError
 from orthon.optim import batch_size_at, build_for_model, lr_at
+from orthon.core import distributed
 from orthon.pretrain import parallel
 from orthon.pretrain.checkpoint import Checkpointer
-from orthon.pretrain.metrics import MetricsLogger, plot_curves, read_metrics
+from orthon.core.metrics import MetricsLogger, plot_curves, read_metrics
 from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.moe import update_expert_bias
 from orthon.pretrain.weights_dir import load_weights_dir, save_weights_dir
@@ -63,7 +64,7 @@ class Trainer:
         self.recipe = recipe
         self.cfg = recipe.train
         self.run_dir = Path(run_dir)
-        self.rank, self.world, self.device = parallel.init_distributed()
+        self.rank, self.world, self.device = distributed.init_distributed()
         self.log = log if self.rank == 0 else (lambda *_: None)
         torch.manual_seed(self.cfg.seed)
         random.seed(self.cfg.seed)
@@ -119,7 +120,7 @@ class Trainer:
         self.sample_ids = batch.sample_ids
         # Mean over every counted target of the global batch: each rank scales its sum by the global
         # count; DDP/FSDP average gradients over ranks, so multiply back by the world size.
-        count = parallel.all_reduce_sum((batch.labels != -100).sum().to(self.device).float())
+        count = distributed.all_reduce_sum((batch.labels != -100).sum().to(self.device).float())
         micro = self.cfg.micro_batch_size
         n_micro = math.ceil(batch.input_ids.shape[0] / micro)
         loss_sum = torch.zeros((), device=self.device)
@@ -142,7 +143,7 @@ class Trainer:
         imbalance = self._update_moe_bias()
         self.step += 1
         self.tokens += n_seqs * self.seq_len
-        loss = (parallel.all_reduce_sum(loss_sum) / count).item()
+        loss = (distributed.all_reduce_sum(loss_sum) / count).item()
         elapsed = time.perf_counter() - start
         metrics = {"loss": loss, "lr": lr, "batch_tokens": n_seqs * self.seq_len, "tokens": self.tokens,
                    "grad_norm": grad_norm, "tokens_per_s": n_seqs * self.seq_len / elapsed,
@@ -166,7 +167,7 @@ class Trainer:
         """Aux-loss-free balancing: every router's bias moves by rate * sign(mean load - load)."""
         ratios = []
         for router in self.model.moe_routers():
-            load = parallel.all_reduce_sum(router.expert_load.clone())
+            load = distributed.all_reduce_sum(router.expert_load.clone())
             if load.sum() > 0:
                 ratios.append(float(load.max() / load.mean()))
                 router.e_score_correction_bias.copy_(
@@ -187,8 +188,8 @@ class Trainer:
             total += self.model(ids, labels=labels, doc_ids=docs, return_logits=False, loss_reduction="sum").loss
             count += (labels != -100).sum()
         self.wrapped.train()
-        parallel.all_reduce_sum(total)
-        parallel.all_reduce_sum(count)
+        distributed.all_reduce_sum(total)
+        distributed.all_reduce_sum(count)
         return (total / count).item() if count > 0 else None
 
     # ------------------------------------------------------------ the loop
@@ -257,7 +258,7 @@ class Trainer:
 
 
 def write_run_config(run_dir: Path, recipe) -> None:
-    from orthon.launch.config import to_dict
+    from orthon.core.config import to_dict
 
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / (CONFIG_NAME + ".tmp")

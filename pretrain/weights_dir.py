@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 from safetensors.torch import load_file, save_file
 
-from orthon.launch import config as config_io
+from orthon.core import config as config_io
 from orthon.pretrain.config import ModelConfig
 from orthon.pretrain.hf_io import check_state
 from orthon.pretrain.model import GLMForCausalLM

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from orthon.launch.config import ConfigError
+from orthon.core.errors import ConfigError
 
 
 def _positive(obj, *names: str) -> None:

@@ -27,7 +27,7 @@ from typing import Iterable, Literal, Mapping, Sequence
 import numpy as np
 import torch
 
-from orthon.launch.config import ConfigError
+from orthon.core.errors import ConfigError
 from orthon.pretrain.decode import DecodeWeights
 from orthon.pretrain.model import GLMForCausalLM
 from orthon.rl.logprobs import sequence_log_probs

@@ -18,7 +18,7 @@ from typing import Literal, Sequence
 
 import torch
 
-from orthon.launch.config import ConfigError
+from orthon.core.errors import ConfigError
 
 Tensor = torch.Tensor
 

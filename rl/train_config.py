@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from orthon.launch.config import ConfigError
+from orthon.core.errors import ConfigError
 from orthon.rl.config import BufferConfig, LossConfig, RewardConfig
 from orthon.rl.engine import EngineConfig
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from orthon.launch.plugins import resolve
+from orthon.core.plugins import resolve
 from orthon.pretrain.checkpoint import Checkpointer
-from orthon.pretrain.metrics import MetricsLogger, plot_curves, read_metrics
+from orthon.core.metrics import MetricsLogger, plot_curves, read_metrics
 from orthon.pretrain.weights_dir import load_weights_dir, save_weights_dir
 from orthon.rl.buffer import DataBuffer
 from orthon.rl.engine import InProcessEngine

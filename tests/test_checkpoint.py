@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from orthon.pretrain.checkpoint import Checkpointer, CheckpointError, verify
+from orthon.core.errors import CheckpointError
+from orthon.pretrain.checkpoint import Checkpointer, verify
 
 
 def _model_opt():

@@ -7,8 +7,8 @@ from typing import Literal
 import pytest
 from pathlib import Path
 
-from orthon.launch.config import ConfigError, build, load
-from orthon.launch.recipe import load_recipe
+from orthon.core.config import ConfigError, build, load
+from orthon.pretrain.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 

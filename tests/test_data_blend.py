@@ -8,7 +8,7 @@ from orthon.data.loader import TrainData
 from orthon.data.packing import PackedDataset
 from orthon.data.sampler import Sampler
 from orthon.data.store import TokenStore
-from orthon.launch.config import ConfigError
+from orthon.core.errors import ConfigError
 
 
 def test_cycle_counts_hand_checked():

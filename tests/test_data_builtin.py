@@ -10,7 +10,7 @@ from orthon.data.config import BuiltinConfig
 from orthon.data.loader import TrainData, ValidData
 from orthon.data.store import TokenStore
 from orthon.data.tokenizer import CHAT_TOKENS, load_tokenizer
-from orthon.launch.config import ConfigError
+from orthon.core.errors import ConfigError
 
 _PROBLEM = re.compile(r"^Q: (\d+)([+*-])(\d+)=\? A:$")
 

@@ -2,7 +2,7 @@ import pytest
 
 from orthon.data.config import FilterConfig
 from orthon.data.filters import FilterChain, heuristic_quality, load_scorer, resolve
-from orthon.launch.config import ConfigError, build
+from orthon.core.config import ConfigError, build
 
 PROSE = ("The quick brown fox jumps over the lazy dog near the river bank.\n"
          "Afterwards it rested under a tall oak tree and watched the sunset.\n")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from orthon.data.fileutil import DataError
+from orthon.core.errors import DataError
 from orthon.data.packing import PackedDataset, document_attention_mask, num_samples, positions_in_document
 from orthon.data.store import MANIFEST, TokenStore, write_shard
 

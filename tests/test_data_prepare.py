@@ -12,7 +12,8 @@ import pytest
 from test_data_support import hf_tokenizer_json, train_tiny_tokenizer, write_jsonl
 
 from orthon.data.config import FilterConfig, PrepareConfig, ReadConfig
-from orthon.data.fileutil import DataError, sha256_file
+from orthon.core.errors import DataError
+from orthon.core.files import sha256_file
 from orthon.data.prepare import prepare
 from orthon.data.store import MANIFEST, Shard, StoreError, TokenStore
 from orthon.data.tokenizer import load_tokenizer

@@ -11,7 +11,7 @@ from orthon.data.config import BuiltinConfig
 from orthon.data.recall import EXCLUDED_NAMES, NAME_WORDS, SMALL_VOCAB, make_copy_document, make_kv_document, make_recall_document
 from orthon.data.store import TokenStore
 from orthon.data.tokenizer import load_tokenizer
-from orthon.launch.config import ConfigError
+from orthon.core.errors import ConfigError
 
 PAIR = re.compile(r"^([A-Z_]+) = (\d{5})$")
 PAIR_ANY = re.compile(r"^(\w+) = (\d{5})$")

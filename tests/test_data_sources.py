@@ -4,7 +4,7 @@ import pytest
 from test_data_support import write_jsonl
 
 from orthon.data.config import ReadConfig
-from orthon.data.fileutil import DataError
+from orthon.core.errors import DataError
 from orthon.data.sources import classify, detect_format, expand_inputs, iter_documents
 
 

@@ -4,7 +4,7 @@ import pickle
 import pytest
 from test_data_support import CODE_SAMPLE, hf_tokenizer_json, train_tiny_tokenizer
 
-from orthon.data.fileutil import DataError
+from orthon.core.errors import DataError
 from orthon.data.tokenizer import (BOS_ID, CHAT_TOKENS, EOS_ID, PAD_ID, HFTokenizer, SentencePieceTokenizer,
                                    load_tokenizer, sample_lines, train_sentencepiece)
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from orthon.optim import OptimConfig, ScheduleConfig, build_for_model
 from orthon.optim.distributed import assign_owners, chunk_sizes
-from orthon.pretrain.param_spec import ParamSpec
+from orthon.optim.param_spec import ParamSpec
 
 STEPS = 5
 SCHEDULE = ScheduleConfig(peak_lr=0.02, floor_lr=0.002, warmup_tokens=1, total_tokens=100)

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from orthon.launch.config import ConfigError, build
+from orthon.core.config import ConfigError, build
 from orthon.rl.config import DPScheduleConfig
 from orthon.rl.dp_schedule import (
     attention_crossover_tokens,

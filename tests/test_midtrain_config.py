@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from orthon.launch.config import ConfigError, build, load
+from orthon.core.config import ConfigError, build, load
 from orthon.midtrain.config import MidtrainPlan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,13 +29,13 @@ def test_glm5_plan_holds_the_spec_numbers():
     assert segments[2] == pytest.approx((after_32k, after_128k))
     assert segments[3][0] == pytest.approx(after_128k) and segments[3][1] == 1e-5
     assert [plan.rope_theta(i, 10000.0) for i in range(4)] == [8e6] * 4
-    from orthon.launch.recipe import load_recipe
+    from orthon.pretrain.recipe import load_recipe
 
     plan.check_against_model(load_recipe(ROOT / "configs" / "glm5.yaml").model)
 
 
 def test_tiny_plan_fits_the_tiny_model():
-    from orthon.launch.recipe import load_recipe
+    from orthon.pretrain.recipe import load_recipe
 
     plan = load(MidtrainPlan, ROOT / "configs" / "midtrain_tiny.yaml")
     model = load_recipe(ROOT / "configs" / "tiny.yaml").model

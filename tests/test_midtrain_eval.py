@@ -10,8 +10,8 @@ import yaml
 
 from hf_reference import small_config
 from test_data_support import corpus_texts, make_store, run_cli, train_tiny_tokenizer
-from orthon.launch.config import to_dict
-from orthon.launch.recipe import Recipe
+from orthon.core.config import to_dict
+from orthon.pretrain.recipe import Recipe
 from orthon.midtrain.config import LongEvalConfig
 from orthon.midtrain.eval import (answer_matches, answer_nll, copy_nll, evaluate_run, greedy_continuations,
                                   needle_answer, place_needle, repeated_sequences, resolve_run)
@@ -98,7 +98,7 @@ def run_dir(tmp_path_factory):
 
 def test_perplexity_by_position_matches_direct_computation(run_dir):
     from orthon.data.loader import ValidData
-    from orthon.launch.recipe import load_recipe
+    from orthon.pretrain.recipe import load_recipe
     from orthon.pretrain.weights_dir import load_weights_dir
 
     cfg = LongEvalConfig(lengths=[48], depths=[0.0, 1.0], trials=2, ppl_length=48, ppl_buckets=4, ppl_samples=3)

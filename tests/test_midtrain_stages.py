@@ -69,7 +69,7 @@ def _metrics(run, stage):
 
 def _load_ckpt(run, stage, step):
     """(model, optimizer) of a stage's checkpoint, as the runner rebuilds them."""
-    from orthon.launch.recipe import load_recipe
+    from orthon.pretrain.recipe import load_recipe
     from orthon.midtrain.optimizer import StageOptimizer
     from orthon.pretrain.checkpoint import Checkpointer
     from orthon.pretrain.model import GLMForCausalLM
@@ -85,7 +85,7 @@ def _load_ckpt(run, stage, step):
 def test_stages_run_with_their_settings(reference):
     run, log = reference
     assert "continuing" in log and "carried optimizer state" in log
-    from orthon.launch.recipe import load_recipe
+    from orthon.pretrain.recipe import load_recipe
 
     recipes = [load_recipe(run / "stages" / s / "config.yaml") for s in STAGES]
     assert [r.data.seq_len for r in recipes] == [64, 64, 128]
@@ -145,7 +145,7 @@ def test_finished_plan_reruns_nothing(reference, source):
 
 
 def test_bad_plans_fail_before_training(source, tmp_path):
-    from orthon.launch.config import ConfigError
+    from orthon.core.errors import ConfigError
     from orthon.midtrain.stages import load_plan, prepare
 
     bad = {
@@ -191,8 +191,8 @@ def test_sigkill_inside_a_stage_and_resume_reproduces_the_run(reference, source,
 def test_a_continued_pretraining_run_is_a_valid_source(source, tmp_path):
     """A source run that itself started from another run (train.init_from): its stages start from the
     source's weights, not from the source's own origin."""
-    from orthon.launch.config import build
-    from orthon.launch.recipe import load_recipe
+    from orthon.core.config import build
+    from orthon.pretrain.recipe import load_recipe
     from orthon.midtrain.config import MidtrainPlan
     from orthon.midtrain.stages import stage_recipe
 

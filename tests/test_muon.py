@@ -9,7 +9,7 @@ from torch import nn
 from orthon.optim import HybridOptimizer, Muon, OptimConfig, ScheduleConfig, build_for_model, update_scale
 from orthon.optim.muon import orthogonalise_local
 from orthon.optim.newton_schulz import newton_schulz
-from orthon.pretrain.param_spec import ParamSpec
+from orthon.optim.param_spec import ParamSpec
 
 SHAPES = [(24, 40), (40, 24), (24, 40), (32, 32), (16, 56)]
 

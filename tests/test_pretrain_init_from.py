@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from pretrain_support import make_stores, orthon, write_recipe
-from orthon.launch.config import ConfigError
-from orthon.launch.recipe import load_recipe
+from orthon.core.errors import ConfigError
+from orthon.pretrain.recipe import load_recipe
 from orthon.pretrain.trainer import Trainer
 from orthon.pretrain.weights_dir import load_weights_dir
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_reference import small_config
-from orthon.launch.config import ConfigError
+from orthon.core.errors import ConfigError
 from orthon.pretrain import GLMForCausalLM
 from orthon.rl.engine import EngineConfig, InProcessEngine
 from orthon.rl.logprobs import sample_log_probs, sequence_log_probs

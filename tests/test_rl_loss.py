@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from orthon.launch.config import ConfigError, build
+from orthon.core.config import ConfigError, build
 from orthon.rl.config import LossConfig, OPDConfig
 from orthon.rl.loss import (
     aggregate_loss,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import orthon.rl.rewards.math as math_module
-from orthon.launch.config import ConfigError, build
+from orthon.core.config import ConfigError, build
 from orthon.rl.config import RewardConfig
 from orthon.rl.rewards import (
     RewardStats,

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from orthon.launch.config import ConfigError, build
+from orthon.core.config import ConfigError, build
 from orthon.rl.buffer import DataBuffer
 from orthon.rl.config import BufferConfig
 from orthon.rl.sample import Sample, SampleStatus

@@ -103,7 +103,7 @@ def test_refill_rounds_until_enough_informative_groups(tmp_path):
 
 
 def test_refill_needs_the_filter():
-    from orthon.launch.config import ConfigError
+    from orthon.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="max_sampling_rounds"):
         RLConfig(max_sampling_rounds=2)

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from orthon.optim import OptimConfig, RoutingError, format_plan, plan_for_model, route_parameters
-from orthon.pretrain.param_spec import ParamSpec
+from orthon.optim.param_spec import ParamSpec
 
 
 class Toy(nn.Module):
@@ -126,8 +126,8 @@ def test_optim_plan_command_prints_every_parameter_and_model_info_totals(capsys)
     from pathlib import Path
 
     from orthon.launch import cmd_optim_plan
-    from orthon.launch.config import ConfigError
-    from orthon.launch.recipe import load_recipe
+    from orthon.core.errors import ConfigError
+    from orthon.pretrain.recipe import load_recipe
     from orthon.pretrain.model_info import meta_model, parameter_counts
 
     recipe = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"

@@ -1,7 +1,7 @@
 """LR and batch-size schedules at the SPEC.md numbers, as functions of tokens consumed."""
 import pytest
 
-from orthon.launch.config import ConfigError, build
+from orthon.core.config import ConfigError, build
 from orthon.optim import (
     BatchRampConfig,
     OptimConfig,

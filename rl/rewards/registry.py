@@ -20,8 +20,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from orthon.launch.config import ConfigError
-from orthon.launch.plugins import resolve as resolve_plugin
+from orthon.core.errors import ConfigError
+from orthon.core.plugins import resolve as resolve_plugin
 from orthon.rl.rewards.code import code_reward
 from orthon.rl.rewards.math import math_reward
 

@@ -1,6 +1,6 @@
-"""The data pipeline's error type and atomic file writes.
+"""Atomic file writes.
 
-Every file the pipeline produces is written under a temporary name and renamed
+Every file orthon produces is written under a temporary name and renamed
 into place, so a crash never leaves a half-written file under a final name.
 """
 from __future__ import annotations
@@ -11,11 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+
 TMP_SUFFIX = ".tmp"
-
-
-class DataError(ValueError):
-    """Bad data input or a damaged store; the message names the file and what is wrong."""
 
 
 def tmp_path(path: str | Path) -> Path:

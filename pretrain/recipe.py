@@ -1,15 +1,15 @@
-"""The recipe: one typed config tree for every orthon command; configs/*.yaml fill it."""
+"""The recipe: the typed config tree of a training run; configs/*.yaml fill it. Mid-training derives
+its stages' recipes from it, and RL extends it with its own section (``orthon.rl.recipe``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from orthon.data.config import BuiltinConfig, DataConfig
-from orthon.launch import config as config_io
+from orthon.core import config as config_io
 from orthon.optim.ablation import AblationConfig
 from orthon.optim.config import BatchRampConfig, OptimConfig, ScheduleConfig
 from orthon.pretrain.config import ModelConfig
 from orthon.pretrain.train_config import TrainConfig
-from orthon.rl.train_config import RLConfig
 
 
 @dataclass
@@ -35,13 +35,7 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     smoke: SmokeConfig = field(default_factory=SmokeConfig)
     ablation: AblationConfig = field(default_factory=AblationConfig)
-    rl: RLConfig = field(default_factory=RLConfig)
 
 
 def load_recipe(path=None, overrides=()) -> Recipe:
     return config_io.load(Recipe, path, overrides)
-
-
-def add_recipe_args(parser) -> None:
-    parser.add_argument("-c", "--config", help="YAML recipe (configs/*.yaml)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.hidden_size=512")

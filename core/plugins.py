@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from orthon.launch.config import ConfigError
+from orthon.core.errors import ConfigError
 
 
 def resolve(dotted: str, what: str = "plug-in") -> object:

@@ -17,9 +17,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A recipe key or value that does not fit its dataclass; the message names its dotted path."""
+from orthon.core.errors import ConfigError
 
 
 def _join(path: str, key: str | int) -> str:

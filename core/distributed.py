@@ -1,0 +1,49 @@
+"""torch.distributed helpers: the process group from torchrun's environment (gloo on CPU, NCCL on GPU)
+and the few collectives every loop needs. Each is a no-op in a single process."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """(rank, world size, device). Starts the process group when launched by torchrun with WORLD_SIZE > 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
+    return rank, world, device
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def shutdown() -> None:
+    """Wait for every rank, then tear the process group down. Without it a rank that finishes first
+    exits with gloo's threads still running and can be aborted by the C++ runtime ("terminate called
+    without an active exception"), failing an otherwise good run."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
