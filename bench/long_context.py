@@ -84,7 +84,7 @@ def _model(way: str, device):
 
 
 def _train_step(model, T, device):
-    from orthon.midtrain.losses import chunked_cross_entropy
+    from orthon.pretrain.loss import chunked_cross_entropy
 
     ids = torch.randint(0, model.config.vocab_size, (1, T + 1), device=device)
     hidden, _ = model.hidden_states(ids[:, :-1])

@@ -33,6 +33,13 @@ class Batch:
     sample_ids: torch.Tensor  # [b] stable sample ids (global blend index)
     source_ids: torch.Tensor  # [b] which source each sample came from
 
+    def slice(self, start: int, stop: int) -> "Batch":
+        """Rows start:stop (a micro-batch)."""
+        return Batch(*(getattr(self, f.name)[start:stop] for f in dataclasses.fields(self)))
+
+    def to(self, device) -> "Batch":
+        return Batch(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
+
 
 def make_batch(samples: Sequence[tuple[np.ndarray, np.ndarray, int]], sample_ids, document_mask: bool,
                eod_id: int) -> Batch:

@@ -2,29 +2,28 @@
 pretraining run's final weights (RUN_DIR/final) and tokenizer; `--resume` continues an RL run."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from orthon.launch.args import add_recipe_args
-from orthon.pretrain.recipe import load_recipe
-from orthon.rl.recipe import load_rl_recipe
 
 
 def register(parser, name):
     add_recipe_args(parser)
     parser.add_argument("--from", dest="source", help="pretraining run directory (its final/ weights and tokenizer)")
-    parser.add_argument("--resume", action="store_true", help="continue rl.run_dir from its last good checkpoint")
+    parser.add_argument("--resume", action="store_true", help="continue train.run_dir from its last good checkpoint")
 
 
 def run(args, name):
-    import yaml
-
     from orthon.data.tokenizer import load_tokenizer
-    from orthon.core.config import to_dict
+    from orthon.pretrain.recipe import load_recipe
+    from orthon.pretrain.trainer import write_run_config
+    from orthon.pretrain.weights_dir import load_weights_dir
+    from orthon.rl.recipe import load_rl_recipe
     from orthon.rl.trainer import RLTrainer
 
     recipe = load_rl_recipe(args.config, args.overrides)
-    cfg = recipe.rl
-    run_dir = Path(cfg.run_dir)
+    run_dir = Path(recipe.train.run_dir)
     source = Path(args.source) if args.source else None
     if source is None:
         if not (run_dir / "source.txt").is_file():
@@ -33,10 +32,14 @@ def run(args, name):
     pre = load_recipe(source / "config.yaml")
     if not pre.data.tokenizer:
         raise SystemExit(f"orthon rl: {source}/config.yaml names no tokenizer (data.tokenizer)")
+    policy = source / "final"
+    # The policy's architecture is the source run's; the RL recipe's model section is not used.
+    recipe = replace(recipe, model=load_weights_dir(policy).config,
+                     train=replace(recipe.train, init_from=str(policy)))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "source.txt").write_text(str(source.resolve()) + "\n")
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(recipe), sort_keys=False))
-    trainer = RLTrainer(cfg, source / "final", load_tokenizer(pre.data.tokenizer), run_dir)
+    write_run_config(run_dir, recipe)
+    trainer = RLTrainer(recipe, load_tokenizer(pre.data.tokenizer))
     if args.resume and not trainer.resume():
         print(f"no usable RL checkpoint in {run_dir}; starting at iteration 0")
     result = trainer.fit()

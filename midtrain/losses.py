@@ -7,16 +7,14 @@
   the sparse attention's distribution (per-head softmax over the selected keys, summed, normalised),
   the prediction the softmax of the index scores over those keys.
 - Recall: the share of the target mass on the selected keys (how much of dense attention top-k keeps).
-- Chunked cross-entropy: the LM loss over (positions x vocab) logits computed one chunk of positions at
-  a time, each chunk checkpointed, so neither forward nor backward holds the full logits.
+- Per-position NLL for perplexity by position (the chunked LM loss itself is orthon.pretrain.loss).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 
-IGNORE_INDEX = -100
+from orthon.pretrain.loss import IGNORE_INDEX
 
 
 def attention_distribution(logits: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -51,37 +49,10 @@ def topk_recall(target: torch.Tensor, indices: torch.Tensor, selected_visible: t
     return target.gather(-1, indices).masked_fill(~selected_visible, 0.0).sum(dim=-1)
 
 
-def _chunk_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    logits = (hidden @ weight.t()).float()
-    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Sum of next-token cross-entropies of ``hidden @ weight.T`` against ``labels`` (-100 ignored).
-
-    hidden: (..., D) final hidden states; weight: (V, D) output head; labels: (...) targets. Positions
-    are processed ``chunk`` at a time; each chunk is checkpointed (its logits recomputed in backward),
-    so at most chunk x V logits exist at once. Equals F.cross_entropy(hidden @ weight.T, labels,
-    reduction="sum") in value and gradient.
-    """
-    if chunk < 1:
-        raise ValueError(f"chunk: must be positive, got {chunk}")
-    flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    for start in range(0, flat_h.shape[0], chunk):
-        h, y = flat_h[start : start + chunk], flat_y[start : start + chunk]
-        if need_grad:
-            total = total + torch.utils.checkpoint.checkpoint(_chunk_ce, h, weight, y, use_reentrant=False)
-        else:
-            total = total + _chunk_ce(h, weight, y)
-    return total
-
-
 @torch.no_grad()
 def token_nll(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
     """Per-position next-token NLL (same shape as labels; 0 where ignored), chunked like
-    chunked_cross_entropy. For perplexity by position."""
+    orthon.pretrain.loss.chunked_cross_entropy. For perplexity by position."""
     flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     out = []
     for start in range(0, flat_h.shape[0], chunk):

@@ -42,7 +42,8 @@ def fill_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 class StageOptimizer:
-    """``main`` (everything but the indexers) and ``indexer`` (may be None when the model has none)."""
+    """``main`` (everything but the indexers) and ``indexer`` (may be None when the model has none).
+    ``phase`` (set by the stage's step plug-in) says which part steps."""
 
     def __init__(self, model, cfg, schedule):
         self.main = build_optimizer(_plan(model, cfg, lambda n: not is_indexer_param(n)), cfg, schedule)
@@ -50,6 +51,7 @@ class StageOptimizer:
         self.indexer = build_optimizer(_plan(model, cfg, is_indexer_param), cfg, schedule) if has_indexers else None
         for opt in self.optimizers:
             fill_state(opt)
+        self.phase = "dense"
 
     @property
     def parts(self) -> list[HybridOptimizer]:
@@ -60,31 +62,29 @@ class StageOptimizer:
         """The underlying torch optimizers, in a fixed order (for checkpoints)."""
         return [opt for part in self.parts for opt in part.optimizers]
 
-    def set_lr(self, main_lr: float, indexer_lr: float) -> None:
-        for group in self.main.param_groups:
-            group["lr"] = main_lr
+    def set_tokens(self, tokens: int, step: int = 0) -> float:
+        """Both parts follow the stage's schedule (see set_indexer_lr for phase 1's own LR)."""
+        return [part.set_tokens(tokens, step) for part in self.parts][0]
+
+    def set_indexer_lr(self, lr: float) -> None:
         if self.indexer is not None:
             for group in self.indexer.param_groups:
-                group["lr"] = indexer_lr
+                group["lr"] = lr
 
-    def step(self, phase: str) -> None:
+    @property
+    def indexer_lr(self) -> float | None:
+        return self.indexer.param_groups[0]["lr"] if self.indexer is not None else None
+
+    def step(self) -> None:
         """dense: the main model; indexer_only: the indexers; sparse: both."""
-        if phase in ("dense", "sparse"):
+        if self.phase in ("dense", "sparse"):
             self.main.step()
-        if phase in ("indexer_only", "sparse") and self.indexer is not None:
+        if self.phase in ("indexer_only", "sparse") and self.indexer is not None:
             self.indexer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for part in self.parts:
             part.zero_grad(set_to_none=set_to_none)
-
-
-def set_trainable(model, phase: str) -> None:
-    """requires_grad by phase: dense -> all but the indexers; indexer_only -> only the indexers;
-    sparse -> everything (the indexers learn from their KL, the rest from the LM loss)."""
-    for name, p in model.named_parameters():
-        idx = is_indexer_param(name)
-        p.requires_grad_({"dense": not idx, "indexer_only": idx, "sparse": True}[phase])
 
 
 def copy_training_state(src_model, src_optimizers, dst_model, dst_optimizers, log=print) -> None:

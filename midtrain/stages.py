@@ -1,9 +1,9 @@
 """The stage runner: continue a pretraining run (weights and optimizer state) through the plan's stages.
 
-Each stage is a pretraining Trainer (the same loop, checkpoints, metrics, resume) over a recipe derived
-from the source run's: the stage's sequence length, RoPE base, IndexShare layer types, DSA switch and
-LR segment. StageTrainer overrides only the step (phases, chunked cross-entropy, the indexer KL) and the
-held-out loss. Layout of a mid-training run directory:
+Each stage is the one Trainer (the same loop, checkpoints, metrics, resume) over a recipe derived from
+the source run's: the stage's sequence length, RoPE base, IndexShare layer types, DSA switch, LR
+segment and chunked cross-entropy, with mid-training's step plug-in (orthon.midtrain.steps: phases and
+the indexer KL). Layout of a mid-training run directory:
 
     RUN/plan.yaml                       the resolved plan and the source run
     RUN/stages/00_<name>/               one Trainer run directory per stage: config.yaml, metrics.jsonl,
@@ -15,10 +15,7 @@ a rerun skips finished stages and resumes the unfinished one from its own checkp
 from __future__ import annotations
 
 import json
-import math
 import os
-import time
-from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,15 +26,12 @@ from orthon.core import config as config_io
 from orthon.core.errors import ConfigError
 from orthon.pretrain.recipe import Recipe, load_recipe
 from orthon.midtrain.config import MidtrainPlan
-from orthon.midtrain.indexer_fit import AttentionInputs, indexer_terms
-from orthon.midtrain.losses import chunked_cross_entropy
-from orthon.midtrain.optimizer import StageOptimizer, copy_training_state, set_trainable
-from orthon.optim import build_for_model, lr_at
+from orthon.midtrain.optimizer import StageOptimizer, copy_training_state
+from orthon.midtrain.steps import StageStep
+from orthon.optim import build_for_model
 from orthon.optim.config import BatchRampConfig, ScheduleConfig
 from orthon.core import distributed
-from orthon.pretrain import parallel
 from orthon.pretrain.checkpoint import Checkpointer
-from orthon.core.metrics import plot_curves, read_metrics
 from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.trainer import CONFIG_NAME, Trainer, write_run_config
 
@@ -68,7 +62,10 @@ def stage_recipe(source: Recipe, plan: MidtrainPlan, index: int, run_dir) -> Rec
         total_tokens=stage.tokens, max_steps=0, eval_interval=plan.eval_interval, eval_samples=plan.eval_samples,
         checkpoint_interval=plan.checkpoint_interval, keep_last=plan.keep_last, log_interval=plan.log_interval,
         activation_checkpointing=plan.activation_checkpointing, track_max_logit=False,
-        log_sample_ids=plan.log_sample_ids, progress=plan.progress, parallel="ddp",
+        log_sample_ids=plan.log_sample_ids, progress=plan.progress, progress_label=f"stage {stage.name}",
+        loss_chunk=plan.ce_chunk,
+        # DDP only: the indexer KL runs outside the model's forward, on parameters FSDP2 reshards after it.
+        parallel="ddp",
         init_from="",  # a stage starts from the previous stage's weights and optimizer, loaded by the stage
     )
     # A different shuffle per stage, reproducible from the source seed.
@@ -79,122 +76,19 @@ def stage_recipe(source: Recipe, plan: MidtrainPlan, index: int, run_dir) -> Rec
                    batch=BatchRampConfig(start_batch_tokens=batch, end_batch_tokens=batch, ramp_tokens=0))
 
 
-class StageTrainer(Trainer):
-    """The pretraining Trainer running one mid-training stage.
+def _stage_optimizer(model, recipe) -> StageOptimizer:
+    # Everything trainable until a step says otherwise: torch.distributed.checkpoint restores optimizer
+    # state only for parameters that require grad, and a resume must restore all of it.
+    model.requires_grad_(True)
+    return StageOptimizer(model, recipe.optim, recipe.schedule)
 
-    Data parallel without a DDP wrapper: the chunked LM loss and the indexer objective are computed
-    outside the model's forward, so each rank sums its micro-batches' gradients and
-    ``all_reduce_gradients`` adds them over the ranks once per step."""
 
-    wrap_model = False
-
-    def __init__(self, plan: MidtrainPlan, index: int, source: Recipe, run_dir, log=print):
-        self.plan, self.index, self.stage = plan, index, plan.stages[index]
-        super().__init__(stage_recipe(source, plan, index, run_dir), run_dir, log)
-        # Everything trainable until a step says otherwise: torch.distributed.checkpoint restores optimizer
-        # state only for parameters that require grad, and a resume must restore all of it.
-        self.model.requires_grad_(True)
-        self.optimizer = StageOptimizer(self.model, self.recipe.optim, self.recipe.schedule)
-        self.probe = AttentionInputs(self.model)
-        self.ce_chunk = plan.ce_chunk
-
-    # ------------------------------------------------------------ one step
-    def train_step(self) -> dict:
-        start = time.perf_counter()
-        phase = self.stage.step_phase(self.step)
-        self.model.config.sparse_attention = phase == "sparse"
-        set_trainable(self.model, phase)
-        n_seqs = self.batch_sequences()
-        lr = lr_at(self.recipe.schedule, self.tokens)
-        indexer_lr = self.stage.indexer_lr if phase == "indexer_only" and self.stage.indexer_lr is not None else lr
-        self.optimizer.set_lr(lr, indexer_lr)
-        batch = self.data.next_batch(n_seqs)
-        self.sample_ids = batch.sample_ids
-        # Global counts: each rank divides by them, and the gradient sum over ranks is the global mean.
-        count = float(distributed.all_reduce_sum((batch.labels != -100).sum().float().to(self.device)))
-        micro = self.cfg.micro_batch_size
-        n_micro = math.ceil(batch.input_ids.shape[0] / micro)
-        n_full = sum(1 for layer in self.model.model.layers if layer.self_attn.indexer is not None)
-        query_total = float(distributed.all_reduce_sum(torch.tensor(float(batch.input_ids.numel() * n_full),
-                                                                 device=self.device)))
-        loss_sum, kl_sum, recall_sum, oracle_sum, recall_count = 0.0, 0.0, 0.0, 0.0, 0
-        for i in range(n_micro):
-            sl = slice(i * micro, (i + 1) * micro)
-            ids, labels = batch.input_ids[sl].to(self.device), batch.labels[sl].to(self.device)
-            docs = batch.doc_ids[sl].to(self.device) if self.recipe.data.document_mask else None
-            lm = self._lm_loss(ids, labels, docs, train_main=phase != "indexer_only", record=phase != "dense")
-            objective = lm / count if lm.requires_grad else None
-            if phase != "dense":
-                terms = indexer_terms(self.model, self.probe.take(),
-                                      "dense" if phase == "indexer_only" else "sparse")
-                kl = terms.kl_sum / query_total
-                objective = kl if objective is None else objective + kl
-                kl_sum += float(terms.kl_sum.detach())
-                recall_sum, recall_count = recall_sum + terms.recall_sum, recall_count + terms.recall_count
-                oracle_sum += terms.oracle_sum
-            objective.backward()
-            loss_sum += float(lm.detach())
-        parallel.all_reduce_gradients(self.model)
-        sums = distributed.all_reduce_sum(torch.tensor([loss_sum, kl_sum, recall_sum, oracle_sum, float(recall_count)],
-                                                    dtype=torch.float64, device=self.device))
-        loss_sum, kl_sum, recall_sum, oracle_sum, recall_count = [float(v) for v in sums]
-        grad_norm = self._clip_and_norm()
-        self.optimizer.step(phase)
-        self.optimizer.zero_grad(set_to_none=True)
-        imbalance = self._update_moe_bias() if phase != "indexer_only" else None
-        self.step += 1
-        self.tokens += n_seqs * self.seq_len
-        elapsed = time.perf_counter() - start
-        metrics = {"loss": loss_sum / float(count), "lr": lr, "phase": phase, "batch_tokens": n_seqs * self.seq_len,
-                   "tokens": self.tokens, "grad_norm": grad_norm, "tokens_per_s": n_seqs * self.seq_len / elapsed,
-                   "step_time_s": elapsed, "micro_batches": n_micro}
-        if phase != "dense":
-            metrics["indexer_kl"] = kl_sum / query_total
-            metrics["indexer_lr"] = indexer_lr
-        if recall_count:
-            metrics["indexer_recall"] = recall_sum / recall_count
-            metrics["oracle_recall"] = oracle_sum / recall_count  # the best any k keys can do
-        if imbalance is not None:
-            metrics["moe_load_max_over_mean"] = imbalance
-        return metrics
-
-    def _lm_loss(self, ids, labels, docs, train_main: bool, record: bool) -> torch.Tensor:
-        """Summed LM loss through the chunked cross-entropy; with ``record`` the layers' inputs are kept
-        for the indexer objective. With the main model frozen (phase 1) it runs without a graph."""
-        with self.probe.recording() if record else nullcontext():
-            if train_main:
-                hidden, _ = self.model.hidden_states(ids, doc_ids=docs)
-                return chunked_cross_entropy(hidden, self.model.lm_head.weight, labels, self.ce_chunk)
-            self.model.eval()  # frozen: no MoE load counted, nothing to recompute
-            try:
-                with torch.no_grad():
-                    hidden, _ = self.model.hidden_states(ids, doc_ids=docs)
-                    return chunked_cross_entropy(hidden, self.model.lm_head.weight, labels, self.ce_chunk)
-            finally:
-                self.model.train()
-
-    @torch.no_grad()
-    def evaluate(self) -> float | None:
-        if self.valid is None:
-            return None
-        self.model.eval()
-        total, count = 0.0, 0
-        for batch in self.valid.batches(self.cfg.micro_batch_size, self.rank, self.world):
-            docs = batch.doc_ids.to(self.device) if self.recipe.data.document_mask else None
-            hidden, _ = self.model.hidden_states(batch.input_ids.to(self.device), doc_ids=docs)
-            total += float(chunked_cross_entropy(hidden, self.model.lm_head.weight, batch.labels.to(self.device),
-                                                 self.ce_chunk))
-            count += int((batch.labels != -100).sum())
-        self.model.train()
-        total, count = distributed.all_reduce_sum(torch.tensor([total, count], dtype=torch.float64, device=self.device))
-        return float(total / count) if count else None
-
-    def finish(self, state: dict) -> None:
-        super().finish(state)
-        records = read_metrics(self.run_dir / "metrics.jsonl")
-        if any("indexer_recall" in r for r in records):
-            plot_curves(records, ["indexer_recall", "oracle_recall"], self.run_dir / "indexer_recall.png",
-                        title=f"indexer recall, stage {self.stage.name} (T={self.seq_len}, k={self.recipe.model.index_topk})")
+def stage_trainer(plan: MidtrainPlan, index: int, source: Recipe, run_dir, log=print) -> Trainer:
+    """The one Trainer running stage ``index``: the stage's recipe, the LM + indexer-KL step plug-in,
+    and the optimizer split into main and indexer parts."""
+    recipe = stage_recipe(source, plan, index, run_dir)
+    step = StageStep(plan.stages[index], plan.ce_chunk, recipe.data.document_mask)
+    return Trainer(recipe, run_dir, log, step=step, build_optimizer=_stage_optimizer)
 
 
 # ---------------------------------------------------------------- stage hand-over
@@ -281,7 +175,7 @@ def run_plan(plan: MidtrainPlan, log=print) -> list[dict]:
             continue
         log(f"stage {i} {stage.name!r}: seq_len {stage.seq_len}, {stage.tokens:,} tokens, dsa {stage.dsa}, "
             f"IndexShare {'on' if stage.index_share else 'off'}")
-        trainer = StageTrainer(plan, i, source, directory, log=log)
+        trainer = stage_trainer(plan, i, source, directory, log=log)
         if rank == 0 and not (directory / CONFIG_NAME).is_file():
             write_run_config(directory, trainer.recipe)
         distributed.barrier()
@@ -296,7 +190,7 @@ def run_plan(plan: MidtrainPlan, log=print) -> list[dict]:
             copy_training_state(src_model, src_opts, trainer.model, trainer.optimizer.optimizers, log)
             del src_model, src_opts
         result = trainer.fit()
-        trainer.probe.remove()
+        trainer.step_fn.close()
         summary = {"stage": stage.name, "index": i, **{k: v for k, v in result.items() if not isinstance(v, torch.Tensor)}}
         if rank == 0:
             tmp = done.with_suffix(".tmp")

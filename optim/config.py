@@ -83,6 +83,10 @@ class ScheduleConfig:
     then cosine to floor_lr at total_tokens, floor_lr after.
     linear (mid-training): peak_lr -> floor_lr linearly over total_tokens
     (after warmup_tokens of linear warmup if any), floor_lr after.
+    total_steps > 0 counts optimizer steps instead of tokens (warmup_steps, total_steps): RL, whose
+    steps consume however many tokens the rollouts produced. Step s (0-based) runs at the schedule's
+    value for s + 1, so a warmup reaches peak_lr on step warmup_steps - 1 and the decay ends on the
+    last step.
     """
 
     kind: Literal["warmup_cosine", "linear"] = "warmup_cosine"
@@ -91,8 +95,18 @@ class ScheduleConfig:
     # Not given by the recipe; orthon's choice: 2000 steps of the initial 16M-token batch.
     warmup_tokens: int = 2000 * 16 * MIB
     total_tokens: int = 27 * 10**12
+    warmup_steps: int = 0
+    total_steps: int = 0  # > 0: the schedule counts optimizer steps, not tokens
+
+    @property
+    def by_steps(self) -> bool:
+        return self.total_steps > 0
 
     def __post_init__(self) -> None:
+        if self.warmup_steps < 0 or self.total_steps < 0:
+            raise ConfigError(f"warmup_steps, total_steps: must be >= 0, got {self.warmup_steps}, {self.total_steps}")
+        if self.total_steps and self.warmup_steps >= self.total_steps:
+            raise ConfigError(f"warmup_steps: {self.warmup_steps} needs total_steps above it, got {self.total_steps}")
         if self.peak_lr < 0:
             raise ConfigError(f"peak_lr: must be >= 0, got {self.peak_lr}")
         if self.floor_lr < 0:

@@ -42,9 +42,10 @@ class HybridOptimizer:
     def param_groups(self) -> list[dict[str, Any]]:
         return [group for opt in self.optimizers for group in opt.param_groups]
 
-    def set_tokens(self, tokens: int) -> float:
-        """Set every group's LR for ``tokens`` consumed; returns the schedule multiplier."""
-        multiplier = lr_multiplier(self.schedule, tokens) if self.schedule is not None else 1.0
+    def set_tokens(self, tokens: int, step: int = 0) -> float:
+        """Set every group's LR for ``tokens`` consumed (or 0-based ``step``, for a schedule that counts
+        steps); returns the schedule multiplier."""
+        multiplier = lr_multiplier(self.schedule, tokens, step) if self.schedule is not None else 1.0
         for group in self.param_groups:
             group["lr"] = group["peak_lr"] * multiplier
         self.tokens_consumed = int(tokens)

@@ -49,18 +49,22 @@ def linear_decay_lr(tokens: int, start: float, end: float, total_tokens: int, wa
     return start + (end - start) * progress
 
 
-def lr_at(cfg: ScheduleConfig, tokens: int) -> float:
-    """The learning rate of ``cfg`` after ``tokens`` tokens."""
+def lr_at(cfg: ScheduleConfig, tokens: int, step: int = 0) -> float:
+    """The learning rate of ``cfg`` after ``tokens`` tokens, or for 0-based optimizer step ``step``
+    when the schedule counts steps (it then runs at the value for step + 1)."""
+    at, warmup, total = tokens, cfg.warmup_tokens, cfg.total_tokens
+    if cfg.by_steps:
+        at, warmup, total = step + 1, cfg.warmup_steps, cfg.total_steps
     if cfg.kind == "warmup_cosine":
-        return warmup_cosine_lr(tokens, cfg.peak_lr, cfg.floor_lr, cfg.warmup_tokens, cfg.total_tokens)
+        return warmup_cosine_lr(at, cfg.peak_lr, cfg.floor_lr, warmup, total)
     if cfg.kind == "linear":
-        return linear_decay_lr(tokens, cfg.peak_lr, cfg.floor_lr, cfg.total_tokens, cfg.warmup_tokens)
+        return linear_decay_lr(at, cfg.peak_lr, cfg.floor_lr, total, warmup)
     raise ValueError(f"unknown LR schedule kind {cfg.kind!r}")
 
 
-def lr_multiplier(cfg: ScheduleConfig, tokens: int) -> float:
+def lr_multiplier(cfg: ScheduleConfig, tokens: int, step: int = 0) -> float:
     """lr_at / peak_lr: the factor every optimizer group applies to its own peak LR."""
-    return lr_at(cfg, tokens) / cfg.peak_lr if cfg.peak_lr > 0 else 0.0
+    return lr_at(cfg, tokens, step) / cfg.peak_lr if cfg.peak_lr > 0 else 0.0
 
 
 def batch_size_tokens(tokens: int, start: int, end: int, ramp_tokens: int, increment: int) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
@@ -17,6 +16,7 @@ from orthon.pretrain.attention import Indexer, MLAttention
 from orthon.pretrain.cache import KVCache
 from orthon.pretrain.config import ModelConfig
 from orthon.pretrain.layers import MLP, RMSNorm, rope_cos_sin
+from orthon.pretrain.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy
 from orthon.pretrain.moe import MoE, Experts, Router
 from orthon.optim.param_spec import ParamSpec
 
@@ -131,21 +131,32 @@ class GLMForCausalLM(nn.Module):
         return_logits: bool = True,
         doc_ids: torch.Tensor | None = None,
         loss_reduction: str = "mean",
+        loss_chunk: int = 0,
+        logits_at: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         """input_ids: (B, T). labels: (B, T) next-token targets aligned with input_ids (already shifted;
         -100 = ignore); with labels the output carries the cross-entropy ("mean" over counted tokens,
         or "sum"). With a cache, the new tokens continue the cached ones. position_ids (RoPE positions)
         default to the cache slots. doc_ids (B, T): documents of a packed sequence, attention stays inside
         each (RoPE positions still count from the sequence start); with a cache, left padding is given
-        as document -1 (and position_ids shifted), and the cache remembers the documents."""
+        as document -1 (and position_ids shifted), and the cache remembers the documents. loss_chunk > 0
+        computes the loss ``loss_chunk`` positions at a time without materialising the logits (needs
+        return_logits=False): the same value and gradient in a fraction of the memory at long context.
+        logits_at (B, R) positions: logits only there, (B, R, V) (scoring responses without the prompt's
+        logits; through forward, so a data-parallel wrapper sees the call)."""
         hidden, index_scores = self.hidden_states(input_ids, cache, position_ids, want_index_scores, doc_ids)
-        logits = self.lm_head(hidden) if return_logits or labels is None else None
-        loss = None
-        if labels is not None:
-            full = logits if logits is not None else self.lm_head(hidden)
-            loss = F.cross_entropy(full.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
-                                   reduction=loss_reduction)
-        return CausalLMOutput(logits=logits, loss=loss, index_scores=index_scores)
+        if logits_at is not None:
+            hidden = hidden.gather(1, logits_at[..., None].expand(*logits_at.shape, hidden.shape[-1]))
+        if labels is None:
+            return CausalLMOutput(logits=self.lm_head(hidden), index_scores=index_scores)
+        if loss_chunk > 0 and not return_logits:
+            loss = chunked_cross_entropy(hidden, self.lm_head.weight, labels, loss_chunk)
+            if loss_reduction == "mean":
+                loss = loss / (labels != IGNORE_INDEX).sum().clamp(min=1)
+            return CausalLMOutput(logits=None, loss=loss, index_scores=index_scores)
+        logits = self.lm_head(hidden)
+        loss = cross_entropy(logits, labels, loss_reduction)
+        return CausalLMOutput(logits=logits if return_logits else None, loss=loss, index_scores=index_scores)
 
     def hidden_states(self, input_ids, cache=None, position_ids=None, want_index_scores=False, doc_ids=None):
         """Final-norm hidden states (B, T, hidden) and the index scores when asked for."""

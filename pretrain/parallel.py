@@ -18,7 +18,9 @@ def wrap(model: nn.Module, mode: str) -> nn.Module:
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model)
+        # No buffer broadcast: each rank's MoE expert_load counts its own tokens until the step all-reduces
+        # them (broadcasting rank 0's buffers before every forward would overwrite them mid-step).
+        return DistributedDataParallel(model, broadcast_buffers=False)
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.model.layers:

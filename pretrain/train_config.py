@@ -28,6 +28,9 @@ class TrainConfig:
     track_max_logit: bool = True  # log the largest attention logit (the Muon Split claim)
     log_sample_ids: bool = False  # write every consumed sample id to samples.jsonl
     progress: bool = True
+    progress_label: str = "pretrain"  # the progress bar's and loss plot's name for this run
+    # Positions per chunk of the chunked cross-entropy (no full logits in memory); 0: one piece.
+    loss_chunk: int = 0
     # Start from another run's final weights (its run directory or a weights directory), with a fresh
     # optimizer and schedule: continued pretraining on other data. "" = random initialisation.
     init_from: str = ""
@@ -38,7 +41,7 @@ class TrainConfig:
         for name in ("micro_batch_size", "log_interval", "keep_last"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
-        for name in ("total_tokens", "max_steps", "eval_interval", "checkpoint_interval", "eval_samples"):
+        for name in ("total_tokens", "max_steps", "eval_interval", "checkpoint_interval", "eval_samples", "loss_chunk"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.grad_clip < 0:

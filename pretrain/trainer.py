@@ -1,11 +1,11 @@
-"""The pretraining loop.
+"""The one Trainer.
 
 One step: the batch-size ramp says how many sequences this step takes (a function of tokens consumed,
 so a resumed run lands on the same size), the LR schedule sets both optimizers' LR, the rank's share
-of the global batch runs as gradient-accumulation micro-batches, the hybrid Muon/AdamW optimizer
-steps, the MoE routers' selection biases move towards balance. Metrics go to JSONL + TensorBoard,
-checkpoints (model, optimizer, data position, RNG) are written atomically and resumable at any world
-size.
+of the global batch runs as gradient-accumulation micro-batches through the step plug-in's loss, the
+optimizer steps, the MoE routers' selection biases move towards balance. Metrics go to JSONL +
+TensorBoard, checkpoints (model, optimizer, data position, RNG) are written atomically and resumable
+at any world size.
 """
 from __future__ import annotations
 
@@ -22,14 +22,17 @@ import torch
 import yaml
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from orthon.data.loader import TrainData, ValidData
-from orthon.core.errors import ConfigError
-from orthon.optim import batch_size_at, build_for_model, lr_at
 from orthon.core import distributed
+from orthon.core.config import to_dict
+from orthon.core.errors import ConfigError
+from orthon.core.files import atomic_write_bytes
+from orthon.core.metrics import MetricsLogger, plot_curves, read_metrics
+from orthon.data.loader import IGNORE_INDEX, TrainData, ValidData
+from orthon.optim import batch_size_at, build_for_model, lr_at
 from orthon.pretrain import parallel
 from orthon.pretrain.checkpoint import Checkpointer
-from orthon.core.metrics import MetricsLogger, plot_curves, read_metrics
 from orthon.pretrain.model import GLMForCausalLM
+from orthon.pretrain.steps import NextTokenStep, TrainStep
 from orthon.pretrain.moe import update_expert_bias
 from orthon.pretrain.weights_dir import load_weights_dir, save_weights_dir
 
@@ -45,6 +48,19 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
 
 
+def _hybrid_optimizer(model, recipe):
+    return build_for_model(model, recipe.optim, recipe.schedule)
+
+
+def _all_reduce_dict(sums: dict[str, float], device) -> dict[str, float]:
+    """Metric sums added over the ranks (every rank has the same keys)."""
+    if not sums or not distributed.is_distributed():
+        return sums
+    keys = sorted(sums)
+    total = distributed.all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=device))
+    return dict(zip(keys, total.tolist()))
+
+
 def initial_weights(source, config) -> dict:
     """The state dict of ``source`` (a run directory's final/ or a weights directory), checked to hold
     the model ``config`` describes."""
@@ -57,10 +73,17 @@ def initial_weights(source, config) -> dict:
 
 
 class Trainer:
-    # False: the model is not wrapped in DDP/FSDP; the subclass reduces gradients itself.
-    wrap_model = True
+    """The one training loop: pretraining, mid-training and RL are configurations of it.
 
-    def __init__(self, recipe, run_dir: Path, log=print):
+    It builds (or is given) the model, places it on the device (CUDA when present), wraps it for data
+    parallelism (DDP / FSDP2 by ``train.parallel``), builds the optimizer (the hybrid Muon/AdamW
+    routing, or whatever ``build_optimizer`` returns), and runs optimizer steps whose loss is the
+    ``step`` plug-in's (orthon.pretrain.steps). ``fit`` drives it from the recipe's data; RL calls
+    ``train_step`` with its own batches. Checkpoints (model, optimizer, data position, RNG, and any
+    extra state the caller adds) go through one Checkpointer; metrics through one MetricsLogger."""
+
+    def __init__(self, recipe, run_dir: Path, log=print, step: TrainStep | None = None,
+                 build_optimizer=None, with_data: bool = True):
         self.recipe = recipe
         self.cfg = recipe.train
         self.run_dir = Path(run_dir)
@@ -77,33 +100,58 @@ class Trainer:
         self.model.set_indexers_trainable(False)  # the LM loss never reaches them; mid-training trains them
         self.model.checkpoint_layers = self.cfg.activation_checkpointing
         self.model.track_max_logit(self.cfg.track_max_logit)
-        self.wrapped = parallel.wrap(self.model, self.cfg.parallel) if self.wrap_model else self.model
-        self.optimizer = build_for_model(self.model, recipe.optim, recipe.schedule)
-        self.data = TrainData(recipe.data, self.rank, self.world)
-        self.valid = ValidData(recipe.data, recipe.train.eval_samples, self.data.eod_id) if recipe.data.valid else None
-        if self.data.vocab_size > recipe.model.vocab_size:
-            raise ValueError(f"data: the stores' vocabulary ({self.data.vocab_size}) exceeds model.vocab_size "
-                             f"({recipe.model.vocab_size})")
+        self.step_fn = step or NextTokenStep(self.cfg.loss_chunk, recipe.data.document_mask, self.cfg.track_max_logit)
+        self._wrap()  # before the optimizer: FSDP2 replaces the parameters it shards
+        self.optimizer = (build_optimizer or _hybrid_optimizer)(self.model, recipe)
+        self.data = self.valid = None
+        if with_data:
+            self.data = TrainData(recipe.data, self.rank, self.world)
+            if recipe.data.valid:
+                self.valid = ValidData(recipe.data, recipe.train.eval_samples, self.data.eod_id)
+            if self.data.vocab_size > recipe.model.vocab_size:
+                raise ConfigError(f"data: the stores' vocabulary ({self.data.vocab_size}) exceeds model.vocab_size "
+                                  f"({recipe.model.vocab_size})")
         self.checkpointer = Checkpointer(self.run_dir, self.cfg.keep_last, log=self.log)
         self.seq_len = recipe.data.seq_len
         self.step, self.tokens = 0, 0
         self.total_tokens = self.cfg.total_tokens or recipe.schedule.total_tokens
 
     # ------------------------------------------------------------ state
-    def resume(self) -> bool:
+    def resume(self) -> dict | None:
+        """Load the newest good checkpoint; returns its trainer state (with any extra keys the caller
+        saved), or None when there is none."""
         path = self.checkpointer.latest_good()
         if path is None:
-            return False
+            return None
         state = self.checkpointer.load(path, self.wrapped, self.optimizer.optimizers)
         self.step, self.tokens = state["step"], state["tokens"]
-        self.data.load_state_dict(state["data"])
+        if self.data is not None:
+            self.data.load_state_dict(state["data"])
         _set_rng_state(state["rng"])
         self.log(f"resumed from {path} at step {self.step} ({self.tokens:,} tokens)")
-        return True
+        return state
 
-    def save_checkpoint(self) -> None:
-        state = {"step": self.step, "tokens": self.tokens, "data": self.data.state_dict(), "rng": _rng_state()}
+    def save_checkpoint(self, extra: dict | None = None) -> None:
+        state = {"step": self.step, "tokens": self.tokens, "rng": _rng_state(), **(extra or {})}
+        if self.data is not None:
+            state["data"] = self.data.state_dict()
         self.checkpointer.save(self.step, self.wrapped, self.optimizer.optimizers, state)
+
+    def _trainable_names(self) -> frozenset[str]:
+        return frozenset(n for n, p in self.model.named_parameters() if p.requires_grad)
+
+    def _wrap(self) -> None:
+        self.wrapped = None  # an old DDP wrapper's reducer (and its gradient hooks) goes first
+        self.wrapped = parallel.wrap(self.model, self.cfg.parallel)
+        self._wrapped_for = self._trainable_names()
+
+    def set_trainable(self, trainable) -> None:
+        """requires_grad from ``trainable(name) -> bool``. DDP registers its gradient hooks for the
+        parameters that require grad when it wraps, so a change of that set re-wraps the model."""
+        for name, p in self.model.named_parameters():
+            p.requires_grad_(bool(trainable(name)))
+        if self._trainable_names() != self._wrapped_for and self.cfg.parallel == "ddp":
+            self._wrap()
 
     # ------------------------------------------------------------ one step
     def batch_sequences(self) -> int:
@@ -111,51 +159,53 @@ class Trainer:
         micro_tokens = self.cfg.micro_batch_size * self.seq_len
         return batch_size_at(self.recipe.batch, self.tokens, micro_tokens, self.world) // self.seq_len
 
-    def train_step(self) -> dict:
+    def set_lr(self) -> float:
+        """Both optimizers' LRs from the schedule (by tokens consumed, or by steps when the schedule
+        counts steps); returns the peak-LR group's value."""
+        self.optimizer.set_tokens(self.tokens, self.step)
+        return lr_at(self.recipe.schedule, self.tokens, self.step)
+
+    def train_step(self, batch=None, tokens: int | None = None) -> dict:
+        """One optimizer step on ``batch`` (default: the next batch of the recipe's data, sized by the
+        batch ramp); ``tokens`` is what the step consumes globally (for the schedule)."""
         start = time.perf_counter()
-        n_seqs = self.batch_sequences()
-        lr = lr_at(self.recipe.schedule, self.tokens)
-        self.optimizer.set_tokens(self.tokens)
-        batch = self.data.next_batch(n_seqs)
-        self.sample_ids = batch.sample_ids
-        # Mean over every counted target of the global batch: each rank scales its sum by the global
-        # count; DDP/FSDP average gradients over ranks, so multiply back by the world size.
-        count = distributed.all_reduce_sum((batch.labels != -100).sum().to(self.device).float())
-        micro = self.cfg.micro_batch_size
-        n_micro = math.ceil(batch.input_ids.shape[0] / micro)
-        loss_sum = torch.zeros((), device=self.device)
+        if batch is None:
+            n_seqs = self.batch_sequences()
+            batch, tokens = self.data.next_batch(n_seqs), n_seqs * self.seq_len
+            self.sample_ids = batch.sample_ids
+        lr = self.set_lr()
+        self.step_fn.begin(self, batch)
+        micros = self.step_fn.micro_batches(batch, self.cfg.micro_batch_size, self.device)
+        sums: dict[str, float] = {}
         autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.cfg.precision == "bf16"
                     else nullcontext())
-        max_logit = -math.inf
-        for i in range(n_micro):
-            sl = slice(i * micro, (i + 1) * micro)
-            ids, labels = batch.input_ids[sl].to(self.device), batch.labels[sl].to(self.device)
-            docs = batch.doc_ids[sl].to(self.device) if self.recipe.data.document_mask else None
-            with parallel.no_sync(self.wrapped, last=i == n_micro - 1), autocast:
-                out = self.wrapped(ids, labels=labels, doc_ids=docs, return_logits=False, loss_reduction="sum")
-                (out.loss * (self.world / count)).backward()
-            loss_sum += out.loss.detach()
-            if self.cfg.track_max_logit:
-                max_logit = max(max_logit, self.model.max_attention_logit() or -math.inf)
+        for i, micro in enumerate(micros):
+            with parallel.no_sync(self.wrapped, last=i == len(micros) - 1), autocast:
+                objective, micro_sums = self.step_fn.loss(self.wrapped, micro)
+                if objective.requires_grad:
+                    objective.backward()
+            for key, value in micro_sums.items():
+                sums[key] = sums.get(key, 0.0) + value
+        sums = _all_reduce_dict(sums, self.device)
         grad_norm = self._clip_and_norm()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        imbalance = self._update_moe_bias()
+        imbalance = self._update_moe_bias() if getattr(self.step_fn, "update_moe_bias", True) else None
         self.step += 1
-        self.tokens += n_seqs * self.seq_len
-        loss = (distributed.all_reduce_sum(loss_sum) / count).item()
+        self.tokens += int(tokens or 0)
         elapsed = time.perf_counter() - start
-        metrics = {"loss": loss, "lr": lr, "batch_tokens": n_seqs * self.seq_len, "tokens": self.tokens,
-                   "grad_norm": grad_norm, "tokens_per_s": n_seqs * self.seq_len / elapsed,
-                   "step_time_s": elapsed, "micro_batches": n_micro}
-        if self.cfg.track_max_logit and math.isfinite(max_logit):
-            metrics["max_attn_logit"] = max_logit
+        metrics = {**self.step_fn.end(self, sums), "lr": lr, "grad_norm": grad_norm, "step_time_s": elapsed,
+                   "micro_batches": len(micros)}
+        if tokens:
+            metrics.update(batch_tokens=tokens, tokens=self.tokens, tokens_per_s=tokens / elapsed)
         if imbalance is not None:
             metrics["moe_load_max_over_mean"] = imbalance
         return metrics
 
     def _clip_and_norm(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if hasattr(norm, "full_tensor"):
@@ -177,16 +227,18 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
+        """Mean held-out next-token loss (through the wrapper: FSDP2 gathers the shards in forward)."""
         if self.valid is None:
             return None
         self.wrapped.eval()
-        total = torch.zeros((), device=self.device)
-        count = torch.zeros((), device=self.device)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = torch.zeros((), dtype=torch.float64, device=self.device)
         for batch in self.valid.batches(self.cfg.micro_batch_size, self.rank, self.world):
-            ids, labels = batch.input_ids.to(self.device), batch.labels.to(self.device)
-            docs = batch.doc_ids.to(self.device) if self.recipe.data.document_mask else None
-            total += self.model(ids, labels=labels, doc_ids=docs, return_logits=False, loss_reduction="sum").loss
-            count += (labels != -100).sum()
+            batch = batch.to(self.device)
+            docs = batch.doc_ids if self.recipe.data.document_mask else None
+            total += self.wrapped(batch.input_ids, labels=batch.labels, doc_ids=docs, return_logits=False,
+                                  loss_reduction="sum", loss_chunk=self.cfg.loss_chunk).loss.double()
+            count += (batch.labels != IGNORE_INDEX).sum()
         self.wrapped.train()
         distributed.all_reduce_sum(total)
         distributed.all_reduce_sum(count)
@@ -205,7 +257,8 @@ class Trainer:
         if self.cfg.progress and self.rank == 0:
             from tqdm import tqdm
 
-            bar = tqdm(total=self.total_tokens, initial=self.tokens, unit="tok", unit_scale=True, desc="pretrain")
+            bar = tqdm(total=self.total_tokens, initial=self.tokens, unit="tok", unit_scale=True,
+                       desc=self.cfg.progress_label)
         last = {}
         while not self.done():
             last = self.train_step()
@@ -252,15 +305,12 @@ class Trainer:
         save_weights_dir(self.model, self.run_dir / "final", state)
         records = read_metrics(self.run_dir / "metrics.jsonl")
         plot_curves(records, ["loss", "eval_loss"], self.run_dir / "loss.png",
-                    title=f"pretraining loss ({self.recipe.model.hidden_size}-wide, "
+                    title=f"{self.cfg.progress_label} loss ({self.recipe.model.hidden_size}-wide, "
                           f"{self.recipe.model.num_hidden_layers} layers)",
                     reference=math.log(self.recipe.model.vocab_size), reference_label="ln(vocab)")
+        self.step_fn.finish(self, records)
 
 
 def write_run_config(run_dir: Path, recipe) -> None:
-    from orthon.core.config import to_dict
-
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / (CONFIG_NAME + ".tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(recipe), sort_keys=False))
-    tmp.replace(run_dir / CONFIG_NAME)
+    atomic_write_bytes(run_dir / CONFIG_NAME, yaml.safe_dump(to_dict(recipe), sort_keys=False).encode())

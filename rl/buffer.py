@@ -18,7 +18,7 @@ import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
-from orthon.rl.sample import Sample, SampleStatus
+from orthon.rl.sample import Sample, SampleStatus, sample_from_dict, sample_to_dict
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,24 @@ class DataBuffer:
             self._setup(self.group_size if group_size is None else group_size, task_type)
             self._lock.notify_all()
             return final
+
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs: partial and ready groups, the closed ids, the counters."""
+        with self._lock:
+            return {"group_size": self.group_size, "task_type": self.task_type,
+                    "pending": {k: [sample_to_dict(s) for s in g] for k, g in self._pending.items()},
+                    "ready": [[k, [sample_to_dict(s) for s in g]] for k, g in self._ready.items()],
+                    "closed": sorted(self._closed), "consumed": self._consumed, "dropped": self._dropped,
+                    "rejected": self._rejected}
+
+    def load_state_dict(self, state: dict) -> None:
+        with self._lock:
+            self._setup(state["group_size"], state["task_type"])
+            self._pending = {k: [sample_from_dict(s) for s in g] for k, g in state["pending"].items()}
+            self._ready = OrderedDict((k, [sample_from_dict(s) for s in g]) for k, g in state["ready"])
+            self._closed = set(state["closed"])
+            self._consumed, self._dropped, self._rejected = state["consumed"], state["dropped"], state["rejected"]
+            self._lock.notify_all()
 
     def __len__(self) -> int:
         """Samples held (pending and ready groups)."""

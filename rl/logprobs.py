@@ -48,7 +48,7 @@ def sequence_log_probs(
     (the first response token is predicted from the last prompt token)."""
     if len(sequences) != len(response_lengths):
         raise ValueError(f"sequence_log_probs: {len(sequences)} sequences, {len(response_lengths)} response lengths")
-    device = model.lm_head.weight.device
+    device = next(model.parameters()).device
     totals = torch.tensor([len(s) for s in sequences], dtype=torch.long)
     responses = torch.tensor(list(response_lengths), dtype=torch.long)
     for b, (total, n) in enumerate(zip(totals.tolist(), responses.tolist())):
@@ -67,9 +67,8 @@ def sequence_log_probs(
         empty = torch.zeros(B, 0, device=device)
         return ResponseLogProbs(empty, mask, empty.clone() if with_entropy else None)
     # Right padding never reaches a real position (causal attention), so no document ids are needed.
-    hidden, _ = model.hidden_states(ids)
-    picked = hidden.gather(1, index[..., None].expand(B, R, hidden.shape[-1]))
-    logits = model.lm_head(picked)
+    # Through forward (not hidden_states), so that a DDP / FSDP2 wrapper sees the call.
+    logits = model(ids, logits_at=index).logits
     targets = ids.gather(1, torch.minimum(index + 1, (totals.to(device) - 1)[:, None]))
     log_probs = gather_log_probs(logits, targets).masked_fill(~mask, 0.0)
     entropy = token_entropy(logits).masked_fill(~mask, 0.0) if with_entropy else None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
 import numpy as np
@@ -157,3 +157,17 @@ class Sample:
             teacher_log_probs=None,
             metadata=dict(self.metadata),
         )
+
+
+def sample_to_dict(sample: Sample) -> dict:
+    """A JSON-able copy (log-probs as lists of floats: fp32 values survive the round trip exactly)."""
+    out = {f.name: getattr(sample, f.name) for f in fields(sample)}
+    out["status"] = sample.status.value
+    for name in ("rollout_log_probs", "teacher_log_probs"):
+        if out[name] is not None:
+            out[name] = out[name].tolist()
+    return out
+
+
+def sample_from_dict(data: dict) -> Sample:
+    return Sample(**data)

@@ -1,31 +1,23 @@
-"""RLConfig: the synchronous GRPO + IcePop loop (`orthon rl`)."""
+"""RLConfig: the RL loop's own settings (`orthon rl`). How the policy trains (optimizer, LR schedule,
+micro-batch size, checkpoints, seed, run directory) is the training recipe's optim / schedule / train
+sections, as for pretraining; see orthon.rl.recipe for RL's defaults of those."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from orthon.core.errors import ConfigError
-from orthon.rl.config import BufferConfig, LossConfig, RewardConfig
 from orthon.rl.engine import EngineConfig
+from orthon.rl.config import BufferConfig, LossConfig, RewardConfig
 
 
 @dataclass
 class RLConfig:
-    run_dir: str = "runs/rl"
     iterations: int = 40
     prompts_per_iteration: int = 16
     max_new_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
-    optimizer: Literal["adamw"] = "adamw"
-    lr: float = 2e-5
-    # Linear LR warmup over the first iterations: Adam's first bias-corrected steps move every weight by
-    # about lr whatever its gradient, which a small policy does not survive at full lr.
-    lr_warmup_iterations: int = 0
-    # After the warmup, cosine decay to lr * lr_min_ratio at the last iteration (1.0: constant LR).
-    lr_min_ratio: float = 1.0
-    weight_decay: float = 0.0
-    micro_batch_size: int = 64  # samples per forward/backward
     # Optimizer steps per rollout (slime's num_steps_per_rollout): the iteration's groups split into this
     # many equal shares, one step each. 1: fully on-policy.
     updates_per_iteration: int = 1
@@ -41,28 +33,20 @@ class RLConfig:
     # Held-out evaluation: eval_reward is the policy's mean reward over eval_samples draws per prompt at
     # the rollout temperature (what RL maximises); eval_greedy the reward of the greedy answer.
     eval_samples: int = 4
-    checkpoint_interval: int = 10
-    keep_last: int = 2
-    seed: int = 0
     task: str = "orthon.rl.tasks.ArithmeticTask"
     task_args: dict[str, Any] = field(default_factory=lambda: {"difficulty": 2, "eval_size": 200})
+    # The rollout plug-in (dotted path): prompts -> scored Samples (orthon.rl.rollout).
+    rollout: str = "orthon.rl.rollout.single_turn"
     # None: the task's own binary reward; else a RewardConfig name ("math", "code", dotted path).
     reward: RewardConfig | None = None
     buffer: BufferConfig = field(default_factory=lambda: BufferConfig(num_repeat_per_sample=8, task_type="arithmetic"))
     loss: LossConfig = field(default_factory=LossConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    progress: bool = True
 
     def __post_init__(self):
-        for name in ("iterations", "prompts_per_iteration", "micro_batch_size", "updates_per_iteration", "keep_last", "eval_samples",
+        for name in ("iterations", "prompts_per_iteration", "updates_per_iteration", "eval_samples",
                      "max_sampling_rounds"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
         if self.max_sampling_rounds > 1 and not self.drop_zero_std_groups:
             raise ConfigError("max_sampling_rounds: refill rounds only make sense with drop_zero_std_groups: true")
-        if not 0.0 <= self.lr_min_ratio <= 1.0:
-            raise ConfigError(f"lr_min_ratio: must be in [0, 1], got {self.lr_min_ratio}")
-        if self.lr_warmup_iterations < 0:
-            raise ConfigError(f"lr_warmup_iterations: must be >= 0, got {self.lr_warmup_iterations}")
-        if self.lr < 0:
-            raise ConfigError(f"lr: must be >= 0, got {self.lr}")

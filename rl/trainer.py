@@ -1,60 +1,61 @@
-"""The synchronous GRPO + IcePop loop, built from separable parts: the rollout engine (its own copy of
-the model), the Data Buffer, the trainer step (recompute log-probs, IcePop loss, optimizer step) and
-the weight hand-over (copy into the engine's parameters in place). The asynchronous version runs the
-same parts on different threads / actors.
+"""GRPO + IcePop: RL = Trainer + Engine + Buffer.
+
+The policy trains on the one Trainer (its optimizer builder, schedule, data-parallel wrapper,
+checkpointer) with RL's step plug-in (orthon.rl.steps.PolicyStep); rollouts come from an Engine (the
+in-process one by default; anything that speaks the Engine protocol), through the rollout plug-in named
+by ``rl.rollout``; the Data Buffer groups the samples of each prompt. One iteration: roll out until
+enough groups are ready, compute GRPO advantages per group, take ``updates_per_iteration`` optimizer
+steps, hand the new weights to the engine. This loop is synchronous; the asynchronous one runs the same
+parts on different actors.
 """
 from __future__ import annotations
 
 import math
-import random
 import time
 from pathlib import Path
 
 import torch
 
-from orthon.core.plugins import resolve
-from orthon.pretrain.checkpoint import Checkpointer
 from orthon.core.metrics import MetricsLogger, plot_curves, read_metrics
+from orthon.core.plugins import resolve
+from orthon.pretrain.trainer import Trainer
 from orthon.pretrain.weights_dir import load_weights_dir, save_weights_dir
 from orthon.rl.buffer import DataBuffer
 from orthon.rl.engine import InProcessEngine
-from orthon.rl.logprobs import sample_log_probs
-from orthon.rl.loss import aggregate_loss, grpo_advantages, icepop_token_loss
+from orthon.rl.loss import grpo_advantages
 from orthon.rl.rewards.registry import SafeReward
-from orthon.rl.sample import Sample, SampleStatus
+from orthon.rl.rollout import RolloutContext
+from orthon.rl.sample import Sample
 from orthon.rl.sampling import SamplingParams
-from orthon.rl.train_config import RLConfig
-
-
-def rl_lr(iteration: int, cfg: RLConfig) -> float:
-    """The LR of 0-based ``iteration``: linear warmup over ``lr_warmup_iterations`` (reaching ``lr`` at the
-    last warmup iteration), then cosine decay to ``lr * lr_min_ratio`` at the last iteration."""
-    warmup = cfg.lr_warmup_iterations
-    if iteration < warmup:
-        return cfg.lr * (iteration + 1) / warmup
-    span = cfg.iterations - 1 - max(warmup - 1, 0)
-    progress = min(1.0, (iteration - max(warmup - 1, 0)) / span) if span > 0 else 1.0
-    floor = cfg.lr * cfg.lr_min_ratio
-    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+from orthon.rl.steps import PolicyStep
 
 
 class RLTrainer:
-    def __init__(self, cfg: RLConfig, policy_dir: Path, tokenizer, run_dir: Path, log=print):
-        self.cfg, self.run_dir, self.log = cfg, Path(run_dir), log
-        torch.manual_seed(cfg.seed)
-        random.seed(cfg.seed)
+    def __init__(self, recipe, tokenizer, log=print, engine=None):
+        """``recipe``: an RLRecipe whose ``train.init_from`` names the policy's starting weights."""
+        self.recipe, self.cfg, self.log = recipe, recipe.rl, log
+        self.run_dir = Path(recipe.train.run_dir)
         self.tokenizer = tokenizer
-        self.model = load_weights_dir(policy_dir).train()
-        self.model.set_indexers_trainable(False)  # the policy loss never reaches the DSA indexers
-        self.engine = InProcessEngine(load_weights_dir(policy_dir), cfg.engine)
-        self.task = resolve(cfg.task, "rl.task")(tokenizer, seed=cfg.seed, **cfg.task_args)
-        self.reward = SafeReward.from_config(cfg.reward) if cfg.reward else SafeReward(self.task.reward_fn)
-        self.buffer = DataBuffer(cfg.buffer.num_repeat_per_sample, self.task.task_type)
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                           betas=(0.9, 0.95))
-        self.checkpointer = Checkpointer(self.run_dir, cfg.keep_last, log=log)
+        policy = recipe.train.init_from
+        reference = None
+        if self.cfg.loss.kl_coef > 0:
+            reference = load_weights_dir(policy).eval().requires_grad_(False)
+        self.trainer = Trainer(recipe, self.run_dir, log, step=PolicyStep(self.cfg.loss, reference), with_data=False)
+        self.model = self.trainer.model
+        if reference is not None:
+            reference.to(self.trainer.device)
+        self.engine = engine or InProcessEngine(load_weights_dir(policy, device=self.trainer.device), self.cfg.engine)
+        seed = recipe.train.seed
+        self.task = resolve(self.cfg.task, "rl.task")(tokenizer, seed=seed, **self.cfg.task_args)
+        self.reward = SafeReward.from_config(self.cfg.reward) if self.cfg.reward else SafeReward(self.task.reward_fn)
+        self.rollout_fn = resolve(self.cfg.rollout, "rl.rollout")
+        self.buffer = DataBuffer(self.cfg.buffer.num_repeat_per_sample, self.task.task_type)
         self.eval_prompts = self.task.eval_set()
         self.iteration = 0
+
+    @property
+    def optimizer(self):
+        return self.trainer.optimizer
 
     # ------------------------------------------------------------ parts
     def sampling(self, greedy: bool = False, seed: int | None = None) -> SamplingParams:
@@ -63,25 +64,15 @@ class RLTrainer:
                               seed=seed)
 
     def rollout(self) -> dict:
-        """Generate G samples for each new prompt, score them, fill the buffer."""
+        """Generate G samples for each new prompt through the rollout plug-in, fill the buffer."""
         G = self.cfg.buffer.num_repeat_per_sample
         prompts = self.task.sample(self.cfg.prompts_per_iteration)
-        requests = [p for p in prompts for _ in range(G)]
-        seed = self.cfg.seed * 1_000_003 + self.iteration * len(requests)
-        results = self.engine.generate([p.ids for p in requests], self.sampling(seed=seed))
-        failed = 0
-        for prompt, result in zip(requests, results):
-            if result.status == SampleStatus.FAILED:
-                failed += 1
-                reward = 0.0
-            else:
-                reward = self.reward(self.tokenizer.decode(result.tokens), prompt.label)
-            sample = Sample(instance_id=prompt.instance_id, tokens=prompt.ids + result.tokens,
-                            response_length=len(result.tokens), loss_mask=[1] * len(result.tokens),
-                            rollout_log_probs=result.log_probs, reward=reward, policy_version=result.policy_version,
-                            status=result.status, metadata={"label": prompt.label})
+        seed = self.recipe.train.seed * 1_000_003 + self.iteration * len(prompts) * G
+        ctx = RolloutContext(self.engine, self.tokenizer, self.reward, self.sampling(seed=seed), G)
+        samples = self.rollout_fn(ctx, prompts)
+        for sample in samples:
             self.buffer.add(sample)
-        return {"rollout_failed": failed}
+        return {"rollout_failed": sum(1 for s in samples if s.status.value == "failed")}
 
     def collect_groups(self) -> tuple[list[list[Sample]], dict]:
         """The iteration's ready groups and rollout statistics over everything sampled. With
@@ -110,59 +101,34 @@ class RLTrainer:
 
     def train_on(self, groups: list[list[Sample]]) -> dict:
         """The iteration's optimizer steps on its groups: GRPO advantages per group, then
-        ``updates_per_iteration`` steps on equal shares of the groups (slime's steps per rollout). The
-        first step runs on the weights that generated the samples, so its log-prob mismatch is the
-        rollout/trainer one (``logp_mismatch_max``); later steps are off-policy by design, which
-        IcePop's ratio and the asymmetric clip account for. No groups: no step."""
+        ``updates_per_iteration`` Trainer steps on equal shares of the groups (slime's steps per
+        rollout). The first step runs on the weights that generated the samples, so its log-prob
+        mismatch is the rollout/trainer one (``logp_mismatch_max``); later steps are off-policy by
+        design, which IcePop's ratio and the asymmetric clip account for. No groups: no step."""
         if not groups:
             return {}
-        cfg = self.cfg.loss
         rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)
-        advantages = grpo_advantages(rewards, unbiased=cfg.advantage_std == "unbiased")
+        advantages = grpo_advantages(rewards, unbiased=self.cfg.loss.advantage_std == "unbiased")
         share = math.ceil(len(groups) / self.cfg.updates_per_iteration)
-        stats, sums, tokens = {}, {}, 0
+        stats, sums, tokens = {}, {}, 0.0
         for k, start in enumerate(range(0, len(groups), share)):
-            part = [s for g in groups[start : start + share] for s in g]
-            step_sums, step_tokens, mismatch = self._update(part, advantages[start : start + share].reshape(-1))
+            batch = [(s, float(a)) for g, adv in zip(groups[start : start + share], advantages[start : start + share])
+                     for s, a in zip(g, adv)]
+            trained = sum(s.response_length for s, _ in batch)
+            metrics = self.trainer.train_step(batch, tokens=trained)
             if k == 0:
-                stats["logp_mismatch_max"] = mismatch
-            for key, value in step_sums.items():
-                sums[key] = sums.get(key, 0.0) + value
-            tokens += step_tokens
-        stats.update({k: v / max(tokens, 1) for k, v in sums.items()})
+                stats["logp_mismatch_max"] = metrics["logp_mismatch_max"]
+                stats["lr"] = metrics["lr"]
+            n = metrics["trained_tokens"]
+            for key in ("masked_fraction", "logp_abs_diff", "clip_fraction", "entropy"):
+                if key in metrics:
+                    sums[key] = sums.get(key, 0.0) + metrics[key] * n
+            tokens += n
+        stats.update({k: v / max(tokens, 1.0) for k, v in sums.items()})
         return stats
 
-    def _update(self, samples: list[Sample], advantages: torch.Tensor) -> tuple[dict, int, float]:
-        """One optimizer step: recomputed log-probs, IcePop loss, micro-batched backward. Returns the
-        token-weighted metric sums, the token count and the largest |logp_train - logp_rollout|."""
-        cfg = self.cfg.loss
-        trainable = [i for i, s in enumerate(samples) if s.response_length > 0]
-        total_tokens = sum(samples[i].response_length for i in trainable)
-        sums, mismatch_max = {}, 0.0
-        self.optimizer.zero_grad(set_to_none=True)
-        for start in range(0, len(trainable), self.cfg.micro_batch_size):
-            batch = [samples[i] for i in trainable[start : start + self.cfg.micro_batch_size]]
-            adv = advantages[trainable[start : start + self.cfg.micro_batch_size]]
-            out = sample_log_probs(self.model, batch, with_entropy=True)
-            R = out.mask.shape[1]
-            rollout = torch.zeros(len(batch), R)
-            for b, s in enumerate(batch):
-                rollout[b, : s.response_length] = s.rollout_log_probs
-            token_loss, metrics = icepop_token_loss(
-                out.log_probs, rollout, adv, out.mask.float(), beta=cfg.icepop_beta, eps_low=cfg.eps_low,
-                eps_high=cfg.eps_high, keep_weight=cfg.keep_weight, kl_coef=cfg.kl_coef, entropy=out.entropy)
-            # Normalised by the step's global count, so micro-batching does not change the gradient.
-            denominator = total_tokens if cfg.aggregation == "token" else len(trainable)
-            aggregate_loss(token_loss, out.mask.float(), cfg.aggregation, denominator=denominator).backward()
-            n = int(out.mask.sum())
-            for key in ("masked_fraction", "logp_abs_diff", "clip_fraction", "entropy"):
-                sums[key] = sums.get(key, 0.0) + float(metrics[key]) * n
-            mismatch_max = max(mismatch_max, float(((out.log_probs.detach() - rollout).abs() * out.mask).max()))
-        self.optimizer.step()
-        return sums, total_tokens, mismatch_max
-
     def sync_weights(self) -> None:
-        """Hand the new weights to the engine (copied in place; the engine bumps its policy version)."""
+        """Hand the new weights to the engine (copied in place; the engine bumps its weight version)."""
         self.engine.update_weights(self.model.state_dict())
 
     @torch.no_grad()
@@ -171,7 +137,7 @@ class RLTrainer:
         evaluation draws the same uniforms) and the greedy answer's."""
         n = self.cfg.eval_samples
         prompts = [p for p in self.eval_prompts for _ in range(n)]
-        sampled = self.engine.generate([p.ids for p in prompts], self.sampling(seed=self.cfg.seed + 7_919))
+        sampled = self.engine.generate([p.ids for p in prompts], self.sampling(seed=self.recipe.train.seed + 7_919))
         greedy = self.engine.generate([p.ids for p in self.eval_prompts], self.sampling(greedy=True))
 
         def mean_reward(prompts, results):
@@ -179,29 +145,23 @@ class RLTrainer:
 
         return {"eval_reward": mean_reward(prompts, sampled), "eval_greedy": mean_reward(self.eval_prompts, greedy)}
 
-    def set_lr(self) -> float:
-        lr = rl_lr(self.iteration, self.cfg)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        return lr
-
     # ------------------------------------------------------------ state
     def save_checkpoint(self) -> None:
-        state = {"step": self.iteration, "task": self.task.state_dict(), "torch_rng": torch.get_rng_state().tolist(),
-                 "policy_version": self.engine.policy_version}
-        self.checkpointer.save(self.iteration, self.model, [self.optimizer], state)
+        self.trainer.save_checkpoint({"iteration": self.iteration, "task": self.task.state_dict(),
+                                      "policy_version": self.engine.policy_version,
+                                      "buffer": self.buffer.state_dict(), "reward_stats": self.reward.stats.as_dict()})
 
     def resume(self) -> bool:
-        path = self.checkpointer.latest_good()
-        if path is None:
+        state = self.trainer.resume()
+        if state is None:
             return False
-        state = self.checkpointer.load(path, self.model, [self.optimizer])
-        self.iteration = state["step"]
+        self.iteration = state["iteration"]
         self.task.load_state_dict(state["task"])
-        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+        self.buffer.load_state_dict(state["buffer"])
+        self.reward.stats.load(state["reward_stats"])
         self.sync_weights()
         self.engine.policy_version = state["policy_version"]
-        self.log(f"resumed RL from {path} at iteration {self.iteration}")
+        self.log(f"resumed RL at iteration {self.iteration}")
         return True
 
     # ------------------------------------------------------------ the loop
@@ -214,15 +174,14 @@ class RLTrainer:
             metrics.log(0, **start)
             self.log(f"iteration 0: held-out reward {start['eval_reward']:.3f} (greedy {start['eval_greedy']:.3f})")
         bar = None
-        if cfg.progress:
+        if self.recipe.train.progress:
             from tqdm import tqdm
 
             bar = tqdm(total=cfg.iterations, initial=self.iteration, desc="rl", unit="it")
         while self.iteration < cfg.iterations:
             start = time.perf_counter()
-            lr = self.set_lr()
             groups, stats = self.collect_groups()
-            stats.update(lr=lr, **self.train_on(groups))
+            stats.update(self.train_on(groups))
             self.sync_weights()
             self.iteration += 1
             stats["policy_version"] = self.engine.policy_version
@@ -236,11 +195,12 @@ class RLTrainer:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(reward=f"{stats['reward_mean']:.2f}", eval=stats.get("eval_reward", ""))
-            if cfg.checkpoint_interval and self.iteration % cfg.checkpoint_interval == 0:
+            interval = self.recipe.train.checkpoint_interval
+            if interval and self.iteration % interval == 0:
                 self.save_checkpoint()
         if bar is not None:
             bar.close()
-        if not self.checkpointer.has(self.iteration):
+        if not self.trainer.checkpointer.has(self.trainer.step):
             self.save_checkpoint()
         metrics.close()
         save_weights_dir(self.model, self.run_dir / "final")

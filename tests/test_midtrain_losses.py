@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from orthon.midtrain.losses import (attention_distribution, chunked_cross_entropy, indexer_kl, token_nll,
+from orthon.pretrain.loss import chunked_cross_entropy
+from orthon.midtrain.losses import (attention_distribution, indexer_kl, token_nll,
                                     topk_recall)
 
 

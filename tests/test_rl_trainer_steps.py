@@ -7,8 +7,13 @@ from orthon.data.tokenizer import load_tokenizer
 from orthon.rl.config import BufferConfig
 from orthon.rl.logprobs import sequence_log_probs
 from orthon.rl.sample import Sample, SampleStatus
+from orthon.core.config import build
+from orthon.optim import lr_at
+from orthon.optim.config import ScheduleConfig
+from orthon.rl.recipe import RLRecipe
 from orthon.rl.train_config import RLConfig
 from orthon.rl.trainer import RLTrainer
+from orthon.pretrain.weights_dir import load_weights_dir
 from test_rl_loop import _pretrain_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -16,14 +21,19 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 G = 4
 
 
-def _trainer(tmp_path, name, **overrides):
+def _trainer(tmp_path, name, loss=None, **overrides):
     pre = _pretrain_dir(tmp_path / name)
-    cfg = RLConfig(run_dir=str(tmp_path / name / "rl"), lr=1e-3, progress=False, micro_batch_size=3,
-                   buffer=BufferConfig(num_repeat_per_sample=G, task_type="arithmetic"), **overrides)
+    model = load_weights_dir(pre / "final").config
+    recipe = build(RLRecipe, {
+        "train": {"run_dir": str(tmp_path / name / "rl"), "progress": False, "micro_batch_size": 3,
+                  "init_from": str(pre / "final")},
+        "schedule": {"peak_lr": 1e-3, "floor_lr": 1e-3},
+        "rl": {"buffer": {"num_repeat_per_sample": G, "task_type": "arithmetic"}, "loss": loss or {}, **overrides}})
+    recipe.model = model
     import yaml
 
     tokenizer = load_tokenizer(yaml.safe_load((pre / "config.yaml").read_text())["data"]["tokenizer"])
-    return RLTrainer(cfg, pre / "final", tokenizer, tmp_path / name / "rl")
+    return RLTrainer(recipe, tokenizer)
 
 
 def _groups(trainer, rewards, first_id=0):
@@ -40,7 +50,7 @@ def _groups(trainer, rewards, first_id=0):
 
 
 def _steps(trainer) -> int:
-    return max((int(s["step"]) for s in trainer.optimizer.state.values()), default=0)
+    return max((int(s["step"]) for opt in trainer.optimizer.optimizers for s in opt.state.values()), default=0)
 
 
 def test_updates_per_iteration_take_that_many_steps(tmp_path):
@@ -119,16 +129,17 @@ def test_nothing_to_learn_takes_no_step(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(before, trainer.model.parameters()))
 
 
-def test_lr_warmup_then_cosine_to_the_floor():
-    from orthon.rl.trainer import rl_lr
-
-    cfg = RLConfig(lr=1e-4, lr_warmup_iterations=10, iterations=250, lr_min_ratio=0.1)
-    # Warmup 1/10 .. 10/10 of lr over iterations 0..9, then the cosine from iteration 9 (lr) to 249 (floor):
-    # its midpoint, iteration 129, is halfway between lr and the floor.
+def test_lr_warmup_then_cosine_to_the_floor_by_steps():
+    """RL's schedule is the one schedule module counting optimizer steps: step s runs at the value for
+    s + 1, so the warmup reaches the peak on its last step and the decay ends on the run's last step."""
+    cfg = ScheduleConfig(peak_lr=1e-4, floor_lr=1e-5, warmup_steps=10, total_steps=250)
+    # Warmup 1/10 .. 10/10 of lr over steps 0..9, then the cosine from step 9 (lr) to 249 (floor):
+    # its midpoint, step 129, is halfway between lr and the floor.
     expected = {0: 1e-5, 4: 5e-5, 9: 1e-4, 129: 0.55e-4, 249: 1e-5}
-    assert {i: rl_lr(i, cfg) for i in expected} == pytest.approx(expected)
-    assert all(rl_lr(i, cfg) >= rl_lr(i + 1, cfg) for i in range(9, 249))  # monotone decay
-    constant = RLConfig(lr=1e-4, lr_warmup_iterations=10, iterations=250)
-    assert [rl_lr(i, constant) for i in (9, 100, 249)] == pytest.approx([1e-4] * 3)
-    assert rl_lr(0, RLConfig(lr=3e-5, iterations=5, lr_min_ratio=0.0)) == pytest.approx(3e-5)
-    assert rl_lr(4, RLConfig(lr=3e-5, iterations=5, lr_min_ratio=0.0)) == pytest.approx(0.0)
+    assert {i: lr_at(cfg, 0, i) for i in expected} == pytest.approx(expected)
+    assert all(lr_at(cfg, 0, i) >= lr_at(cfg, 0, i + 1) for i in range(9, 249))  # monotone decay
+    constant = ScheduleConfig(peak_lr=1e-4, floor_lr=1e-4, warmup_steps=10, total_steps=250)
+    assert [lr_at(constant, 0, i) for i in (9, 100, 249)] == pytest.approx([1e-4] * 3)
+    # The RL recipe fills total_steps from its iterations x updates per iteration.
+    recipe = build(RLRecipe, {"schedule": {"warmup_steps": 3}, "rl": {"iterations": 7, "updates_per_iteration": 2}})
+    assert recipe.schedule.total_steps == 14 and recipe.schedule.by_steps

@@ -71,6 +71,12 @@ class RewardStats:
                 "timeouts": self.timeouts, "invalid": self.invalid, "last_problem": self.last_problem,
             }
 
+    def load(self, counts: dict[str, Any]) -> None:
+        """Continue from ``as_dict()``'s counts (a resumed run)."""
+        with self._lock:
+            for key in ("calls", "passed", "errors", "timeouts", "invalid", "last_problem"):
+                setattr(self, key, counts[key])
+
     @property
     def failures(self) -> int:
         return self.errors + self.timeouts + self.invalid

@@ -1,0 +1,89 @@
+"""Step plug-ins: what one optimizer step of the Trainer computes.
+
+The Trainer owns everything around the loss (micro-batching under the data-parallel wrapper's
+no_sync, autocast, gradient clipping, the optimizer step, the MoE bias update, metrics); a step
+plug-in owns the loss:
+
+- ``begin(trainer, batch)``: once per optimizer step, before any micro-batch: phase switches, and the
+  step's global normalisers (collectives are allowed here: every rank calls it).
+- ``micro_batches(batch, size, device)``: the step's batch cut into micro-batches on the device.
+- ``loss(model, micro)``: (objective to backward, already divided by the step's global normaliser;
+  metric sums of this micro-batch). ``model`` is the data-parallel wrapper, so the forward goes
+  through it and DDP / FSDP2 reduce the gradients.
+- ``end(trainer, sums)``: the step's metrics from the sums (already added over micro-batches and ranks).
+- ``finish(trainer, records)``: at the end of ``fit``, on rank 0: plots of the plug-in's own metrics.
+- ``update_moe_bias``: False for a step that must leave the routers' balancing biases alone.
+
+NextTokenStep is pretraining's; mid-training adds the indexer KL (orthon.midtrain.steps) and RL the
+policy loss (orthon.rl.steps).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from orthon.core import distributed
+from orthon.pretrain.loss import IGNORE_INDEX
+
+
+class TrainStep:
+    """The plug-in interface, with the defaults a token-batch step uses."""
+
+    def begin(self, trainer, batch) -> None:
+        pass
+
+    update_moe_bias = True
+
+    def micro_batches(self, batch, size: int, device) -> list:
+        n = batch.input_ids.shape[0]
+        return [batch.slice(i, i + size).to(device) for i in range(0, n, size)]
+
+    def loss(self, model, micro) -> tuple[torch.Tensor, dict[str, float]]:
+        raise NotImplementedError
+
+    def end(self, trainer, sums: dict[str, float]) -> dict[str, float]:
+        return dict(sums)
+
+    def finish(self, trainer, records: list[dict]) -> None:
+        pass
+
+
+class NextTokenStep(TrainStep):
+    """The mean next-token cross-entropy over every counted target of the global batch.
+
+    Each rank divides its summed loss by the global count and multiplies by the world size, because
+    DDP / FSDP2 average gradients over ranks: the result is the gradient of the global mean.
+    ``loss_chunk`` > 0 runs the chunked cross-entropy (no full logits)."""
+
+    def __init__(self, loss_chunk: int = 0, document_mask: bool = True, track_max_logit: bool = False):
+        self.loss_chunk, self.document_mask, self.track_max_logit = loss_chunk, document_mask, track_max_logit
+        self.count = 1.0
+        self.world = 1
+        self.max_logit = -math.inf
+
+    def begin(self, trainer, batch) -> None:
+        local = (batch.labels != IGNORE_INDEX).sum().to(trainer.device).float()
+        self.count = float(distributed.all_reduce_sum(local))
+        self.world = trainer.world
+        self.max_logit = -math.inf
+
+    def lm_loss(self, model, micro) -> torch.Tensor:
+        """Summed LM loss of a micro-batch through ``model`` (the wrapper)."""
+        docs = micro.doc_ids if self.document_mask else None
+        out = model(micro.input_ids, labels=micro.labels, doc_ids=docs, return_logits=False,
+                    loss_reduction="sum", loss_chunk=self.loss_chunk)
+        return out.loss
+
+    def loss(self, model, micro):
+        lm = self.lm_loss(model, micro)
+        if self.track_max_logit:
+            inner = getattr(model, "module", model)
+            self.max_logit = max(self.max_logit, inner.max_attention_logit() or -math.inf)
+        return lm * (self.world / self.count), {"loss": float(lm.detach())}
+
+    def end(self, trainer, sums):
+        metrics = {"loss": sums["loss"] / self.count}
+        if self.track_max_logit and math.isfinite(self.max_logit):
+            metrics["max_attn_logit"] = self.max_logit
+        return metrics

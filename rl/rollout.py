@@ -1,0 +1,40 @@
+"""Rollout plug-ins: how a batch of prompts becomes scored Samples.
+
+``rl.rollout`` names the function by dotted path (as slime's ``--rollout-function-path``), so a
+multi-turn, tool-using rollout plugs in without editing the loop. A rollout function takes the
+RolloutContext and the prompts (each to be sampled ``group_size`` times) and returns every Sample,
+finished and scored; it talks to the engine only through the Engine protocol (``generate``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from orthon.rl.sample import Sample, SampleStatus
+
+
+@dataclass
+class RolloutContext:
+    engine: object  # an orthon Engine: generate(prompts, sampling) -> results
+    tokenizer: object
+    reward: Callable[[str, str], float]  # (response text, label) -> 0 or 1
+    sampling: object  # the SamplingParams of this round (its seed makes the round reproducible)
+    group_size: int
+
+
+def single_turn(ctx: RolloutContext, prompts) -> list[Sample]:
+    """One generation per sample: G samples of each prompt, each scored by the binary reward. The whole
+    response is the model's, so the loss mask is all ones; a request the engine rejected is FAILED
+    with reward 0 (counted by the buffer, never trained on)."""
+    requests = [p for p in prompts for _ in range(ctx.group_size)]
+    results = ctx.engine.generate([p.ids for p in requests], ctx.sampling)
+    samples = []
+    for prompt, result in zip(requests, results):
+        failed = result.status == SampleStatus.FAILED
+        reward = 0.0 if failed else ctx.reward(ctx.tokenizer.decode(result.tokens), prompt.label)
+        samples.append(Sample(instance_id=prompt.instance_id, tokens=prompt.ids + result.tokens,
+                              response_length=len(result.tokens), loss_mask=[1] * len(result.tokens),
+                              rollout_log_probs=result.log_probs, reward=reward,
+                              policy_version=result.policy_version, status=result.status,
+                              metadata={"label": prompt.label}))
+    return samples

@@ -1,0 +1,78 @@
+"""RL's step plug-in for the one Trainer: the IcePop policy loss over a batch of scored samples.
+
+A batch is a list of (Sample, advantage). Only tokens whose ``loss_mask`` is 1 are trained: a masked
+token (a tool observation, say) gets no gradient and does not count in the normaliser. The step's
+normaliser (trained tokens, or trained sequences) is global: counted over every micro-batch and rank
+before the first backward, so micro-batching and data parallelism leave the gradient unchanged.
+With ``kl_coef`` > 0 the loss adds the per-token KL to a frozen reference model.
+"""
+from __future__ import annotations
+
+import torch
+
+from orthon.core import distributed
+from orthon.pretrain.steps import TrainStep
+from orthon.rl.logprobs import sample_log_probs
+from orthon.rl.loss import aggregate_loss, icepop_token_loss
+
+METRICS = ("masked_fraction", "logp_abs_diff", "clip_fraction", "entropy")
+
+
+def response_tensors(samples, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rollout log-probs, loss mask), each (B, width) fp32, zero past each response."""
+    rollout = torch.zeros(len(samples), width)
+    mask = torch.zeros(len(samples), width)
+    for b, s in enumerate(samples):
+        n = s.response_length
+        rollout[b, :n] = s.rollout_log_probs
+        mask[b, :n] = torch.as_tensor(s.loss_mask[:n], dtype=torch.float32)
+    return rollout, mask
+
+
+class PolicyStep(TrainStep):
+    update_moe_bias = False  # RL leaves the routers' balancing biases as pretraining left them
+
+    def __init__(self, loss_cfg, reference: torch.nn.Module | None = None):
+        if loss_cfg.kl_coef > 0 and reference is None:
+            raise ValueError("PolicyStep: kl_coef > 0 needs a reference model")
+        self.cfg, self.reference = loss_cfg, reference
+        self.denominator, self.world, self.mismatch_max = 1.0, 1, 0.0
+
+    def begin(self, trainer, batch) -> None:
+        samples = [s for s, _ in batch if s.response_length > 0]
+        local = (sum(sum(s.loss_mask) for s in samples) if self.cfg.aggregation == "token"
+                 else sum(1 for s in samples if any(s.loss_mask)))
+        self.denominator = max(float(distributed.all_reduce_sum(torch.tensor(float(local), device=trainer.device))), 1.0)
+        self.world, self.mismatch_max = trainer.world, 0.0
+
+    def micro_batches(self, batch, size: int, device) -> list:
+        trainable = [pair for pair in batch if pair[0].response_length > 0]
+        return [trainable[i : i + size] for i in range(0, len(trainable), size)]
+
+    def loss(self, model, micro):
+        samples = [s for s, _ in micro]
+        advantages = torch.tensor([float(a) for _, a in micro])
+        out = sample_log_probs(model, samples, with_entropy=True)
+        device = out.log_probs.device
+        rollout, mask = (t.to(device) for t in response_tensors(samples, out.mask.shape[1]))
+        reference = None
+        if self.cfg.kl_coef > 0:
+            with torch.no_grad():
+                reference = sample_log_probs(self.reference, samples).log_probs
+        token_loss, metrics = icepop_token_loss(
+            out.log_probs, rollout, advantages.to(device), mask, beta=self.cfg.icepop_beta, eps_low=self.cfg.eps_low,
+            eps_high=self.cfg.eps_high, keep_weight=self.cfg.keep_weight, kl_coef=self.cfg.kl_coef,
+            logp_ref=reference, entropy=out.entropy)
+        # DDP averages gradients over ranks: multiply back by the world size (the normaliser is global).
+        objective = aggregate_loss(token_loss, mask, self.cfg.aggregation, denominator=self.denominator) * self.world
+        n = float(mask.sum())
+        sums = {key: float(metrics[key]) * n for key in METRICS}
+        sums["trained_tokens"] = n
+        self.mismatch_max = max(self.mismatch_max, float(((out.log_probs.detach() - rollout).abs() * mask).max()))
+        return objective, sums
+
+    def end(self, trainer, sums):
+        n = max(sums.get("trained_tokens", 0.0), 1.0)
+        metrics = {key: sums[key] / n for key in METRICS if key in sums}
+        metrics.update(trained_tokens=sums.get("trained_tokens", 0.0), logp_mismatch_max=self.mismatch_max)
+        return metrics

@@ -1,0 +1,116 @@
+"""RL's step plug-in: loss masks (masked tokens get no gradient and leave the normaliser) and the KL to a
+frozen reference model, checked against hand computations."""
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from orthon.pretrain import GLMForCausalLM, ModelConfig
+from orthon.rl.config import LossConfig
+from orthon.rl.logprobs import sequence_log_probs
+from orthon.rl.loss import icepop_token_loss
+from orthon.rl.sample import Sample, SampleStatus
+from orthon.rl.steps import PolicyStep
+from pretrain_support import MODEL
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TRAINER = SimpleNamespace(device=torch.device("cpu"), world=1)
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return GLMForCausalLM(ModelConfig(**MODEL))
+
+
+def _sample(model, seed, mask, shift=0.1):
+    """A sample whose rollout log-probs are the model's own, moved by up to ``shift`` (rho within IcePop's band)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, 300, (5 + len(mask),), generator=g).tolist()
+    with torch.no_grad():
+        lp = sequence_log_probs(model, [tokens], [len(mask)]).log_probs[0]
+    rollout = (lp + shift * (2 * torch.rand(len(mask), generator=g) - 1)).clamp(max=0.0)
+    return Sample("p", tokens, response_length=len(mask), loss_mask=list(mask), rollout_log_probs=rollout,
+                  reward=1.0, status=SampleStatus.COMPLETED)
+
+
+def _step_grads(model, step, batch, micro_size):
+    model.zero_grad(set_to_none=True)
+    step.begin(TRAINER, batch)
+    total = 0.0
+    for micro in step.micro_batches(batch, micro_size, TRAINER.device):
+        objective, _ = step.loss(model, micro)
+        objective.backward()
+        total += float(objective.detach())
+    return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _hand_loss(model, batch, eps_low=0.2, eps_high=0.28):
+    """The IcePop + clip loss written out over the kept tokens only (masked tokens dropped), token mean."""
+    terms = []
+    for sample, adv in batch:
+        lp = sequence_log_probs(model, [sample.tokens], [sample.response_length]).log_probs[0]
+        keep = torch.tensor(sample.loss_mask, dtype=torch.bool)
+        rho = torch.exp(lp[keep] - sample.rollout_log_probs[keep])
+        terms.append(-torch.minimum(rho * adv, rho.clamp(1 - eps_low, 1 + eps_high) * adv))
+    return torch.cat(terms).sum() / sum(int(sum(s.loss_mask)) for s, _ in batch)
+
+
+def test_masked_tokens_get_the_gradient_of_tokens_dropped_from_the_loss():
+    model = _model()
+    batch = [(_sample(model, 1, [1, 1, 0, 1, 0, 1, 1]), 1.3), (_sample(model, 2, [0, 1, 1, 1, 0]), -0.7)]
+    step = PolicyStep(LossConfig())
+    value, grads = _step_grads(model, step, batch, micro_size=1)  # one sample per micro-batch
+    model.zero_grad(set_to_none=True)
+    hand = _hand_loss(model, batch)
+    hand.backward()
+    assert value == pytest.approx(float(hand), rel=1e-6)
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-8, msg=name)
+    # The masks matter: the same samples with every token trained give another gradient.
+    ones = [(Sample(s.instance_id, s.tokens, s.response_length, [1] * s.response_length, s.rollout_log_probs,
+                    s.reward, status=s.status), a) for s, a in batch]
+    _, grads_ones = _step_grads(model, PolicyStep(LossConfig()), ones, micro_size=1)
+    assert not torch.allclose(grads_ones["lm_head.weight"], grads["lm_head.weight"], rtol=1e-3)
+
+
+def test_kl_to_the_reference_by_hand():
+    kl_coef = 0.25
+    model = _model()
+    reference = copy.deepcopy(model).requires_grad_(False)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    batch = [(_sample(model, 3, [1, 1, 1, 0, 1, 1]), 0.8)]
+    step = PolicyStep(LossConfig(kl_coef=kl_coef), reference=reference)
+    value, grads = _step_grads(model, step, batch, micro_size=4)
+    sample, adv = batch[0]
+    keep = torch.tensor(sample.loss_mask, dtype=torch.bool)
+    model.zero_grad(set_to_none=True)
+    lp = sequence_log_probs(model, [sample.tokens], [sample.response_length]).log_probs[0]
+    with torch.no_grad():
+        ref = sequence_log_probs(reference, [sample.tokens], [sample.response_length]).log_probs[0]
+    d = ref - lp
+    kl = torch.exp(d) - d - 1.0  # the k3 estimator of KL(pi_train || pi_ref), per token
+    assert (kl[keep] > 0).all()
+    hand = _hand_loss(model, batch) + kl_coef * kl[keep].sum() / int(keep.sum())
+    hand.backward()
+    assert value == pytest.approx(float(hand), rel=1e-6)
+    torch.testing.assert_close(grads["lm_head.weight"], model.lm_head.weight.grad, rtol=1e-5, atol=1e-8)
+
+
+def test_kl_gradient_per_token_by_hand():
+    """d loss / d logp_t of the KL term is kl_coef * (1 - exp(logp_ref - logp_t)) / n on trained tokens."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5, -3.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0, -0.5, -2.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    token_loss, _ = icepop_token_loss(logp, logp.detach(), torch.zeros(1), mask, kl_coef=0.5, logp_ref=ref)
+    (token_loss.sum() / mask.sum()).backward()
+    expected = 0.5 * (1 - torch.exp(ref - logp.detach())) * mask / 3
+    torch.testing.assert_close(logp.grad, expected)
+
+
+def test_kl_needs_a_reference():
+    with pytest.raises(ValueError, match="reference"):
+        PolicyStep(LossConfig(kl_coef=0.1))
