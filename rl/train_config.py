@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from orthon.core.errors import ConfigError
 from orthon.rl.config import BufferConfig, LossConfig, RewardConfig
-from orthon.rl.engine import EngineConfig
+from orthon.engine.in_process import EngineConfig
 
 
 @dataclass

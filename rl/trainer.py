@@ -17,12 +17,12 @@ from orthon.pretrain.checkpoint import Checkpointer
 from orthon.core.metrics import MetricsLogger, plot_curves, read_metrics
 from orthon.pretrain.weights_dir import load_weights_dir, save_weights_dir
 from orthon.rl.buffer import DataBuffer
-from orthon.rl.engine import InProcessEngine
+from orthon.engine.in_process import InProcessEngine
 from orthon.rl.logprobs import sample_log_probs
 from orthon.rl.loss import aggregate_loss, grpo_advantages, icepop_token_loss
 from orthon.rl.rewards.registry import SafeReward
 from orthon.rl.sample import Sample, SampleStatus
-from orthon.rl.sampling import SamplingParams
+from orthon.engine.sampling import SamplingParams
 from orthon.rl.train_config import RLConfig
 
 
