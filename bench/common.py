@@ -31,7 +31,7 @@ def tiny_pair(overrides=()):
     from transformers import GlmMoeDsaForCausalLM
 
     from orthon.pretrain.hf_io import save_hf
-from orthon.pretrain.recipe import load_recipe
+    from orthon.pretrain.recipe import load_recipe
     from orthon.pretrain.model import GLMForCausalLM
 
     root = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ exactly 128 new tokens (no stop token), greedy on both by default or the same te
 with --sample. Generated tokens per second at batch 1, 8 and 64, in one run; the two run in turn
 and each keeps its fastest repeat (the machine is shared). orthon's time includes what the engine
 does beyond generate(): the fp32 log-prob of every token. The engine decodes through its fused,
-pre-packed decode weights (orthon.pretrain.decode; built in the warm-up, as after every weight update,
+pre-packed decode weights (orthon.engine.fused_decode; built in the warm-up, as after every weight update,
 about 20 ms for this model).
 
 One thread by default: on this shared 2-core machine, two OpenMP threads make both sides' times
@@ -31,8 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import report, tiny_pair  # noqa: E402
 
-from orthon.rl.engine import EngineConfig, InProcessEngine  # noqa: E402
-from orthon.rl.sampling import SamplingParams  # noqa: E402
+from orthon.engine.in_process import EngineConfig, InProcessEngine  # noqa: E402
+from orthon.engine.sampling import SamplingParams  # noqa: E402
 
 
 

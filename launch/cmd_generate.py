@@ -1,5 +1,8 @@
-"""`orthon generate RUN_DIR --prompt "def "`: sample text from a run's final model."""
+"""`orthon generate RUN_DIR --prompt "def "`: sample text from a run's final model, through the
+in-process engine (orthon.engine), the same generation path as RL rollouts and the passkey eval."""
 from __future__ import annotations
+
+from pathlib import Path
 
 
 def register(parser, name):
@@ -7,12 +10,47 @@ def register(parser, name):
     parser.add_argument("--prompt", default="def ")
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=40)
+    parser.add_argument("--top-k", type=int, default=40, help="0 = off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     parser.add_argument("--seed", type=int, default=0)
 
 
-def run(args, name):
-    from orthon.pretrain.generate import sample_text
+def sample_text(run_dir, prompt: str, max_new_tokens: int = 100, temperature: float = 0.8, top_k: int = 40,
+                top_p: float = 1.0, seed: int = 0) -> str:
+    """The prompt and its continuation by the run's final model (RUN_DIR/final, the tokenizer its
+    config.yaml names), ending at the tokenizer's end-of-sequence token or after max_new_tokens."""
+    from orthon.core.errors import ConfigError
+    from orthon.data.tokenizer import load_tokenizer
+    from orthon.engine.in_process import InProcessEngine
+    from orthon.engine.sampling import SamplingParams
+    from orthon.pretrain.recipe import load_recipe
+    from orthon.pretrain.weights_dir import load_weights_dir
 
-    print(sample_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir}: the run directory does not exist")
+    for need in ("config.yaml", "final"):
+        if not (run_dir / need).exists():
+            raise FileNotFoundError(f"{run_dir}: not a finished run directory (no {need})")
+    recipe = load_recipe(run_dir / "config.yaml")
+    if not recipe.data.tokenizer:
+        raise ConfigError(f"{run_dir / 'config.yaml'}: data.tokenizer: the run names no tokenizer")
+    tokenizer = load_tokenizer(recipe.data.tokenizer)
+    eos = tokenizer.eos_id
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            stop_token_ids=() if eos is None else (eos,), seed=seed)
+    result = InProcessEngine(load_weights_dir(run_dir / "final")).generate([tokenizer.encode(prompt)], params)[0]
+    if not result.ok:
+        raise ValueError(result.error)
+    tokens = result.tokens[:-1] if result.finish_reason == "stop" else result.tokens  # the eos is not text
+    return prompt + tokenizer.decode(tokens)
+
+
+def run(args, name):
+    try:
+        text = sample_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                           args.seed)
+    except (FileNotFoundError, ValueError) as exc:  # ConfigError (a ValueError) included
+        raise SystemExit(f"orthon {name}: {exc}") from None
+    print(text)
     return 0

@@ -58,7 +58,7 @@ def run(args, name):
               f"held-out loss {result['final_eval_loss'] if result['final_eval_loss'] is not None else float('nan'):.4f}, "
               f"{time.perf_counter() - start:.0f}s; run directory {run_dir}")
         if args.sample and recipe.data.tokenizer:
-            from orthon.pretrain.generate import sample_text
+            from orthon.launch.cmd_generate import sample_text
 
             text = sample_text(run_dir, args.sample, max_new_tokens=120, temperature=0.8, seed=0)
             print(f"--- sample ({args.sample!r}) ---\n{text}\n---")

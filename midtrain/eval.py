@@ -3,7 +3,9 @@
 Passkey: a prompt of exactly L tokens of real held-out text (the haystack) with a needle
 ``PASSKEY = 71432`` inserted at a fraction d of it and, at the end, the needle's own prefix
 ``PASSKEY =`` (as the classic passkey task ends on "The pass key is"); the model's greedy continuation
-(KV-cached decode, as generation runs) is right when its first digits are the key. Prompts are generated on the fly from a seed, at any length and depth.
+(the prompts of a cell decoded together by the in-process engine, the path every generation takes)
+is right when its first digits are the key. Prompts are generated on the fly from a seed, at any
+length and depth.
 Beside exact match, the teacher-forced NLL of the answer per key digit: below ln 10 = 2.30 the model
 draws on the needle even where greedy decoding does not yet reproduce all five digits.
 
@@ -27,9 +29,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from orthon.core.metrics import save_figure
+from orthon.engine.in_process import InProcessEngine
+from orthon.engine.protocol import Engine
+from orthon.engine.sampling import SamplingParams
 from orthon.midtrain import heads
 from orthon.midtrain.config import LongEvalConfig
-from orthon.core.metrics import save_figure
 from orthon.midtrain.losses import IGNORE_INDEX, token_nll
 
 NEEDLE = "\nPASSKEY = {key}\n"
@@ -70,21 +75,15 @@ class Haystack:
         return [int(t) for t in store.read(start, start + n)]
 
 
-@torch.no_grad()
-def greedy_continuations(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy continuations of equal-length prompts, decoded together through the KV cache (the path
-    generation takes)."""
-    if len({len(p) for p in prompts}) != 1:
-        raise ValueError("greedy_continuations: prompts must have one length")
-    model.eval()
-    device = model.lm_head.weight.device
-    ids = torch.tensor(prompts, device=device)
-    cache = model.new_cache(ids.shape[0], ids.shape[1] + max_new_tokens)
-    out = []
-    for _ in range(max_new_tokens):
-        ids = model(ids, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
-        out.append(ids)
-    return torch.cat(out, dim=1).tolist()
+def greedy_continuations(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations of the prompts, ``max_new_tokens`` each (no stop token), decoded together
+    by the engine. A prompt the engine rejects (e.g. longer than its context) raises."""
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
+                                                      stop_token_ids=()))
+    for result in results:
+        if not result.ok:
+            raise ValueError(f"greedy_continuations: {result.error}")
+    return [result.tokens for result in results]
 
 
 def needle_answer(needle: Sequence[int], question: Sequence[int]) -> tuple[int, list[int]]:
@@ -130,6 +129,7 @@ def passkey_scores(model, tokenizer, haystack: Haystack, cfg: LongEvalConfig, lo
     """({length: {depth: accuracy}}, {length: {depth: answer NLL per key digit}}) over cfg.trials
     random keys per cell; accuracy is greedy exact match, the NLL is teacher-forced (answer_nll)."""
     question = tokenizer.encode(QUESTION)
+    engine = InProcessEngine(model)  # packs its decode weights once for every cell
     accuracy: dict[int, dict[float, float]] = {}
     per_digit: dict[int, dict[float, float]] = {}
     for length in cfg.lengths:
@@ -141,7 +141,7 @@ def passkey_scores(model, tokenizer, haystack: Haystack, cfg: LongEvalConfig, lo
                 keys.append("".join(rng.choice("0123456789") for _ in range(cfg.digits)))
                 needles.append(tokenizer.encode(NEEDLE.format(key=keys[-1])))
                 prompts.append(place_needle(haystack.window(length, rng), needles[-1], question, length, depth))
-            answers = greedy_continuations(model, prompts, cfg.digits + 2)
+            answers = greedy_continuations(engine, prompts, cfg.digits + 2)
             right = sum(answer_matches(tokenizer.decode(a), k) for a, k in zip(answers, keys))
             accuracy[length][depth] = right / cfg.trials
             nats = answer_nll(model, prompts, question, needles)

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from orthon.midtrain.indexer_fit import AttentionInputs, LayerInput, absorbed_queries
-from orthon.pretrain.attention import MLAttention, causal_mask
+from orthon.midtrain.indexer_fit import AttentionInputs, LayerInput
+from orthon.pretrain.attention import MLAttention, causal_mask, latent_scores
 
 ROWS_BUDGET_BYTES = 1 << 28  # fp32 probabilities per query chunk (256 MiB)
 
@@ -32,12 +32,12 @@ def attention_rows(attn: MLAttention, x: torch.Tensor, cos: torch.Tensor, sin: t
     """Yields (q0, rows): rows (B, H, C, q0 + C) are the dense causal attention probabilities (fp32) of
     queries q0 .. q0 + C - 1 of one MLA layer over the keys they see, for its input ``x`` (after
     input_layernorm); C is as large as ``budget_bytes`` allows for the longest chunk."""
-    q_abs, latent, _ = absorbed_queries(attn, x, cos, sin)
+    q_abs, latent, _ = attn.absorbed_queries(x, cos, sin)
     B, T, H, _ = q_abs.shape
     chunk = max(1, min(T, budget_bytes // (4 * B * H * T)))
     for q0 in range(0, T, chunk):
         q1 = min(T, q0 + chunk)
-        logits = torch.einsum("bthd,bsd->bhts", q_abs[:, q0:q1].float(), latent[:, :q1].float()) * attn.scale
+        logits = latent_scores(q_abs[:, q0:q1].float(), latent[:, :q1].float(), attn.scale).transpose(1, 2)
         visible = causal_mask(torch.arange(q0, q1, device=x.device), q1)
         yield q0, torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
 

@@ -3,7 +3,8 @@
 The model's forward does not return attention probabilities (its dense path is fused SDPA), so forward
 hooks on every MLAttention record the layer's input (and the top-k it used); the attention logits are
 then recomputed here in MLA's absorbed form (queries folded into the latent space, keys = the per-token
-latent), from the layer's own projections. The indexer runs on the *detached* layer input, so its KL
+latent), from the layer's own projections and the absorbed-attention functions of
+``orthon.pretrain.attention``. The indexer runs on the *detached* layer input, so its KL
 trains the indexer alone and never reaches the main model.
 
 Memory: everything goes query chunk by query chunk, each chunk checkpointed: phase 1 holds
@@ -19,7 +20,8 @@ import torch
 import torch.utils.checkpoint
 
 from orthon.midtrain.losses import attention_distribution, indexer_kl, topk_recall
-from orthon.pretrain.attention import MLAttention, causal_mask, document_mask, index_scores
+from orthon.pretrain.attention import (MLAttention, causal_mask, document_mask, gather_rows, index_scores,
+                                      latent_scores)
 from orthon.pretrain.topk import deterministic_topk
 
 _FORWARD = inspect.signature(MLAttention.forward)
@@ -89,22 +91,6 @@ class IndexerTerms:
 
 
 # ---------------------------------------------------------------- per-layer pieces
-def absorbed_queries(attn: MLAttention, x, cos, sin):
-    """(q_abs (B, T, H, R + rope), latent (B, T, R + rope), q_resid): the layer's attention in absorbed
-    form, q_abs . latent * attn.scale being its attention logits."""
-    q_resid, q_nope, q_rope, latent = attn._project(x, cos, sin)
-    w_uk = attn.kv_b_proj.weight.view(attn.n_heads, attn.nope + attn.v_dim, attn.rank)[:, : attn.nope]
-    q_lat = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)
-    return torch.cat([q_lat, q_rope], dim=-1), latent, q_resid
-
-
-def _gather(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """rows (B, S, D), idx (B, C, k) -> (B, C, k, D)."""
-    B, S, D = rows.shape
-    flat = idx + (torch.arange(B, device=idx.device) * S)[:, None, None]
-    return rows.reshape(B * S, D).index_select(0, flat.reshape(-1)).view(*idx.shape, D)
-
-
 def _visible(slots, num_keys, q_docs, k_docs):
     if k_docs is None:
         return causal_mask(slots, num_keys)[None]
@@ -115,7 +101,7 @@ def _dense_chunk(q_abs, latent, q_idx, w_idx, k_idx, visible, scale, idx_scale, 
     """Phase 1 on one query chunk: (KL sum, recall sum, oracle recall sum, queries counted for recall).
     The oracle is the mass on the target's own top-k: the best recall any k keys can reach."""
     with torch.no_grad():
-        logits = torch.einsum("bchd,bsd->bchs", q_abs, latent) * scale
+        logits = latent_scores(q_abs, latent, scale)
         target = attention_distribution(logits, visible)
     scores = index_scores(q_idx, w_idx, k_idx, idx_scale)
     kl = indexer_kl(target, scores, visible).sum()
@@ -133,9 +119,9 @@ def _dense_chunk(q_abs, latent, q_idx, w_idx, k_idx, visible, scale, idx_scale, 
 def _sparse_chunk(q_abs, latent, q_idx, w_idx, k_idx, idx, sel_visible, scale, idx_scale):
     """Phase 2 on one query chunk: KL over the selected keys."""
     with torch.no_grad():
-        logits = torch.einsum("bchd,bckd->bchk", q_abs, _gather(latent, idx)) * scale
+        logits = latent_scores(q_abs, gather_rows(latent, idx), scale)
         target = attention_distribution(logits, sel_visible)
-    picked = _gather(k_idx, idx)  # (B, C, k, d), differentiable in the indexer's key projection
+    picked = gather_rows(k_idx, idx)  # (B, C, k, d), differentiable in the indexer's key projection
     relu = torch.relu(torch.einsum("bcnd,bckd->bcnk", q_idx.float(), picked.float()) * idx_scale)
     scores = torch.einsum("bcn,bcnk->bck", w_idx.float(), relu)
     return indexer_kl(target, scores, sel_visible).sum()
@@ -146,7 +132,7 @@ def layer_terms(attn: MLAttention, rec: LayerInput, mode: str, chunk: int) -> In
     with recall); "sparse": KL over the keys the layer selected (phase 2)."""
     x = rec.x
     with torch.no_grad():
-        q_abs, latent, q_resid = absorbed_queries(attn, x, rec.cos, rec.sin)
+        q_abs, latent, q_resid = attn.absorbed_queries(x, rec.cos, rec.sin)
     q_idx, w_idx = attn.indexer.queries(x, q_resid, rec.cos, rec.sin)
     k_idx = attn.indexer.keys(x, rec.cos, rec.sin)
     B, T = x.shape[:2]

@@ -53,6 +53,69 @@ def document_mask(q_docs: torch.Tensor, k_docs: torch.Tensor, q_slots: torch.Ten
     return causal_mask(q_slots, k_docs.shape[1])[None] & (q_docs[:, :, None] == k_docs[:, None, :])
 
 
+# ---------------------------------------------------------------- absorbed (MQA) form
+# The one copy of MLA's absorbed math: the model's gathered sparse path, the fused decode step
+# (orthon.engine.fused_decode) and the indexer fit (orthon.midtrain.indexer_fit) all call these.
+def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x[..., h, :] @ w[h] for every head h: (..., H, n) x (H, n, m) -> (..., H, m).
+
+    With w = W_UK (W_KVB's key half, (H, nope, R)) it maps no-rope query halves into the latent space.
+    It is linear in x, so applied to a weight matrix's columns it folds W_UK into the query projection,
+    and applied to o_proj's per-head blocks with w = W_UV it folds the value half into o_proj."""
+    return torch.einsum("...hn,hnm->...hm", x, w)
+
+
+def absorbed_query(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """[W_UK[h]^T q_nope[h]; q_rope[h]] per head: (..., H, nope), (..., H, rope) -> (..., H, R + rope),
+    the query whose dot product with a token's latent [c_kv; k_rope] is MLA's q . k."""
+    return torch.cat([head_matmul(q_nope, w_uk), q_rope], dim=-1)
+
+
+def expand_values(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """W_KVB's value half applied after attention: (..., H, R) latent outputs -> (..., H, v_head_dim).
+    w_uv: (H, v, R)."""
+    return torch.einsum("...hr,hvr->...hv", o_lat, w_uv)
+
+
+def _row_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a (B, *M, X, Y) @ b per row: b (B, Y, Z) shared by the row's M groups (one bmm, b not copied) or
+    b (B, *M, Y, Z) of its own per group."""
+    if b.dim() == 3 and a.dim() > 3:
+        B, Y = a.shape[0], a.shape[-1]
+        return torch.bmm(a.reshape(B, -1, Y), b).view(*a.shape[:-1], b.shape[-1])
+    return torch.matmul(a, b)
+
+
+def latent_scores(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention logits q . k * scale of absorbed queries (``absorbed_query``) over latent keys
+    [c_kv; k_rope] (the no-rope part meets W_UK^T q_nope, the rope part the rotated q_rope).
+
+    q: (B, *M, H, D); keys: (B, S, D), every key of the row, or (B, *M, K, D), each query group's own
+    selected keys. Returns (B, *M, H, S or K)."""
+    return _row_matmul(q, keys.transpose(-1, -2)) * scale
+
+
+def latent_attention(q: torch.Tensor, keys: torch.Tensor, scale: float, rank: int,
+                     visible: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention of absorbed queries over latent keys, the values being the keys' first
+    ``rank`` numbers (c_kv): (B, *M, H, R) latent outputs, for ``expand_values`` (or a folded o_proj).
+
+    q, keys: as ``latent_scores``; visible: bool, broadcastable to the scores (B, *M, H, S or K); the
+    softmax runs in fp32."""
+    scores = latent_scores(q, keys, scale).float()
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return _row_matmul(torch.softmax(scores, dim=-1).to(q.dtype), keys[..., :rank])
+
+
+def gather_rows(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """rows (B, S, D), idx (B, *K) int positions < S -> (B, *K, D): each batch row's selected rows, by
+    one index_select on the buffer seen flat (a gather with an expanded index is ~10x slower)."""
+    B, S, D = rows.shape
+    flat = idx.reshape(B, -1) + (torch.arange(B, device=idx.device) * S)[:, None]
+    return rows.reshape(B * S, D).index_select(0, flat.reshape(-1)).view(*idx.shape, D)
+
+
 def absorbed_attention(
     q: torch.Tensor,
     latent: torch.Tensor,
@@ -60,46 +123,35 @@ def absorbed_attention(
     indices: torch.Tensor | None,
     scale: float,
     chunk: int,
+    rank: int,
     q_docs: torch.Tensor | None = None,
     k_docs: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention in the absorbed (MQA) form.
+    """Attention in the absorbed (MQA) form, in query chunks.
 
-    q: (B, T, H, D) queries already mapped into latent space ([W_UK^T q_nope; q_rope]);
-    latent: (B, S, D) per-token keys [c_kv; k_rope]; values are latent[..., :R] (R = D - rope),
-    taken by the caller as the first R numbers of the output; q_slots: (T,) key slot of each query
+    q: (B, T, H, D) absorbed queries (``absorbed_query``); latent: (B, S, D) per-token keys
+    [c_kv; k_rope], the values being latent[..., :rank]; q_slots: (T,) key slot of each query
     (causality); indices: (B, T, k) selected key slots or None for all causal keys; q_docs (B, T) and
     k_docs (B, S): document of each query and key, attention stays within a document (packed
     sequences; left padding is a document of its own).
-    Returns (B, T, H, D) attention-weighted latents (caller keeps [..., :R]).
+    Returns (B, T, H, rank) attention-weighted latents (``expand_values`` maps them to values).
     """
-    B, T, H, D = q.shape
     S = latent.shape[1]
     outputs = []
-    for start in range(0, T, chunk):
+    for start in range(0, q.shape[1], chunk):
         qc = q[:, start : start + chunk]
         slots = q_slots[start : start + chunk]
+        docs = None if k_docs is None else q_docs[:, start : start + chunk]
         if indices is None:
-            scores = torch.einsum("bchd,bsd->bchs", qc, latent) * scale
-            if k_docs is None:
-                visible = causal_mask(slots, S)[None, :, None, :]
-            else:
-                visible = document_mask(q_docs[:, start : start + chunk], k_docs, slots)[:, :, None, :]
-            probs = torch.softmax(scores.float().masked_fill(~visible, float("-inf")), dim=-1).to(q.dtype)
-            outputs.append(torch.einsum("bchs,bsd->bchd", probs, latent))
+            keys = latent
+            visible = causal_mask(slots, S)[None] if k_docs is None else document_mask(docs, k_docs, slots)
         else:
             idx = indices[:, start : start + chunk]  # (B, C, k)
-            C, K = idx.shape[1], idx.shape[2]
-            flat = idx + (torch.arange(B, device=idx.device) * S)[:, None, None]
-            picked = latent.reshape(B * S, D).index_select(0, flat.reshape(-1)).view(B, C, K, D)
-            scores = torch.einsum("bchd,bckd->bchk", qc, picked) * scale
+            keys = gather_rows(latent, idx)  # (B, C, k, D)
             visible = idx <= slots[None, :, None]
             if k_docs is not None:
-                picked_docs = k_docs.gather(1, idx.reshape(B, -1)).view(B, C, K)
-                visible = visible & (picked_docs == q_docs[:, start : start + chunk, None])
-            visible = visible[:, :, None, :]
-            probs = torch.softmax(scores.float().masked_fill(~visible, float("-inf")), dim=-1).to(q.dtype)
-            outputs.append(torch.einsum("bchk,bckd->bchd", probs, picked))
+                visible = visible & (k_docs.gather(1, idx.reshape(idx.shape[0], -1)).view_as(idx) == docs[..., None])
+        outputs.append(latent_attention(qc, keys, scale, rank, visible[:, :, None, :]))
     return torch.cat(outputs, dim=1)
 
 
@@ -184,7 +236,10 @@ class MLAttention(nn.Module):
         self.max_logit: torch.Tensor | None = None
 
     # -- the pieces
-    def _project(self, x, cos, sin):
+    def project(self, x, cos, sin):
+        """(q_resid, q_nope, q_rope, latent) of new tokens x (B, T, hidden): the normed q_a output, the
+        per-head query halves (B, T, H, nope) and (B, T, H, rope) (RoPE applied) and the per-token
+        latent [c_kv; k_rope] (B, T, R + rope) that the KV cache holds."""
         B, T, _ = x.shape
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(B, T, self.n_heads, self.nope + self.rope)
@@ -227,13 +282,22 @@ class MLAttention(nn.Module):
         )
         return out.transpose(1, 2)  # (B, T, H, v)
 
-    def _absorbed(self, q_nope, q_rope, latent, q_slots, indices, q_docs=None, k_docs=None):
+    def kv_b_halves(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK (H, nope, R), W_UV (H, v, R)): the key and value halves of kv_b_proj, per head (views)."""
         w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank)
-        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
-        q_lat = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)
-        q = torch.cat([q_lat, q_rope], dim=-1)
-        o = absorbed_attention(q, latent, q_slots, indices, self.scale, self.config.query_chunk, q_docs, k_docs)
-        return torch.einsum("bthr,hvr->bthv", o[..., : self.rank], w_uv)
+        return w[:, : self.nope], w[:, self.nope :]
+
+    def absorbed_queries(self, x, cos, sin):
+        """(q_abs (B, T, H, R + rope), latent (B, T, R + rope), q_resid) of new tokens x: the layer's
+        attention in absorbed form, ``latent_scores(q_abs, latent, self.scale)`` being its logits."""
+        q_resid, q_nope, q_rope, latent = self.project(x, cos, sin)
+        return absorbed_query(q_nope, q_rope, self.kv_b_halves()[0]), latent, q_resid
+
+    def _absorbed(self, q_nope, q_rope, latent, q_slots, indices, q_docs=None, k_docs=None):
+        w_uk, w_uv = self.kv_b_halves()
+        o = absorbed_attention(absorbed_query(q_nope, q_rope, w_uk), latent, q_slots, indices, self.scale,
+                               self.config.query_chunk, self.rank, q_docs, k_docs)
+        return expand_values(o, w_uv)
 
     # -- the layer
     def forward(self, x, cos, sin, q_slots, cache=None, prev_topk=None, want_index_scores=False, doc_ids=None):
@@ -241,7 +305,7 @@ class MLAttention(nn.Module):
         new token (packed sequences, left padding), attention stays inside documents. Returns
         (out, topk, index_scores)."""
         B, T, _ = x.shape
-        q_resid, q_nope, q_rope, latent = self._project(x, cos, sin)
+        q_resid, q_nope, q_rope, latent = self.project(x, cos, sin)
         index_keys = None
         if self.indexer is not None and self.config.sparse_attention:
             index_keys = self.indexer.keys(x, cos, sin)

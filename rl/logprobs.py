@@ -1,78 +1,12 @@
-"""Trainer-side log-probs of response tokens: the recompute that IcePop compares with the engine's.
+"""Trainer-side log-probs of Samples: the recompute that IcePop compares with the engine's.
 
-One full forward of orthon's model over prompt + response (right-padded batch, positions from 0),
-then ``gather_log_probs`` on the response positions only: the same model code and the same formula
-the in-process engine used when it sampled, so on the same weights the two agree to float32
-round-off. Gradients flow (this is the trainer's logp_train); wrap in torch.no_grad() for a
-no-gradient recompute (e.g. logp_old or a reference model).
+The model math is ``orthon.pretrain.logprobs.sequence_log_probs``, the same function the engine's
+"rescore" mode calls; this module only reads prompt + response out of ``orthon.rl.sample.Sample``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
-
-import torch
-
+from orthon.pretrain.logprobs import ResponseLogProbs, sequence_log_probs
 from orthon.pretrain.model import GLMForCausalLM
-from orthon.rl.loss import token_entropy
-from orthon.rl.sampling import gather_log_probs
-
-
-@dataclass
-class ResponseLogProbs:
-    log_probs: torch.Tensor  # (B, R) fp32, log pi(token) per response position; 0 past each response
-    mask: torch.Tensor  # (B, R) bool, True on the positions of a response token
-    entropy: torch.Tensor | None = None  # (B, R) fp32 entropy of the next-token distribution, when asked
-
-
-def response_positions(prompt_lengths: torch.Tensor, response_lengths: torch.Tensor):
-    """Where each response token is predicted from: (B, R) hidden-state index (prompt_length - 1 + j,
-    clamped into the sequence on padding) and the (B, R) mask of real response positions."""
-    R = int(response_lengths.max()) if response_lengths.numel() else 0
-    j = torch.arange(R, device=prompt_lengths.device)
-    mask = j[None] < response_lengths[:, None]
-    index = prompt_lengths[:, None] - 1 + j[None]
-    total = prompt_lengths + response_lengths
-    return torch.minimum(index, (total - 1)[:, None]).clamp(min=0), mask
-
-
-def sequence_log_probs(
-    model: GLMForCausalLM,
-    sequences: Sequence[Sequence[int]],
-    response_lengths: Sequence[int],
-    with_entropy: bool = False,
-    pad_id: int = 0,
-) -> ResponseLogProbs:
-    """Log-probs of the last ``response_lengths[b]`` tokens of each ``sequences[b]`` (prompt +
-    response token ids) under ``model``, batched with right padding. Every prompt must be non-empty
-    (the first response token is predicted from the last prompt token)."""
-    if len(sequences) != len(response_lengths):
-        raise ValueError(f"sequence_log_probs: {len(sequences)} sequences, {len(response_lengths)} response lengths")
-    device = next(model.parameters()).device
-    totals = torch.tensor([len(s) for s in sequences], dtype=torch.long)
-    responses = torch.tensor(list(response_lengths), dtype=torch.long)
-    for b, (total, n) in enumerate(zip(totals.tolist(), responses.tolist())):
-        if not 0 <= n < total:
-            raise ValueError(f"sequence_log_probs: sequence {b} has {total} tokens and response length {n}; "
-                             "a response needs a non-empty prompt before it")
-    B = len(sequences)
-    L = int(totals.max()) if B else 0
-    ids = torch.full((B, max(L, 1)), pad_id, dtype=torch.long)
-    for b, seq in enumerate(sequences):
-        ids[b, : len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
-    ids = ids.to(device)
-    index, mask = response_positions((totals - responses).to(device), responses.to(device))
-    R = mask.shape[1]
-    if R == 0:
-        empty = torch.zeros(B, 0, device=device)
-        return ResponseLogProbs(empty, mask, empty.clone() if with_entropy else None)
-    # Right padding never reaches a real position (causal attention), so no document ids are needed.
-    # Through forward (not hidden_states), so that a DDP / FSDP2 wrapper sees the call.
-    logits = model(ids, logits_at=index).logits
-    targets = ids.gather(1, torch.minimum(index + 1, (totals.to(device) - 1)[:, None]))
-    log_probs = gather_log_probs(logits, targets).masked_fill(~mask, 0.0)
-    entropy = token_entropy(logits).masked_fill(~mask, 0.0) if with_entropy else None
-    return ResponseLogProbs(log_probs, mask, entropy)
 
 
 def sample_log_probs(model: GLMForCausalLM, samples, with_entropy: bool = False) -> ResponseLogProbs:

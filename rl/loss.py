@@ -22,6 +22,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from orthon.pretrain.logprobs import token_entropy
+
 Tensor = torch.Tensor
 
 
@@ -57,12 +59,6 @@ def grpo_advantages(
     flat = std <= eps
     adv = torch.where(flat, torch.zeros_like(centered), centered / torch.where(flat, torch.ones_like(std), std))
     return adv.view(shape)
-
-
-def token_entropy(logits: Tensor) -> Tensor:
-    """Entropy of the next-token distribution at every position: [..., V] -> [...], in float32."""
-    logp = F.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
 
 
 def _per_token(advantages: Tensor, like: Tensor) -> Tensor:

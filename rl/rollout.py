@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from orthon.rl.sample import Sample, SampleStatus
+from orthon.rl.sample import Sample, SampleStatus, to_sample
 
 
 @dataclass
@@ -30,11 +30,8 @@ def single_turn(ctx: RolloutContext, prompts) -> list[Sample]:
     results = ctx.engine.generate([p.ids for p in requests], ctx.sampling)
     samples = []
     for prompt, result in zip(requests, results):
-        failed = result.status == SampleStatus.FAILED
-        reward = 0.0 if failed else ctx.reward(ctx.tokenizer.decode(result.tokens), prompt.label)
-        samples.append(Sample(instance_id=prompt.instance_id, tokens=prompt.ids + result.tokens,
-                              response_length=len(result.tokens), loss_mask=[1] * len(result.tokens),
-                              rollout_log_probs=result.log_probs, reward=reward,
-                              policy_version=result.policy_version, status=result.status,
-                              metadata={"label": prompt.label}))
+        sample = to_sample(result, Sample(prompt.instance_id, prompt.ids, metadata={"label": prompt.label}))
+        failed = sample.status is SampleStatus.FAILED
+        sample.reward = 0.0 if failed else ctx.reward(ctx.tokenizer.decode(result.tokens), prompt.label)
+        samples.append(sample)
     return samples

@@ -13,10 +13,13 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from orthon.engine.protocol import GenerationResult
 
 
 class SampleStatus(str, enum.Enum):
@@ -171,3 +174,22 @@ def sample_to_dict(sample: Sample) -> dict:
 
 def sample_from_dict(data: dict) -> Sample:
     return Sample(**data)
+
+
+# An engine's finish reason (orthon.engine.protocol.FinishReason) as a Sample status.
+FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "context": SampleStatus.TRUNCATED,
+                 "abort": SampleStatus.ABORTED, "rejected": SampleStatus.FAILED}
+
+
+def to_sample(result: "GenerationResult", sample: Sample) -> Sample:
+    """The finished copy of a pending Sample from the engine's result for its prompt: the response with
+    its rollout log-probs, the status of the finish reason and the weight version that sampled it; a
+    rejected request gives a FAILED sample whose metadata["error"] says why."""
+    if sample.tokens != list(result.prompt):
+        raise ValueError(f"sample {sample.instance_id!r}: its tokens are not this result's prompt")
+    status = FINISH_STATUS[result.finish_reason]
+    if status is SampleStatus.FAILED:
+        return Sample(instance_id=sample.instance_id, tokens=list(sample.tokens), session_id=sample.session_id,
+                      status=SampleStatus.FAILED, policy_version=result.weight_version,
+                      metadata={**sample.metadata, "error": result.error})
+    return sample.with_response(result.tokens, result.log_probs, status=status, policy_version=result.weight_version)

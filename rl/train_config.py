@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orthon.core.errors import ConfigError
-from orthon.rl.engine import EngineConfig
+from orthon.engine.in_process import EngineConfig
 from orthon.rl.config import BufferConfig, LossConfig, RewardConfig
 
 

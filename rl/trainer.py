@@ -17,16 +17,16 @@ from pathlib import Path
 import torch
 
 from orthon.core.metrics import MetricsLogger, plot_curves, read_metrics
+from orthon.engine.in_process import InProcessEngine
+from orthon.engine.sampling import SamplingParams
 from orthon.core.plugins import resolve
 from orthon.pretrain.trainer import Trainer
 from orthon.pretrain.weights_dir import load_weights_dir, save_weights_dir
 from orthon.rl.buffer import DataBuffer
-from orthon.rl.engine import InProcessEngine
 from orthon.rl.loss import grpo_advantages
 from orthon.rl.rewards.registry import SafeReward
 from orthon.rl.rollout import RolloutContext
-from orthon.rl.sample import Sample
-from orthon.rl.sampling import SamplingParams
+from orthon.rl.sample import Sample, SampleStatus
 from orthon.rl.steps import PolicyStep
 
 
@@ -72,7 +72,7 @@ class RLTrainer:
         samples = self.rollout_fn(ctx, prompts)
         for sample in samples:
             self.buffer.add(sample)
-        return {"rollout_failed": sum(1 for s in samples if s.status.value == "failed")}
+        return {"rollout_failed": sum(1 for s in samples if s.status is SampleStatus.FAILED)}
 
     def collect_groups(self) -> tuple[list[list[Sample]], dict]:
         """The iteration's ready groups and rollout statistics over everything sampled. With
@@ -148,7 +148,7 @@ class RLTrainer:
     # ------------------------------------------------------------ state
     def save_checkpoint(self) -> None:
         self.trainer.save_checkpoint({"iteration": self.iteration, "task": self.task.state_dict(),
-                                      "policy_version": self.engine.policy_version,
+                                      "weight_version": self.engine.weight_version,
                                       "buffer": self.buffer.state_dict(), "reward_stats": self.reward.stats.as_dict()})
 
     def resume(self) -> bool:
@@ -160,7 +160,7 @@ class RLTrainer:
         self.buffer.load_state_dict(state["buffer"])
         self.reward.stats.load(state["reward_stats"])
         self.sync_weights()
-        self.engine.policy_version = state["policy_version"]
+        self.engine.weight_version = state["weight_version"]
         self.log(f"resumed RL at iteration {self.iteration}")
         return True
 
@@ -184,7 +184,7 @@ class RLTrainer:
             stats.update(self.train_on(groups))
             self.sync_weights()
             self.iteration += 1
-            stats["policy_version"] = self.engine.policy_version
+            stats["policy_version"] = self.engine.weight_version
             stats.update({f"buffer_{k}": v for k, v in self.buffer.counters().as_dict().items()})
             stats.update({f"reward_{k}": v for k, v in self.reward.stats.as_dict().items()
                           if isinstance(v, (int, float))})

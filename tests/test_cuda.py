@@ -11,8 +11,8 @@ from hf_reference import randomize_router_bias, small_config
 from orthon.optim.newton_schulz import newton_schulz
 from orthon.pretrain import GLMForCausalLM
 from orthon.pretrain.moe import grouped_experts
-from orthon.rl.engine import InProcessEngine
-from orthon.rl.sampling import SamplingParams
+from orthon.engine.in_process import InProcessEngine
+from orthon.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -15,7 +15,7 @@ from orthon.pretrain.recipe import Recipe
 from orthon.midtrain.config import LongEvalConfig
 from orthon.midtrain.eval import (answer_matches, answer_nll, copy_nll, evaluate_run, greedy_continuations,
                                   needle_answer, place_needle, repeated_sequences, resolve_run)
-from orthon.pretrain.generate import generate_ids
+from orthon.engine.in_process import EngineConfig, InProcessEngine
 from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.weights_dir import save_weights_dir
 
@@ -68,11 +68,24 @@ def test_answer_nll_matches_direct_cross_entropy():
     assert got[0] != pytest.approx(got[2])
 
 
-def test_batched_greedy_equals_single_prompt_generation():
+def _greedy_by_full_forward(model, prompt, n):
+    """n greedy tokens, each from a full uncached forward over everything so far."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_batched_greedy_equals_single_prompt_full_forward():
+    torch.manual_seed(0)
     model = GLMForCausalLM(small_config("dsa", index_topk=8, initializer_range=0.2)).eval()
-    prompts = torch.randint(0, model.config.vocab_size, (3, 20)).tolist()
-    batched = greedy_continuations(model, prompts, 6)
-    assert batched == [generate_ids(model, p, 6, temperature=0.0) for p in prompts]
+    prompts = torch.randint(0, model.config.vocab_size, (3, 20)).tolist() + [list(range(40, 53))]  # mixed lengths
+    batched = greedy_continuations(InProcessEngine(model), prompts, 6)
+    assert batched == [_greedy_by_full_forward(model, p, 6) for p in prompts]
+    assert all(len(a) == 6 for a in batched) and len({tuple(a) for a in batched}) == 4
+    with pytest.raises(ValueError, match="20 tokens leave no room"):
+        greedy_continuations(InProcessEngine(model, EngineConfig(max_length=20)), prompts[:1], 6)
 
 
 @pytest.fixture(scope="module")

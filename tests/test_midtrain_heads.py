@@ -32,7 +32,7 @@ def test_chunked_rows_reproduce_the_layers_attention_output():
         chunks = list(attention_rows(attn, r.x, r.cos, r.sin, budget_bytes=5 * 768))
         assert [q0 for q0, _ in chunks] == [0, 5, 10, 15, 20]
         p = torch.cat([F.pad(rows, (0, 24 - rows.shape[-1])) for _, rows in chunks], dim=2)
-        _, q_nope, q_rope, latent = attn._project(r.x, r.cos, r.sin)
+        _, q_nope, q_rope, latent = attn.project(r.x, r.cos, r.sin)
         B, T, H, _ = q_nope.shape
         v = attn.kv_b_proj(latent[..., : attn.rank]).view(B, T, H, attn.nope + attn.v_dim)[..., attn.nope :]
         with torch.no_grad():

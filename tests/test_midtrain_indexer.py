@@ -23,7 +23,7 @@ def _record(model, ids, doc_ids=None):
 def _naive(attn, rec, k):
     """Expanded per-head attention over the full T x S matrix, KL and recall without chunks."""
     x, B, T = rec.x, rec.x.shape[0], rec.x.shape[1]
-    q_resid, q_nope, q_rope, latent = attn._project(x, rec.cos, rec.sin)
+    q_resid, q_nope, q_rope, latent = attn.project(x, rec.cos, rec.sin)
     kv = attn.kv_b_proj(latent[..., : attn.rank]).view(B, T, attn.n_heads, attn.nope + attn.v_dim)
     k_full = torch.cat([kv[..., : attn.nope], latent[..., None, attn.rank :].expand(B, T, attn.n_heads, attn.rope)], -1)
     q = torch.cat([q_nope, q_rope], -1)

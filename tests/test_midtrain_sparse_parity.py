@@ -23,7 +23,7 @@ def test_gathered_topk_equals_masked_dense_on_the_same_indices():
     cos, sin = rope_cos_sin(torch.arange(T), config.qk_rope_head_dim, config.rope_theta, x.dtype)
     slots = torch.arange(T)
     with torch.no_grad():
-        q_resid, q_nope, q_rope, latent = attn._project(x, cos, sin)
+        q_resid, q_nope, q_rope, latent = attn.project(x, cos, sin)
         topk, _ = attn._select(x, q_resid, cos, sin, attn.indexer.keys(x, cos, sin), slots, None, False)
         gathered = attn._absorbed(q_nope, q_rope, latent, slots, topk)
         masked = attn._expanded(q_nope, q_rope, latent, attention_mask(topk, slots, T))

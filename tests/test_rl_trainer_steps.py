@@ -5,7 +5,7 @@ import torch
 
 from orthon.data.tokenizer import load_tokenizer
 from orthon.rl.config import BufferConfig
-from orthon.rl.logprobs import sequence_log_probs
+from orthon.pretrain.logprobs import sequence_log_probs
 from orthon.rl.sample import Sample, SampleStatus
 from orthon.core.config import build
 from orthon.optim import lr_at

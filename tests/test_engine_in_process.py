@@ -1,5 +1,6 @@
-"""The in-process rollout engine: fp32 log-probs that the trainer's recompute reproduces, batched
-decoding equal to one prompt at a time, sampling controls, weight updates in place, bad input."""
+"""The in-process engine: fp32 log-probs that the trainer's recompute reproduces, batched decoding
+equal to one prompt at a time, sampling controls, weight updates in place, bad input, and RL's mapping
+of its results onto Samples (orthon.rl.sample.to_sample)."""
 import math
 
 import pytest
@@ -8,12 +9,11 @@ import torch
 from hf_reference import small_config
 from orthon.core.errors import ConfigError
 from orthon.pretrain import GLMForCausalLM
-from orthon.rl.engine import EngineConfig, InProcessEngine
-from orthon.rl.logprobs import sample_log_probs, sequence_log_probs
-from orthon.rl.sample import Sample, SampleStatus
-from orthon.rl.sampling import (
-    SamplingParams, filter_logits, gather_log_probs, inverse_cdf_sample, sample_step,
-)
+from orthon.engine.in_process import EngineConfig, InProcessEngine
+from orthon.engine.sampling import SamplingParams, filter_logits, inverse_cdf_sample, sample_step
+from orthon.pretrain.logprobs import gather_log_probs, sequence_log_probs
+from orthon.rl.logprobs import sample_log_probs
+from orthon.rl.sample import Sample, SampleStatus, to_sample
 
 LENGTHS = (3, 9, 14, 6)
 
@@ -47,7 +47,7 @@ def test_engine_log_probs_equal_trainer_recompute(case, overrides):
     prompts = _prompts()
     results = engine.generate(prompts, SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.95, seed=7, stop_token_ids=()))
     assert all(len(r.tokens) == 24 and r.log_probs.dtype == torch.float32 for r in results)
-    samples = [r.to_sample(Sample(f"p{i}", p)) for i, (r, p) in enumerate(zip(results, prompts))]
+    samples = [to_sample(r, Sample(f"p{i}", p)) for i, (r, p) in enumerate(zip(results, prompts))]
     with torch.no_grad():
         again = sample_log_probs(model, samples)
     for row, sample in enumerate(samples):
@@ -68,7 +68,7 @@ def test_rescored_log_probs_equal_the_trainer_recompute_exactly(case, overrides)
     results = engine.generate(prompts, SamplingParams(max_new_tokens=24, temperature=0.8, seed=7, stop_token_ids=()))
     decoded = InProcessEngine(model).generate(prompts, SamplingParams(max_new_tokens=24, temperature=0.8, seed=7,
                                                                       stop_token_ids=()))
-    samples = [r.to_sample(Sample(f"p{i}", p)) for i, (r, p) in enumerate(zip(results, prompts))]
+    samples = [to_sample(r, Sample(f"p{i}", p)) for i, (r, p) in enumerate(zip(results, prompts))]
     # The trainer scores in another order and batch (reversed, all at once; the engine ran waves of 4),
     # with gradients on.
     again = sample_log_probs(model, samples[::-1])
@@ -128,10 +128,10 @@ def test_stop_token_ends_its_row_and_is_kept_with_its_log_prob():
     for row, (a, b) in enumerate(zip(free, stopped)):
         if stop in a.tokens:
             end = a.tokens.index(stop) + 1
-            assert b.tokens == a.tokens[:end] and b.finish_reason == "stop" and b.status is SampleStatus.COMPLETED
+            assert b.tokens == a.tokens[:end] and b.finish_reason == "stop"
         else:
             end = 16
-            assert b.tokens == a.tokens and b.finish_reason == "length" and b.status is SampleStatus.TRUNCATED
+            assert b.tokens == a.tokens and b.finish_reason == "length"
         # Rows that left the batch early do not disturb the rest (KVCache.select).
         torch.testing.assert_close(b.log_probs, a.log_probs[:end], atol=1e-5, rtol=0)
     assert len(stopped[1].tokens) == first + 1 and stopped[1].tokens[-1] == stop
@@ -146,7 +146,7 @@ def test_default_stop_is_eos_and_immediate_stop_gives_one_token():
     model.config.eos_token_id = first
     result = engine.generate([prompt], SamplingParams(max_new_tokens=10, temperature=0.0))[0]
     assert result.tokens == [first] and result.finish_reason == "stop" and result.log_probs.shape == (1,)
-    sample = result.to_sample(Sample("a", prompt))
+    sample = to_sample(result, Sample("a", prompt))
     assert sample.response_length == 1 and sample.status is SampleStatus.COMPLETED
 
 
@@ -156,11 +156,12 @@ def test_max_new_tokens_and_context_limit():
     results = engine.generate(prompts, _greedy(8))
     assert len(results[0].tokens) == 8 and results[0].finish_reason == "length"
     assert len(results[1].tokens) == 5 and results[1].finish_reason == "context"
-    assert all(r.status is SampleStatus.TRUNCATED for r in results)
+    assert all(to_sample(r, Sample("s", p)).status is SampleStatus.TRUNCATED for r, p in zip(results, prompts))
     empty = engine.generate(prompts[:1], _greedy(0))[0]
-    assert empty.tokens == [] and empty.log_probs.numel() == 0 and empty.status is SampleStatus.TRUNCATED
-    sample = empty.to_sample(Sample("e", prompts[0]))
+    assert empty.tokens == [] and empty.log_probs.numel() == 0 and empty.finish_reason == "length"
+    sample = to_sample(empty, Sample("e", prompts[0]))
     assert sample.response_length == 0 and sample.rollout_log_probs.numel() == 0
+    assert sample.status is SampleStatus.TRUNCATED
 
 
 # ---------------------------------------------------------------- sampling
@@ -274,12 +275,13 @@ def test_update_weights_in_place_changes_outputs_and_bumps_version():
     other = GLMForCausalLM(model.config)
     other.reset_parameters(seed=123)
     version = engine.update_weights(other.state_dict())
-    assert version == 1 == engine.policy_version
+    assert version == 1 == engine.weight_version
     assert {name: p.data_ptr() for name, p in model.named_parameters()} == ptrs
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), other.parameters()))
     after = engine.generate(prompts, _greedy(10))
     assert [r.tokens for r in after] != [r.tokens for r in before]
-    assert all(r.policy_version == 1 for r in after)
+    assert all(r.weight_version == 1 for r in after)
+    assert all(to_sample(r, Sample("s", p)).policy_version == 1 for r, p in zip(after, prompts))
     # The new weights are the whole story: a fresh engine on `other` agrees.
     assert [r.tokens for r in InProcessEngine(other.eval()).generate(prompts, _greedy(10))] == [r.tokens for r in after]
     # Partial updates (buckets) as (name, tensor) pairs, explicit version.
@@ -298,7 +300,7 @@ def test_bad_weight_update_changes_nothing():
     with pytest.raises(KeyError, match="missing"):
         engine.update_weights({"lm_head.weight": good}, strict=True)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in snapshot.items())
-    assert engine.policy_version == 0
+    assert engine.weight_version == 0
 
 
 # ---------------------------------------------------------------- bad input
@@ -307,12 +309,13 @@ def test_bad_prompts_are_counted_and_reported_not_raised():
     good = _prompts((5,))[0]
     prompts = [list(range(2, 34)), [], [3, 4, 999], [5, -1], good, ["a", "b"]]
     results = engine.generate(prompts, _greedy(6))
-    assert [r.status for r in results] == [SampleStatus.FAILED] * 4 + [SampleStatus.TRUNCATED, SampleStatus.FAILED]
-    assert len(results[4].tokens) == 6 and all(r.tokens == [] and r.finish_reason == "rejected" for r in results[:4])
+    assert [r.finish_reason for r in results] == ["rejected"] * 4 + ["length", "rejected"]
+    assert [r.ok for r in results] == [False] * 4 + [True, False]
+    assert len(results[4].tokens) == 6 and all(r.tokens == [] for r in results[:4])
     assert results[4].tokens == engine.generate([good], _greedy(6))[0].tokens
     assert "32 tokens" in results[0].error and "empty" in results[1].error
     assert "999" in results[2].error and "-1" in results[3].error and "integers" in results[5].error
     assert engine.stats.rejected == {"prompt_too_long": 1, "empty_prompt": 1, "token_out_of_vocab": 2, "bad_token_type": 1}
-    failed = results[0].to_sample(Sample("x", prompts[0]))
+    failed = to_sample(results[0], Sample("x", prompts[0]))
     assert failed.status is SampleStatus.FAILED and failed.response_length == 0 and "32 tokens" in failed.metadata["error"]
     assert engine.stats.as_dict()["requests"] == 6 + 1

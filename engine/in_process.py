@@ -1,40 +1,44 @@
-"""The in-process rollout engine: batched, KV-cached generation on orthon's own model.
+"""The in-process engine: batched, KV-cached generation on orthon's own model (an ``Engine``).
 
-``InProcessEngine(model).generate(prompts, sampling)`` continues each prompt and returns, per prompt,
-the response tokens with the fp32 log-prob of every sampled token recorded at generation time
-("token in, token out": the trainer never re-derives pi_rollout). By default the log-prob is that of
-the unmodified policy (temperature 1, no top-k / top-p), the quantity the trainer recomputes with
-``orthon.rl.logprobs`` on the same code, so rho = 1 up to float32 round-off when the weights match.
+The one generation path of orthon: RL rollouts, ``orthon generate`` and the passkey evaluation all run
+through it. ``InProcessEngine(model).generate(prompts, sampling)`` continues each prompt and returns,
+per prompt, the response tokens with the fp32 log-prob of every sampled token recorded at generation
+time ("token in, token out": the trainer never re-derives pi_rollout). By default the log-prob is that
+of the unmodified policy (temperature 1, no top-k / top-p), the quantity the trainer recomputes with
+``orthon.pretrain.logprobs.sequence_log_probs`` on the same code, so rho = 1 up to float32 round-off
+when the weights match.
 
 How a batch runs: prompts are sorted by length and taken in waves of ``max_batch_size``; a wave is
 left-padded (pads are document -1 and RoPE positions are shifted, so each row sees only its own
 tokens), prefilled in one forward, then decoded one token per step through the absorbed-attention
-cache path. A row leaves the batch (``KVCache.select``) the step it finishes, so the cost follows
-the live rows. Bad requests (empty prompt, token id outside the vocabulary, prompt that leaves no
-room in the context) come back as FAILED results with the reason, counted in ``stats``; the rest of
-the batch runs.
+cache path (the fused runner of orthon.engine.fused_decode by default). A row leaves the batch
+(``KVCache.select``) the step it finishes, so the cost follows the live rows. Bad requests (empty
+prompt, token id outside the vocabulary, prompt that leaves no room in the context) come back as
+"rejected" results with the reason, counted in ``stats``; the rest of the batch runs.
 
-``update_weights`` copies new tensors into the existing parameters (same storage, no re-allocation:
-a colocated trainer or a delta sync can rely on the addresses) and bumps ``policy_version``.
+``update_weights`` copies new tensors (a state dict, a weights directory or file, a delta) into the
+existing parameters (same storage, no re-allocation: a colocated trainer or a delta sync can rely on
+the addresses) and changes ``weight_version``.
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Mapping, Sequence
+from pathlib import Path
+from typing import Literal, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from orthon.core.errors import ConfigError
-from orthon.pretrain.decode import DecodeWeights
+from orthon.core.errors import CheckpointError, ConfigError
+from orthon.engine.fused_decode import DecodeWeights
+from orthon.engine.protocol import GenerationResult, WeightDelta, WeightsSource
+from orthon.engine.sampling import SamplingParams, request_uniforms, sample_step, stop_table
+from orthon.pretrain.hf_io import check_state, experts_from_hf, load_hf_state
+from orthon.pretrain.logprobs import gather_log_probs, sequence_log_probs
 from orthon.pretrain.model import GLMForCausalLM
-from orthon.rl.logprobs import sequence_log_probs
-from orthon.rl.sample import Sample, SampleStatus
-from orthon.rl.sampling import SamplingParams, gather_log_probs, request_uniforms, sample_step, stop_table
-
-FinishReason = Literal["stop", "length", "context", "rejected"]
 
 
 @dataclass
@@ -46,10 +50,10 @@ class EngineConfig:
     # Where the recorded policy log-probs come from. "decode": the logits each token was sampled from
     # (cached decoding; equal to the trainer's recompute up to fp32 round-off, about 1e-5 at most on a
     # trained model). "rescore": one more forward of each finished wave through the trainer's own
-    # scoring function (orthon.rl.logprobs), which gives the same bits whatever the batch holds, so
+    # scoring function (orthon.pretrain.logprobs), which gives the same bits whatever the batch holds, so
     # rollout and trainer log-probs match exactly on the same weights. Costs one prefill per wave.
     logprobs: Literal["decode", "rescore"] = "decode"
-    # Decode steps through fused, pre-packed weights (orthon.pretrain.decode): the same function as the
+    # Decode steps through fused, pre-packed weights (orthon.engine.fused_decode): the same function as the
     # model's cached forward to float round-off, about 1.6x faster at batch 8 on a CPU. False: the
     # model's own forward (bit-compatible with the layer-by-layer code).
     fused_decode: bool = True
@@ -63,27 +67,10 @@ class EngineConfig:
             raise ConfigError(f"logprobs: must be 'decode' or 'rescore', got {self.logprobs!r}")
 
 
-@dataclass
-class GenerationResult:
-    prompt: list[int]
-    tokens: list[int]  # the response (ends with the stop token when finish_reason is "stop")
-    log_probs: torch.Tensor  # fp32, one per response token
-    status: SampleStatus  # COMPLETED (stop token), TRUNCATED (length / context), FAILED (rejected)
-    finish_reason: FinishReason
-    policy_version: int
-    seed: int | None = None
-    error: str | None = None
-
-    def to_sample(self, sample: Sample) -> Sample:
-        """The finished copy of a pending Sample of this prompt."""
-        if sample.tokens != self.prompt:
-            raise ValueError(f"sample {sample.instance_id!r}: its tokens are not this result's prompt")
-        if self.status is SampleStatus.FAILED:
-            failed = Sample(instance_id=sample.instance_id, tokens=list(sample.tokens), session_id=sample.session_id,
-                            status=SampleStatus.FAILED, policy_version=self.policy_version,
-                            metadata={**sample.metadata, "error": self.error})
-            return failed
-        return sample.with_response(self.tokens, self.log_probs, status=self.status, policy_version=self.policy_version)
+def _check_version(version) -> int:
+    if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
+        raise ValueError(f"weight version: must be an int >= 0, got {version!r}")
+    return int(version)
 
 
 @dataclass
@@ -110,12 +97,14 @@ class EngineStats:
 
 
 class InProcessEngine:
+    """The ``Engine`` on a GLMForCausalLM held in this process (``orthon.engine.protocol``)."""
+
     def __init__(self, model: GLMForCausalLM, config: EngineConfig | None = None):
         self.model = model
         self.config = config or EngineConfig()
         limit = model.config.max_position_embeddings
         self.max_length = min(limit, self.config.max_length) if self.config.max_length else limit
-        self.policy_version = 0
+        self.weight_version = 0
         self.stats = EngineStats()
         self._rng = torch.Generator().manual_seed(self.config.seed)
         self._fused: DecodeWeights | None = None  # built on first use, refreshed when the weights change
@@ -124,14 +113,27 @@ class InProcessEngine:
 
     # ------------------------------------------------------------ weights
     @torch.no_grad()
-    def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                       version: int | None = None, strict: bool = False) -> int:
-        """Copy named tensors (parameter / buffer names of the model's state_dict) into the model in
-        place. Every name and shape is checked before anything is copied, so a bad update changes
-        nothing. ``strict``: every tensor of the model must be given. Returns the new policy version
-        (``version`` if given, else the old one + 1)."""
-        items = list(weights.items() if isinstance(weights, Mapping) else weights)
+    def update_weights(self, weights: WeightsSource, version: int | None = None, strict: bool = False) -> int:
+        """Copy named tensors into the model's parameters and buffers in place (same storage).
+
+        ``weights``: a state dict (names of the model's state_dict), (name, tensor) pairs (a partial
+        update, e.g. one bucket), a path to a weights directory (HF layout, config.json + safetensors
+        shards as ``orthon.pretrain.hf_io.save_hf`` writes them, or orthon's own weights directory) or
+        to one .safetensors file, or a ``WeightDelta`` (its ``apply_to(current state dict)`` returns
+        the new tensors). Every name and shape is checked before anything is copied, so a bad update
+        changes nothing. ``strict``: every tensor of the model must be given (a path always must: it
+        is a whole checkpoint, tied lm_head weights excepted). Returns the new weight version:
+        ``version`` if given (taken as given), else the old one + 1."""
+        version = None if version is None else _check_version(version)
         targets = self.model.state_dict(keep_vars=True)
+        if isinstance(weights, (str, os.PathLike)):
+            items = list(self._read_weights(Path(weights)).items())
+        elif isinstance(weights, WeightDelta):
+            with self._lock:
+                produced = weights.apply_to({k: v.detach() for k, v in targets.items()})
+            items = list(produced.items() if isinstance(produced, Mapping) else produced)
+        else:
+            items = list(weights.items() if isinstance(weights, Mapping) else weights)
         for name, value in items:
             if name not in targets:
                 raise KeyError(f"update_weights: {name!r} is not a tensor of the model")
@@ -142,18 +144,46 @@ class InProcessEngine:
             missing = sorted(set(targets) - {name for name, _ in items})
             if missing:
                 raise KeyError(f"update_weights: strict update is missing {missing[:5]}{'...' if len(missing) > 5 else ''}")
-        if version is not None and (version < self.policy_version):
-            raise ValueError(f"update_weights: version {version} is older than the current {self.policy_version}")
         with self._lock:
             for name, value in items:
                 targets[name].data.copy_(value)
             self._fused = None  # .data writes bump no version counter: rebuild the fused weights
-            self.policy_version = self.policy_version + 1 if version is None else version
-        return self.policy_version
+            self.weight_version = self.weight_version + 1 if version is None else version
+        return self.weight_version
+
+    def _read_weights(self, path: Path) -> dict[str, torch.Tensor]:
+        """The tensors of a weights directory or .safetensors file in the model's names (experts
+        stacked), checked complete and of the model's shapes (``orthon.pretrain.hf_io.check_state``:
+        layers past num_hidden_layers, a multi-token-prediction layer, are dropped)."""
+        if path.is_dir():
+            state = load_hf_state(path)
+        elif path.is_file() and path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = experts_from_hf(load_file(str(path)))
+        elif path.exists():
+            raise CheckpointError(f"update_weights: {path} is neither a weights directory nor a .safetensors file")
+        else:
+            raise FileNotFoundError(f"update_weights: {path}: no such weights directory or file")
+        return check_state(self.model, state)
+
+    # ------------------------------------------------------------ state
+    def flush(self) -> None:
+        """Drop the packed decode weights (rebuilt on the next generate). The engine keeps no KV or
+        prefix cache between calls, so nothing else is held; results do not change."""
+        with self._lock:
+            self._fused = None
+
+    def health(self) -> dict:
+        weight = self.model.lm_head.weight
+        return {"ok": True, "engine": "in_process", "weight_version": self.weight_version,
+                "device": str(weight.device), "dtype": str(weight.dtype).replace("torch.", ""),
+                "max_length": self.max_length, "max_batch_size": self.config.max_batch_size,
+                "fused_decode": self._fused is not None, "stats": self.stats.as_dict()}
 
     # ------------------------------------------------------------ requests
     def _admit(self, index: int, prompt, params: SamplingParams) -> _Request | GenerationResult:
-        """A checked request, or the FAILED result saying why not (counted)."""
+        """A checked request, or the rejected result saying why not (counted)."""
         vocab = self.model.config.vocab_size
         try:
             raw = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
@@ -175,8 +205,8 @@ class InProcessEngine:
         if cause is not None:
             self.stats.rejected[cause] += 1
             return GenerationResult(prompt=ids if ok_types else [], tokens=[], log_probs=torch.zeros(0),
-                                    status=SampleStatus.FAILED, finish_reason="rejected",
-                                    policy_version=self.policy_version, seed=params.seed, error=message)
+                                    finish_reason="rejected", weight_version=self.weight_version, seed=params.seed,
+                                    error=message)
         stops = params.stop_token_ids
         if stops is None:
             eos = self.model.config.eos_token_id
@@ -211,8 +241,8 @@ class InProcessEngine:
                     results[i] = admitted
                 elif admitted.budget == 0:  # max_new_tokens = 0: nothing to run
                     self.stats.finished["length"] += 1
-                    results[i] = GenerationResult(admitted.prompt, [], torch.zeros(0), SampleStatus.TRUNCATED,
-                                                  "length", self.policy_version, admitted.seed)
+                    results[i] = GenerationResult(admitted.prompt, [], torch.zeros(0), "length", self.weight_version,
+                                                  admitted.seed)
                 else:
                     requests.append(admitted)
             self.stats.requests += len(prompts)
@@ -250,16 +280,12 @@ class InProcessEngine:
         results = []
         for row, request in enumerate(wave):
             n = int(produced[row])
-            if bool(stopped[row]):
-                reason, status = "stop", SampleStatus.COMPLETED
-            else:
-                reason = "context" if request.context_bound else "length"
-                status = SampleStatus.TRUNCATED
+            reason = "stop" if bool(stopped[row]) else "context" if request.context_bound else "length"
             self.stats.finished[reason] += 1
             self.stats.generated_tokens += n
             results.append(GenerationResult(
                 prompt=request.prompt, tokens=out_tokens[row, :n].tolist(), log_probs=out_logps[row, :n].cpu().clone(),
-                status=status, finish_reason=reason, policy_version=self.policy_version, seed=request.seed,
+                finish_reason=reason, weight_version=self.weight_version, seed=request.seed,
             ))
         return results
 

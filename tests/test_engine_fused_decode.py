@@ -4,7 +4,7 @@ import torch
 
 from hf_reference import randomize_router_bias, small_config
 from orthon.pretrain import GLMForCausalLM
-from orthon.pretrain.decode import DecodeWeights
+from orthon.engine.fused_decode import DecodeWeights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

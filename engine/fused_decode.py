@@ -1,5 +1,5 @@
-"""The one-token decode step with fused weights: the same function as ``GLMForCausalLM.hidden_states``
-on a cached single token, in far fewer and cheaper operations.
+"""The engine's model runner: the one-token decode step with fused weights, the same function as
+``GLMForCausalLM.hidden_states`` on a cached single token, in far fewer and cheaper operations.
 
 At decode batch sizes (a few rows) every matmul is a thin GEMM that streams its weights, and the
 step's time is that streaming plus the per-op overhead of a few hundred small ops. ``DecodeWeights``
@@ -14,7 +14,9 @@ folds, once per weight version, what a cached token multiplies by:
   only on the rows that chose them.
 
 Every matmul goes through ``PackedLinear`` (orthon.pretrain.thin_gemm), whose pre-packed weights
-stream at close to memory speed for the few rows of a decode step.
+stream at close to memory speed for the few rows of a decode step. The folds and the attention over
+the cached latents are the model's own absorbed-MLA functions (orthon.pretrain.attention:
+``head_matmul``, ``latent_attention``, ``gather_rows``), so the two paths share one copy of that math.
 
 The folded products sum in another order than the layer-by-layer forward, so logits agree to float
 round-off (about 1e-6 relative), not bit for bit; the engine's ``logprobs: rescore`` mode records the
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from orthon.pretrain.attention import MLAttention
+from orthon.pretrain.attention import MLAttention, gather_rows, head_matmul, latent_attention
 from orthon.pretrain.cache import KVCache
 from orthon.pretrain.layers import MLP, apply_rope, rope_cos_sin
 from orthon.pretrain.model import GLMForCausalLM
@@ -77,8 +79,7 @@ class DecodeWeights:
     @torch.no_grad()
     def refresh(self) -> None:
         c = self.model.config
-        H, nope, rope, rank, v = (c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank,
-                                  c.v_head_dim)
+        H, nope, rope, rank, v = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank, c.v_head_dim
         layers = []
         for block in self.model.model.layers:
             attn: MLAttention = block.self_attn
@@ -87,15 +88,15 @@ class DecodeWeights:
             if idx is not None:
                 ins += [idx.wk.weight, idx.weights_proj.weight]
             qb = attn.q_b_proj.weight.view(H, nope + rope, -1)
-            kvb = attn.kv_b_proj.weight.view(H, nope + v, rank)
-            w_uk, w_uv = kvb[:, :nope], kvb[:, nope:]
-            # q_lat[h] = W_UK[h]^T q_nope[h] = (W_UK[h]^T W_QB_nope[h]) q_resid
-            q_lat = torch.einsum("hnr,hnq->hrq", w_uk, qb[:, :nope]).reshape(H * rank, -1)
+            w_uk, w_uv = attn.kv_b_halves()
+            # q_lat[h] = W_UK[h]^T q_nope[h] = (W_UK[h]^T W_QB_nope[h]) q_resid: the absorbed query's
+            # map applied to each column of W_QB's no-rope half.
+            q_lat = head_matmul(qb[:, :nope].permute(2, 0, 1), w_uk).permute(1, 2, 0).reshape(H * rank, -1)
             qs = [q_lat, qb[:, nope:].reshape(H * rope, -1)]
             if idx is not None:
                 qs.append(idx.wq_b.weight)
-            # o_proj(W_UV[h] o_lat[h] for all h) = (W_O[:, h] W_UV[h]) o_lat[h]
-            w_out = torch.einsum("dhv,hvr->dhr", attn.o_proj.weight.view(-1, H, v), w_uv).reshape(-1, H * rank)
+            # o_proj(W_UV[h] o_lat[h] for all h) = sum_h (W_O[:, h] W_UV[h]) o_lat[h]
+            w_out = head_matmul(attn.o_proj.weight.view(-1, H, v), w_uv).reshape(-1, H * rank)
             mlp, experts = block.mlp, None
             if isinstance(mlp, MLP):
                 mlp_in = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
@@ -174,18 +175,10 @@ class DecodeWeights:
             if visible is not None:
                 scores = scores.masked_fill(~visible, float("-inf"))
             chosen = deterministic_topk(scores, c.index_topk)  # (B, k)
-        if sparse:
-            # One index_select on the whole cache buffer seen flat (no copy of the live prefix; a gather
-            # with an expanded index is ~10x slower).
-            buffer = cache.latent[i]
-            flat = chosen + (torch.arange(B, device=chosen.device) * buffer.shape[1])[:, None]
-            keys = buffer.view(-1, buffer.shape[-1]).index_select(0, flat.reshape(-1)).view(B, -1, buffer.shape[-1])
+        if sparse:  # the selected latents, read from the whole cache buffer (no copy of the live prefix)
+            keys = gather_rows(cache.latent[i], chosen)
             mask = None if visible is None else visible.gather(1, chosen)
-        scale = c.qk_head_dim**-0.5
-        att = torch.bmm(q, keys.transpose(1, 2)) * scale  # (B, H, S or k)
-        if mask is not None:
-            att = att.masked_fill(~mask[:, None], float("-inf"))
-        o = torch.bmm(torch.softmax(att.float(), dim=-1).to(q.dtype), keys[..., :rank])  # (B, H, rank)
+        o = latent_attention(q, keys, c.qk_head_dim**-0.5, rank, None if mask is None else mask[:, None])  # (B, H, rank)
         return layer.w_out(o.reshape(B, H * rank)), (chosen if sparse else None)
 
     @staticmethod

@@ -19,6 +19,7 @@ from typing import Literal, Sequence
 import torch
 
 from orthon.core.errors import ConfigError
+from orthon.pretrain.logprobs import gather_log_probs  # the formula the trainer's recompute uses too
 
 Tensor = torch.Tensor
 
@@ -66,16 +67,6 @@ class SamplingParams:
 
 
 # ---------------------------------------------------------------- pure functions
-def gather_log_probs(logits: Tensor, tokens: Tensor) -> Tensor:
-    """log softmax(logits)[token] in float32. logits: (..., V); tokens: (...) -> (...).
-
-    The one formula the engine (at generation) and the trainer (recompute) both use.
-    """
-    logits = logits.float()
-    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
-
-
 def apply_temperature(logits: Tensor, temperature: Tensor | float) -> Tensor:
     """logits / temperature per row (temperature (B,) or a number, all > 0); float32 out."""
     t = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
