@@ -34,7 +34,7 @@ def worker(variant: str, steps: int, batch: int, seq: int, weights: str) -> dict
 
     from orthon.pretrain.recipe import load_recipe
     from orthon.optim import build_for_model
-    from orthon.pretrain.hf_io import save_hf, from_hf
+    from orthon.pretrain.hf_io import from_hf
 
     torch.manual_seed(0)
     recipe = load_recipe(ROOT / "configs/tiny.yaml", [f"model.index_topk={seq}", "model.sparse_attention=true"])
@@ -85,8 +85,9 @@ def main():
         return
     import torch
 
-    from orthon.pretrain.recipe import load_recipe
+    from orthon.pretrain.hf_io import save_hf
     from orthon.pretrain.model import GLMForCausalLM
+    from orthon.pretrain.recipe import load_recipe
 
     config = load_recipe(ROOT / "configs/tiny.yaml", [f"model.index_topk={args.seq}"]).model
     torch.manual_seed(0)

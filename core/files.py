@@ -8,8 +8,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 TMP_SUFFIX = ".tmp"
@@ -33,6 +34,24 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """For a file another library writes (safetensors, matplotlib, a streamed jsonl): yields the
+    temporary name to write; renamed into place when the block ends, removed if it raises."""
+    path = Path(path)
+    tmp = tmp_path(path)
+    try:
+        yield tmp
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 

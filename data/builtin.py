@@ -35,7 +35,7 @@ from pathlib import Path
 
 from orthon.data.arithmetic import make_document
 from orthon.data.config import BuiltinConfig, DataConfig, PrepareConfig, ReadConfig, StoreSource
-from orthon.core.files import atomic_write_json, tmp_path
+from orthon.core.files import atomic_path, atomic_write_json
 from orthon.data.prepare import prepare
 from orthon.data.recall import make_mixed_recall_document
 from orthon.data.store import read_manifest
@@ -94,11 +94,9 @@ def _is_valid(key: str, fraction: float) -> bool:
 
 def _write_jsonl(path: Path, texts: list[str]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_path(path)
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for text in texts:
             f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
     return path
 
 

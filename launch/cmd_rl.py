@@ -15,6 +15,7 @@ def register(parser, name):
 
 
 def run(args, name):
+    from orthon.core.files import atomic_write_text
     from orthon.data.tokenizer import load_tokenizer
     from orthon.pretrain.recipe import load_recipe
     from orthon.pretrain.trainer import write_run_config
@@ -37,7 +38,7 @@ def run(args, name):
     recipe = replace(recipe, model=load_weights_dir(policy).config,
                      train=replace(recipe.train, init_from=str(policy)))
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "source.txt").write_text(str(source.resolve()) + "\n")
+    atomic_write_text(run_dir / "source.txt", str(source.resolve()) + "\n")
     write_run_config(run_dir, recipe)
     trainer = RLTrainer(recipe, load_tokenizer(pre.data.tokenizer))
     if args.resume and not trainer.resume():

@@ -29,6 +29,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from orthon.core.files import atomic_write_text
 from orthon.core.metrics import save_figure
 from orthon.engine.in_process import InProcessEngine
 from orthon.engine.protocol import Engine
@@ -342,9 +343,7 @@ def write_report(results: dict[str, dict], out_dir) -> str:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     table = format_table(results)
-    for name, text in (("eval.json", json.dumps(results, indent=1, default=str)), ("eval.txt", table + "\n")):
-        tmp = out_dir / (name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(out_dir / name)
+    atomic_write_text(out_dir / "eval.json", json.dumps(results, indent=1, default=str))
+    atomic_write_text(out_dir / "eval.txt", table + "\n")
     plot_report(results, out_dir / "eval.png")
     return table

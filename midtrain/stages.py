@@ -24,6 +24,7 @@ import yaml
 
 from orthon.core import config as config_io
 from orthon.core.errors import ConfigError
+from orthon.core.files import atomic_write_text
 from orthon.pretrain.recipe import Recipe, load_recipe
 from orthon.midtrain.config import MidtrainPlan
 from orthon.midtrain.optimizer import StageOptimizer, copy_training_state
@@ -136,9 +137,7 @@ def _clear_partial(directory: Path) -> None:
 
 def write_plan(run_dir: Path, plan: MidtrainPlan) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / (PLAN_NAME + ".tmp")
-    tmp.write_text(yaml.safe_dump(config_io.to_dict(plan), sort_keys=False))
-    tmp.replace(run_dir / PLAN_NAME)
+    atomic_write_text(run_dir / PLAN_NAME, yaml.safe_dump(config_io.to_dict(plan), sort_keys=False))
 
 
 def load_plan(path, overrides=()) -> MidtrainPlan:
@@ -193,9 +192,7 @@ def run_plan(plan: MidtrainPlan, log=print) -> list[dict]:
         trainer.step_fn.close()
         summary = {"stage": stage.name, "index": i, **{k: v for k, v in result.items() if not isinstance(v, torch.Tensor)}}
         if rank == 0:
-            tmp = done.with_suffix(".tmp")
-            tmp.write_text(json.dumps(summary))
-            tmp.replace(done)
+            atomic_write_text(done, json.dumps(summary))
         distributed.barrier()
         summaries.append(summary)
     return summaries

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
 from orthon.core.distributed import is_distributed
@@ -53,21 +51,3 @@ class _resync:
 
     def __exit__(self, *exc):
         self.model.set_requires_gradient_sync(True)
-
-
-def all_reduce_gradients(model: nn.Module) -> None:
-    """Sum every trainable parameter's gradient over the ranks, in one flat buffer per dtype: data
-    parallelism for a loop whose loss is not computed through a DDP wrapper (each rank divides its
-    loss by the global count, so the sum is the global mean). A missing gradient counts as zero."""
-    if not is_distributed():
-        return
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    for dtype in {p.grad.dtype for p in params}:
-        grads = [p.grad for p in params if p.grad.dtype == dtype]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(part.view_as(g))

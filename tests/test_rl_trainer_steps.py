@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from orthon.data.tokenizer import load_tokenizer
-from orthon.rl.config import BufferConfig
 from orthon.pretrain.logprobs import sequence_log_probs
 from orthon.rl.sample import Sample, SampleStatus
 from orthon.core.config import build
