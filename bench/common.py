@@ -32,12 +32,13 @@ def tiny_pair(overrides=()):
 
     from orthon.pretrain.hf_io import save_hf
     from orthon.pretrain.recipe import load_recipe
+    from orthon.pretrain.config import RuntimeOptions
     from orthon.pretrain.model import GLMForCausalLM
 
     root = Path(__file__).resolve().parents[1]
-    config = load_recipe(root / "configs/tiny.yaml", ["model.sparse_attention=true", *overrides]).model
+    config = load_recipe(root / "configs/tiny.yaml", list(overrides)).model
     torch.manual_seed(0)
-    ours = GLMForCausalLM(config)
+    ours = GLMForCausalLM(config, runtime=RuntimeOptions(sparse_attention=True))
     with tempfile.TemporaryDirectory() as d:
         save_hf(ours, d)
         theirs = GlmMoeDsaForCausalLM.from_pretrained(d, dtype=torch.float32)

@@ -72,13 +72,13 @@ class Meter:
 
 def _model(way: str, device):
     from orthon.pretrain.recipe import load_recipe
+    from orthon.pretrain.config import RuntimeOptions
     from orthon.pretrain.model import GLMForCausalLM
 
-    cfg = load_recipe(ROOT / "configs" / "tiny.yaml").model
-    cfg = cfg.replace(sparse_attention=way != "dense", sparse_impl="gather" if way == "gather" else "mask",
-                      max_position_embeddings=1 << 20, query_chunk=1024)
-    model = GLMForCausalLM(cfg).to(device)
-    model.checkpoint_layers = True
+    cfg = load_recipe(ROOT / "configs" / "tiny.yaml").model.replace(max_position_embeddings=1 << 20)
+    runtime = RuntimeOptions(sparse_attention=way != "dense", sparse_impl="gather" if way == "gather" else "mask",
+                             query_chunk=1024, activation_checkpointing=True)
+    model = GLMForCausalLM(cfg, runtime=runtime).to(device)
     model.train()
     return model
 

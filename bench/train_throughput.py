@@ -37,7 +37,7 @@ def worker(variant: str, steps: int, batch: int, seq: int, weights: str) -> dict
     from orthon.pretrain.hf_io import from_hf
 
     torch.manual_seed(0)
-    recipe = load_recipe(ROOT / "configs/tiny.yaml", [f"model.index_topk={seq}", "model.sparse_attention=true"])
+    recipe = load_recipe(ROOT / "configs/tiny.yaml", [f"model.index_topk={seq}", "runtime.sparse_attention=true"])
     ids = torch.randint(0, recipe.model.vocab_size, (batch, seq + 1))
     if variant == "hf_adamw":
         from transformers import GlmMoeDsaForCausalLM

@@ -83,7 +83,7 @@ class DecodeWeights:
         layers = []
         for block in self.model.model.layers:
             attn: MLAttention = block.self_attn
-            idx = attn.indexer if c.sparse_attention else None
+            idx = attn.indexer if self.model.runtime.sparse_attention else None
             ins = [attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight]
             if idx is not None:
                 ins += [idx.wk.weight, idx.weights_proj.weight]
@@ -166,7 +166,7 @@ class DecodeWeights:
         q = torch.cat([qparts[0].view(B, H, rank), apply_rope(qparts[1].view(B, H, rope), cos[:, None], sin[:, None])], dim=-1)
         keys = latents  # (B, S, D)
         mask = visible
-        sparse = c.sparse_attention and S > c.index_topk
+        sparse = self.model.runtime.sparse_attention and S > c.index_topk
         if sparse and idx is not None:
             iq = idx.rope_first(qparts[2].view(B, idx.n_heads, idx.head_dim), cos[:, None], sin[:, None])
             w = parts[4] * idx.n_heads**-0.5

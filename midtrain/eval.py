@@ -261,10 +261,10 @@ def evaluate_run(path, cfg: LongEvalConfig, log=print) -> dict:
     # Recall documents hold needles of their own; the haystack is plain held-out text.
     haystack = Haystack([TokenStore(s.path) for s in recipe.data.valid if s.name != "recall"])
     log(f"evaluating {run_dir} (trained at {recipe.data.seq_len} tokens, rope_theta {model.config.rope_theta:g}, "
-        f"DSA {'on' if model.config.sparse_attention else 'off'})")
+        f"DSA {'on' if model.runtime.sparse_attention else 'off'})")
     accuracy, answer_nats = passkey_scores(model, tokenizer, haystack, cfg, log)
     return {"run": str(run_dir), "train_seq_len": recipe.data.seq_len, "rope_theta": model.config.rope_theta,
-            "sparse_attention": model.config.sparse_attention,
+            "sparse_attention": model.runtime.sparse_attention,
             "passkey": accuracy, "passkey_answer_nll": answer_nats,
             "ppl_by_position": perplexity_by_position(model, recipe.data, cfg),
             "copy_nll": copy_nll(model, cfg),

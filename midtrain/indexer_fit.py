@@ -165,7 +165,7 @@ def layer_terms(attn: MLAttention, rec: LayerInput, mode: str, chunk: int) -> In
 def indexer_terms(model, records: list[LayerInput], mode: str) -> IndexerTerms:
     """Sum of layer_terms over the layers that run their own indexer."""
     layers = model.model.layers
-    chunk = model.config.query_chunk
+    chunk = model.runtime.query_chunk
     total = None
     for rec in records:
         attn = layers[rec.layer].self_attn
@@ -187,8 +187,8 @@ def indexer_terms(model, records: list[LayerInput], mode: str) -> IndexerTerms:
 def indexer_recall(model, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> dict:
     """Share of dense attention mass (summed over heads, normalised) on each indexer's top-k, over the
     queries with more than index_topk visible keys; also the mean KL. Runs the model densely."""
-    sparse, training = model.config.sparse_attention, model.training
-    model.config.sparse_attention = False
+    sparse, training = model.runtime.sparse_attention, model.training
+    model.runtime.sparse_attention = False
     model.eval()
     probe = AttentionInputs(model)
     try:
@@ -197,7 +197,7 @@ def indexer_recall(model, input_ids: torch.Tensor, doc_ids: torch.Tensor | None 
         terms = indexer_terms(model, probe.take(), "dense")
     finally:
         probe.remove()
-        model.config.sparse_attention = sparse
+        model.runtime.sparse_attention = sparse
         model.train(training)
     n = max(terms.recall_count, 1)
     return {"recall": terms.recall_sum / n, "oracle_recall": terms.oracle_sum / n,

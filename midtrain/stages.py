@@ -51,18 +51,17 @@ def stage_recipe(source: Recipe, plan: MidtrainPlan, index: int, run_dir) -> Rec
     indexer_types = None
     if stage.index_share:
         indexer_types = plan.indexer_types(source.model.num_hidden_layers)
-    model_changes = dict(rope_theta=plan.rope_theta(index, source.model.rope_theta), indexer_types=indexer_types,
-                         sparse_attention=stage.dsa != "off", sparse_impl=plan.sparse_impl)
-    if plan.query_chunk:
-        model_changes["query_chunk"] = plan.query_chunk
-    model = source.model.replace(**model_changes)
+    model = source.model.replace(rope_theta=plan.rope_theta(index, source.model.rope_theta), indexer_types=indexer_types)
+    runtime = source.runtime.replace(sparse_attention=stage.dsa != "off", sparse_impl=plan.sparse_impl,
+                                     activation_checkpointing=plan.activation_checkpointing,
+                                     query_chunk=plan.query_chunk or source.runtime.query_chunk)
     lr0, lr1 = plan.lr_segment(index)
     batch = stage.batch_tokens or plan.batch_tokens
     train = replace(
         source.train, run_dir=str(run_dir), micro_batch_size=stage.micro_batch_size or plan.micro_batch_size,
         total_tokens=stage.tokens, max_steps=0, eval_interval=plan.eval_interval, eval_samples=plan.eval_samples,
         checkpoint_interval=plan.checkpoint_interval, keep_last=plan.keep_last, log_interval=plan.log_interval,
-        activation_checkpointing=plan.activation_checkpointing, track_max_logit=False,
+        track_max_logit=False,
         log_sample_ids=plan.log_sample_ids, progress=plan.progress, progress_label=f"stage {stage.name}",
         loss_chunk=plan.ce_chunk,
         # DDP only: the indexer KL runs outside the model's forward, on parameters FSDP2 reshards after it.
@@ -71,7 +70,7 @@ def stage_recipe(source: Recipe, plan: MidtrainPlan, index: int, run_dir) -> Rec
     )
     # A different shuffle per stage, reproducible from the source seed.
     data = replace(source.data, seq_len=stage.seq_len, seed=source.data.seed + 1000 * (index + 1))
-    return replace(source, model=model, data=data, train=train,
+    return replace(source, model=model, runtime=runtime, data=data, train=train,
                    schedule=ScheduleConfig(kind="linear", peak_lr=lr0, floor_lr=lr1, warmup_tokens=0,
                                            total_tokens=stage.tokens),
                    batch=BatchRampConfig(start_batch_tokens=batch, end_batch_tokens=batch, ramp_tokens=0))

@@ -42,7 +42,7 @@ class StageStep(NextTokenStep):
             self.n_full = sum(1 for layer in trainer.model.model.layers if layer.self_attn.indexer is not None)
         self.phase = self.stage.step_phase(trainer.step)
         trainer.set_trainable(_TRAINABLE[self.phase])
-        trainer.model.config.sparse_attention = self.phase == "sparse"
+        trainer.model.runtime.sparse_attention = self.phase == "sparse"
         trainer.optimizer.phase = self.phase
         if self.phase == "indexer_only" and self.stage.indexer_lr is not None:
             trainer.optimizer.set_indexer_lr(self.stage.indexer_lr)

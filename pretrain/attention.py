@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from orthon.pretrain.config import ModelConfig
+from orthon.pretrain.config import ModelConfig, RuntimeOptions
 from orthon.pretrain.layers import RMSNorm, apply_rope
 from orthon.pretrain.topk import deterministic_topk
 
@@ -214,9 +214,10 @@ class Indexer(nn.Module):
 
 
 class MLAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, runtime: RuntimeOptions | None = None):
         super().__init__()
         self.config = config
+        self.runtime = runtime or RuntimeOptions()
         self.layer = layer
         c = config
         self.n_heads = c.num_attention_heads
@@ -254,7 +255,7 @@ class MLAttention(nn.Module):
         if self.indexer is None:
             return prev_topk, None
         q_idx, w_idx = self.indexer.queries(x, q_resid, cos, sin)
-        chunk = self.config.query_chunk
+        chunk = self.runtime.query_chunk
         picks, kept = [], []
         for start in range(0, x.shape[1], chunk):
             scores = index_scores(
@@ -296,7 +297,7 @@ class MLAttention(nn.Module):
     def _absorbed(self, q_nope, q_rope, latent, q_slots, indices, q_docs=None, k_docs=None):
         w_uk, w_uv = self.kv_b_halves()
         o = absorbed_attention(absorbed_query(q_nope, q_rope, w_uk), latent, q_slots, indices, self.scale,
-                               self.config.query_chunk, self.rank, q_docs, k_docs)
+                               self.runtime.query_chunk, self.rank, q_docs, k_docs)
         return expand_values(o, w_uv)
 
     # -- the layer
@@ -307,7 +308,7 @@ class MLAttention(nn.Module):
         B, T, _ = x.shape
         q_resid, q_nope, q_rope, latent = self.project(x, cos, sin)
         index_keys = None
-        if self.indexer is not None and self.config.sparse_attention:
+        if self.indexer is not None and self.runtime.sparse_attention:
             index_keys = self.indexer.keys(x, cos, sin)
         k_docs = doc_ids
         if cache is not None:
@@ -315,7 +316,7 @@ class MLAttention(nn.Module):
             k_docs = cache.docs_until(q_slots[-1] + 1) if doc_ids is not None else None
         S = latent.shape[1]
         topk, scores = None, None
-        if self.config.sparse_attention and (S > self.config.index_topk or want_index_scores):
+        if self.runtime.sparse_attention and (S > self.config.index_topk or want_index_scores):
             topk, scores = self._select(x, q_resid, cos, sin, index_keys, q_slots, prev_topk, want_index_scores, doc_ids, k_docs)
             if S <= self.config.index_topk:
                 topk = None  # every causal key is selected: plain causal attention
@@ -326,5 +327,5 @@ class MLAttention(nn.Module):
         return self.o_proj(out.reshape(B, T, -1)), topk, scores
 
     def _use_gather(self, T: int) -> bool:
-        impl = self.config.sparse_impl
-        return impl == "gather" or (impl == "auto" and T >= self.config.gather_min_len)
+        impl = self.runtime.sparse_impl
+        return impl == "gather" or (impl == "auto" and T >= self.runtime.gather_min_len)

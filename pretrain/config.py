@@ -1,9 +1,10 @@
-"""ModelConfig: the one config class every layer of the GLM-5 model reads.
+"""ModelConfig: the one config class every layer of the GLM-5 model reads, and RuntimeOptions.
 
-Field names are the config.json keys of transformers' ``glm_moe_dsa`` so that
-HF import/export is a rename-free copy; the few orthon-only fields (how sparse
-attention is computed, chunk sizes) are marked and never written to config.json.
-Defaults are the published GLM-5 numbers (SPEC.md section 1).
+ModelConfig is the architecture only: its field names are the config.json keys of transformers'
+``glm_moe_dsa``, so HF import/export is a rename-free copy, and nothing changes it during a run.
+Defaults are the published GLM-5 numbers. How the model runs (sparse attention on or off, the sparse
+kernel, chunk sizes, activation checkpointing) is RuntimeOptions: the recipe's ``runtime`` section,
+changed by mid-training's phases, saved beside the weights in orthon's sidecar.
 """
 from __future__ import annotations
 
@@ -54,23 +55,12 @@ class ModelConfig:
     eos_token_id: int | None = 1
     pad_token_id: int | None = None
 
-    # ---- orthon-only (not in config.json) ----
-    # False: plain causal MLA, the indexer is not consulted (pretraining before DSA adaptation).
-    sparse_attention: bool = True
-    # How top-k sparse attention runs in a full forward: "mask" (dense SDPA with a top-k mask; fastest
-    # for short T), "gather" (absorbed MQA form over the gathered top-k latents; memory linear in T),
-    # "auto" (gather once T >= gather_min_len).
-    sparse_impl: Literal["auto", "mask", "gather"] = "auto"
-    gather_min_len: int = 1024
-    # Queries per chunk for the indexer and gathered attention: memory stays chunk x keys.
-    query_chunk: int = 1024
-
     def __post_init__(self):
         positive = [
             "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
             "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
             "moe_intermediate_size", "n_group", "topk_group", "index_n_heads", "index_head_dim", "index_topk",
-            "max_position_embeddings", "gather_min_len", "query_chunk",
+            "max_position_embeddings",
         ]
         for name in positive:
             if getattr(self, name) <= 0:
@@ -135,7 +125,7 @@ class ModelConfig:
 
     # ---- Hugging Face config.json ----
     def to_hf_dict(self) -> dict:
-        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ORTHON_ONLY}
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
         theta = data.pop("rope_theta")
         n = self.num_hidden_layers
         data.update(
@@ -154,7 +144,7 @@ class ModelConfig:
         return data
 
     @classmethod
-    def from_hf_dict(cls, data: dict, **orthon_fields) -> "ModelConfig":
+    def from_hf_dict(cls, data: dict) -> "ModelConfig":
         """Read a glm_moe_dsa config.json; settings orthon does not implement are rejected by name."""
         if data.get("model_type") != "glm_moe_dsa":
             raise ConfigError(f"model_type: expected 'glm_moe_dsa', got {data.get('model_type')!r}")
@@ -168,7 +158,7 @@ class ModelConfig:
             raise ConfigError("num_key_value_heads: MLA uses one KV latent for all heads; must equal num_attention_heads")
         if data.get("mlp_bias"):
             raise ConfigError("mlp_bias: MLP biases are not supported")
-        known = {f.name for f in fields(cls)} - ORTHON_ONLY
+        known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in known}
         if "rope_theta" in rope:
             kwargs["rope_theta"] = float(rope["rope_theta"])
@@ -176,7 +166,7 @@ class ModelConfig:
             kwargs["rope_theta"] = float(data["rope_theta"])
         if isinstance(kwargs.get("eos_token_id"), list):
             kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
-        config = cls(**kwargs, **orthon_fields)
+        config = cls(**kwargs)
         layer_types = data.get("mlp_layer_types")
         if layer_types is not None:
             expected = ["dense" if i < config.first_k_dense_replace else "sparse" for i in range(config.num_hidden_layers)]
@@ -184,11 +174,31 @@ class ModelConfig:
                 raise ConfigError("mlp_layer_types: only the first_k_dense_replace pattern (dense then sparse) is supported")
         return config
 
-    def orthon_fields(self) -> dict:
-        return {name: getattr(self, name) for name in ORTHON_ONLY}
-
     def replace(self, **changes) -> "ModelConfig":
         return type(self)(**{**asdict(self), **changes})
 
 
-ORTHON_ONLY = {"sparse_attention", "sparse_impl", "gather_min_len", "query_chunk"}
+@dataclass
+class RuntimeOptions:
+    """How the model runs, not what it is. One instance is shared by every layer of a model
+    (``model.runtime``), so a change (mid-training's DSA phase) reaches them all."""
+
+    # False: plain causal MLA, the indexer is not consulted (pretraining before DSA adaptation).
+    sparse_attention: bool = True
+    # How top-k sparse attention runs in a full forward: "mask" (dense SDPA with a top-k mask; fastest
+    # for short T), "gather" (absorbed MQA form over the gathered top-k latents; memory linear in T),
+    # "auto" (gather once T >= gather_min_len).
+    sparse_impl: Literal["auto", "mask", "gather"] = "auto"
+    gather_min_len: int = 1024
+    # Queries per chunk for the indexer and gathered attention: memory stays chunk x keys.
+    query_chunk: int = 1024
+    # Recompute each decoder layer in backward instead of storing its activations (long sequences).
+    activation_checkpointing: bool = False
+
+    def __post_init__(self):
+        for name in ("gather_min_len", "query_chunk"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+
+    def replace(self, **changes) -> "RuntimeOptions":
+        return type(self)(**{**asdict(self), **changes})

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from orthon.core.errors import CheckpointError
-from orthon.pretrain.config import ModelConfig
+from orthon.pretrain.config import ModelConfig, RuntimeOptions
 from orthon.pretrain.model import GLMForCausalLM
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -180,13 +180,14 @@ def check_state(model: GLMForCausalLM, state: dict[str, torch.Tensor]) -> dict[s
     return {k: state[k] for k in expected}
 
 
-def from_hf(directory, device="cpu", dtype: torch.dtype | None = None, **orthon_fields) -> GLMForCausalLM:
+def from_hf(directory, device="cpu", dtype: torch.dtype | None = None,
+            runtime: RuntimeOptions | None = None) -> GLMForCausalLM:
     """Build the model from an HF-layout directory (config.json + safetensors).
 
-    orthon_fields set the orthon-only ModelConfig fields (e.g. sparse_impl="gather")."""
-    config = ModelConfig.from_hf_dict(read_hf_config(directory), **orthon_fields)
+    ``runtime``: how the model runs (e.g. RuntimeOptions(sparse_impl="gather"))."""
+    config = ModelConfig.from_hf_dict(read_hf_config(directory))
     with torch.device("meta"):
-        model = GLMForCausalLM(config, init=False)
+        model = GLMForCausalLM(config, init=False, runtime=runtime)
     state = check_state(model, load_hf_state(directory))
     model.to_empty(device=device)
     model.load_state_dict(state, strict=False)  # non-persistent buffers are absent from checkpoints

@@ -14,7 +14,7 @@ from torch import nn
 
 from orthon.pretrain.attention import Indexer, MLAttention
 from orthon.pretrain.cache import KVCache
-from orthon.pretrain.config import ModelConfig
+from orthon.pretrain.config import ModelConfig, RuntimeOptions
 from orthon.pretrain.layers import MLP, RMSNorm, rope_cos_sin
 from orthon.pretrain.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy
 from orthon.pretrain.moe import MoE, Experts, Router
@@ -30,9 +30,9 @@ class CausalLMOutput:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, runtime: RuntimeOptions):
         super().__init__()
-        self.self_attn = MLAttention(config, layer)
+        self.self_attn = MLAttention(config, layer, runtime)
         self.mlp = MoE(config) if config.is_moe_layer(layer) else MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -47,23 +47,23 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, runtime: RuntimeOptions):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, runtime) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class GLMForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, init: bool = True):
+    def __init__(self, config: ModelConfig, init: bool = True, runtime: RuntimeOptions | None = None):
         super().__init__()
         self.config = config
-        self.model = Backbone(config)
+        # How the model runs (sparse attention, kernels, activation checkpointing); shared by every layer.
+        self.runtime = runtime or RuntimeOptions()
+        self.model = Backbone(config, self.runtime)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # Activation checkpointing per decoder layer (recompute in backward), for long sequences.
-        self.checkpoint_layers = False
         if init and not any(p.is_meta for p in self.parameters()):
             self.reset_parameters()
 
@@ -171,7 +171,7 @@ class GLMForCausalLM(nn.Module):
         if cache is not None:
             doc_ids = cache.write_docs(doc_ids, T)
         for i, layer in enumerate(self.model.layers):
-            if self.checkpoint_layers and self.training and torch.is_grad_enabled() and cache is None:
+            if self.runtime.activation_checkpointing and self.training and torch.is_grad_enabled() and cache is None:
                 x, topk, scores = torch.utils.checkpoint.checkpoint(
                     layer, x, cos, sin, q_slots, None, topk, want_index_scores, doc_ids, use_reentrant=False
                 )

@@ -8,7 +8,7 @@ from orthon.data.config import BuiltinConfig, DataConfig
 from orthon.core import config as config_io
 from orthon.optim.ablation import AblationConfig
 from orthon.optim.config import BatchRampConfig, OptimConfig, ScheduleConfig
-from orthon.pretrain.config import ModelConfig
+from orthon.pretrain.config import ModelConfig, RuntimeOptions
 from orthon.pretrain.train_config import TrainConfig
 
 
@@ -27,6 +27,7 @@ class SmokeConfig:
 @dataclass
 class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
+    runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     batch: BatchRampConfig = field(default_factory=BatchRampConfig)

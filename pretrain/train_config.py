@@ -24,7 +24,6 @@ class TrainConfig:
     moe_bias_rate: float = 1e-3  # aux-loss-free balancing: bias step per optimizer step
     seed: int = 0
     parallel: Literal["ddp", "fsdp"] = "ddp"  # how to shard when launched on more than one rank
-    activation_checkpointing: bool = False
     track_max_logit: bool = True  # log the largest attention logit (the Muon Split claim)
     log_sample_ids: bool = False  # write every consumed sample id to samples.jsonl
     progress: bool = True

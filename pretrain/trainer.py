@@ -93,12 +93,11 @@ class Trainer:
         random.seed(self.cfg.seed)
         np.random.seed(self.cfg.seed)
 
-        self.model = GLMForCausalLM(recipe.model)
+        self.model = GLMForCausalLM(recipe.model, runtime=recipe.runtime.replace())  # its own copy: phases change it
         if self.cfg.init_from:
             self.model.load_state_dict(initial_weights(self.cfg.init_from, recipe.model))
         self.model.to(self.device)
         self.model.set_indexers_trainable(False)  # the LM loss never reaches them; mid-training trains them
-        self.model.checkpoint_layers = self.cfg.activation_checkpointing
         self.model.track_max_logit(self.cfg.track_max_logit)
         self.step_fn = step or NextTokenStep(self.cfg.loss_chunk, recipe.data.document_mask, self.cfg.track_max_logit)
         self._wrap()  # before the optimizer: FSDP2 replaces the parameters it shards

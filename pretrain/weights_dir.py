@@ -13,7 +13,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from orthon.core import config as config_io
-from orthon.pretrain.config import ModelConfig
+from orthon.pretrain.config import ModelConfig, RuntimeOptions
 from orthon.pretrain.hf_io import check_state
 from orthon.pretrain.model import GLMForCausalLM
 
@@ -32,7 +32,7 @@ def save_weights_dir(model: GLMForCausalLM, directory, state: dict | None = None
     save_file(state, str(tmp))
     os.replace(tmp, directory / WEIGHTS)
     tmp = directory / (RECIPE + ".tmp")
-    tmp.write_text(yaml.safe_dump({"model": asdict(model.config)}, sort_keys=False))
+    tmp.write_text(yaml.safe_dump({"model": asdict(model.config), "runtime": asdict(model.runtime)}, sort_keys=False))
     os.replace(tmp, directory / RECIPE)
 
 
@@ -41,8 +41,9 @@ def load_weights_dir(directory, device="cpu") -> GLMForCausalLM:
     for name in (RECIPE, WEIGHTS):
         if not (directory / name).is_file():
             raise FileNotFoundError(f"{directory}: no {name} (expected an orthon weights directory)")
-    section = config_io.read_yaml(directory / RECIPE).get("model", {})
-    config = config_io.build(ModelConfig, section, "model")
-    model = GLMForCausalLM(config, init=False).to(device)
+    recipe = config_io.read_yaml(directory / RECIPE)
+    config = config_io.build(ModelConfig, recipe.get("model", {}), "model")
+    runtime = config_io.build(RuntimeOptions, recipe.get("runtime", {}), "runtime")
+    model = GLMForCausalLM(config, init=False, runtime=runtime).to(device)
     model.load_state_dict(check_state(model, load_file(str(directory / WEIGHTS))), strict=False)
     return model

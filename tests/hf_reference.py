@@ -1,9 +1,11 @@
 """Small random glm_moe_dsa configurations and the transformers reference model for them."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from orthon.pretrain.config import ModelConfig
+from orthon.pretrain.config import ModelConfig, RuntimeOptions
 
 SMALL = dict(
     vocab_size=257, hidden_size=64, num_hidden_layers=3, intermediate_size=96, num_attention_heads=4,
@@ -22,8 +24,19 @@ CASES = {
 }
 
 
+RUNTIME_KEYS = {f.name for f in dataclasses.fields(RuntimeOptions)}
+
+
 def small_config(case: str = "moe", **overrides) -> ModelConfig:
     return ModelConfig(**{**SMALL, **CASES[case], **overrides})
+
+
+def small_model(case: str = "moe", **overrides):
+    """The model of ``small_config``; keys of RuntimeOptions (sparse_impl, query_chunk, ...) go to its runtime."""
+    from orthon.pretrain.model import GLMForCausalLM
+
+    runtime = {k: overrides.pop(k) for k in list(overrides) if k in RUNTIME_KEYS}
+    return GLMForCausalLM(small_config(case, **overrides), runtime=RuntimeOptions(**runtime))
 
 
 def hf_model_from_dir(directory):

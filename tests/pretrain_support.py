@@ -18,7 +18,7 @@ MODEL = dict(
     vocab_size=300, hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=4,
     q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
     first_k_dense_replace=1, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
-    index_n_heads=2, index_head_dim=16, index_topk=16, max_position_embeddings=256, sparse_attention=False,
+    index_n_heads=2, index_head_dim=16, index_topk=16, max_position_embeddings=256,
 )
 
 
@@ -40,6 +40,7 @@ def make_stores(directory: Path, seed: int = 0) -> dict[str, Path]:
 def write_recipe(path: Path, stores: dict, run_dir: Path, **sections) -> Path:
     recipe = {
         "model": dict(MODEL),
+        "runtime": {"sparse_attention": False},
         "data": {"sources": [{"path": str(stores["train"]), "name": "train"}],
                  "valid": [{"path": str(stores["valid"]), "name": "valid"}], "seq_len": 32, "seed": 7},
         "optim": {"algorithm": "muon"},

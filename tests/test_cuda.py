@@ -7,9 +7,8 @@ import copy
 import pytest
 import torch
 
-from hf_reference import randomize_router_bias, small_config
+from hf_reference import randomize_router_bias, small_model
 from orthon.optim.newton_schulz import newton_schulz
-from orthon.pretrain import GLMForCausalLM
 from orthon.pretrain.moe import grouped_experts
 from orthon.engine.in_process import InProcessEngine
 from orthon.engine.sampling import SamplingParams
@@ -27,7 +26,7 @@ def _full_fp32_matmuls():
 
 
 def _pair(case, **overrides):
-    cpu = GLMForCausalLM(small_config(case, **overrides))
+    cpu = small_model(case, **overrides)
     randomize_router_bias(cpu)
     return cpu, copy.deepcopy(cpu).cuda()
 

@@ -2,8 +2,7 @@
 import pytest
 import torch
 
-from hf_reference import randomize_router_bias, small_config
-from orthon.pretrain import GLMForCausalLM
+from hf_reference import randomize_router_bias, small_model
 from orthon.engine.fused_decode import DecodeWeights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -19,7 +18,7 @@ CASES = [
 
 def _model(case, **overrides):
     torch.manual_seed(0)
-    model = GLMForCausalLM(small_config(case, **overrides)).eval()
+    model = small_model(case, **overrides).eval()
     randomize_router_bias(model)
     return model
 

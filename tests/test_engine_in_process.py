@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from hf_reference import small_config
+from hf_reference import small_model
 from orthon.core.errors import ConfigError
 from orthon.pretrain import GLMForCausalLM
 from orthon.engine.in_process import EngineConfig, InProcessEngine
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _model(case="moe", **overrides):
     torch.manual_seed(0)
-    return GLMForCausalLM(small_config(case, **overrides)).eval()
+    return small_model(case, **overrides).eval()
 
 
 def _prompts(lengths=LENGTHS, seed=1):

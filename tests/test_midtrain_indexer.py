@@ -3,10 +3,9 @@ records, and phase 1 raising recall."""
 import pytest
 import torch
 
-from hf_reference import small_config
+from hf_reference import small_model
 from orthon.midtrain.indexer_fit import AttentionInputs, indexer_recall, indexer_terms, layer_terms
 from orthon.pretrain.attention import index_scores
-from orthon.pretrain.model import GLMForCausalLM
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -49,8 +48,8 @@ def _naive(attn, rec, k):
 
 @pytest.mark.parametrize("docs", [False, True])
 def test_phase1_terms_match_naive_full_matrix(docs):
-    config = small_config("dsa", initializer_range=0.2, query_chunk=7, sparse_attention=False)
-    model = GLMForCausalLM(config).eval()
+    model = small_model("dsa", initializer_range=0.2, query_chunk=7, sparse_attention=False).eval()
+    config = model.config
     ids = torch.randint(0, config.vocab_size, (2, 30))
     doc_ids = torch.tensor([[0] * 12 + [1] * 18, [0] * 30]) if docs else None
     records = _record(model, ids, doc_ids)
@@ -67,8 +66,8 @@ def test_phase1_terms_match_naive_full_matrix(docs):
 
 
 def test_phase2_over_every_key_equals_phase1_and_grads_reach_only_indexers():
-    config = small_config("dsa", initializer_range=0.2, query_chunk=8)
-    model = GLMForCausalLM(config)
+    model = small_model("dsa", initializer_range=0.2, query_chunk=8)
+    config = model.config
     T = 20
     records = _record(model, torch.randint(0, config.vocab_size, (2, T)))
     rec = records[0]
@@ -86,8 +85,8 @@ def test_phase2_over_every_key_equals_phase1_and_grads_reach_only_indexers():
 
 
 def test_shared_layers_reuse_topk_and_are_skipped():
-    config = small_config("indexshare", query_chunk=16)
-    model = GLMForCausalLM(config).eval()
+    model = small_model("indexshare", query_chunk=16).eval()
+    config = model.config
     records = _record(model, torch.randint(0, config.vocab_size, (1, 40)))
     assert [r.topk is not None for r in records] == [True] * 4
     assert torch.equal(records[1].topk, records[0].topk) and torch.equal(records[3].topk, records[2].topk)
@@ -100,9 +99,9 @@ def test_phase1_training_raises_recall_to_090():
     """Fit the indexers alone (as phase 1 does) on a model with concentrated attention: recall goes from
     chance (about k over the causal keys) to at least 0.9, the KL falls, the frozen model is untouched."""
     torch.manual_seed(0)
-    config = small_config("dsa", initializer_range=0.5, index_topk=8, query_chunk=64, sparse_attention=False,
-                          num_hidden_layers=2, first_k_dense_replace=2)
-    model = GLMForCausalLM(config)
+    model = small_model("dsa", initializer_range=0.5, index_topk=8, query_chunk=64, sparse_attention=False,
+                        num_hidden_layers=2, first_k_dense_replace=2)
+    config = model.config
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if ".indexer." not in n}
     params = [p for i in model.indexers() for p in i.parameters()]
     optimizer = torch.optim.Adam(params, lr=1e-2)

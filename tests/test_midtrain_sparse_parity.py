@@ -4,11 +4,10 @@ transformers' GlmMoeDsaForCausalLM."""
 import pytest
 import torch
 
-from hf_reference import hf_model_from_dir, small_config
+from hf_reference import hf_model_from_dir, small_model
 from orthon.pretrain.hf_io import save_hf
 from orthon.pretrain.attention import attention_mask
 from orthon.pretrain.layers import rope_cos_sin
-from orthon.pretrain.model import GLMForCausalLM
 
 T = 520  # many times index_topk, several query chunks
 
@@ -17,8 +16,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_gathered_topk_equals_masked_dense_on_the_same_indices():
-    config = small_config("dsa", index_topk=32, index_n_heads=16, query_chunk=96, initializer_range=0.1)
-    attn = GLMForCausalLM(config).model.layers[0].self_attn.eval()
+    model = small_model("dsa", index_topk=32, index_n_heads=16, query_chunk=96, initializer_range=0.1)
+    config = model.config
+    attn = model.model.layers[0].self_attn.eval()
     x = torch.randn(2, T, config.hidden_size)
     cos, sin = rope_cos_sin(torch.arange(T), config.qk_rope_head_dim, config.rope_theta, x.dtype)
     slots = torch.arange(T)
@@ -36,8 +36,8 @@ def test_gathered_topk_equals_masked_dense_on_the_same_indices():
 @pytest.mark.parametrize("impl", ["gather", "mask"])
 def test_sparse_model_matches_transformers_at_length(impl, tmp_path):
     pytest.importorskip("transformers")
-    config = small_config("indexshare", index_topk=48, sparse_impl=impl, query_chunk=128)
-    model = GLMForCausalLM(config).eval()
+    model = small_model("indexshare", index_topk=48, sparse_impl=impl, query_chunk=128).eval()
+    config = model.config
     save_hf(model, tmp_path)
     reference = hf_model_from_dir(tmp_path)
     ids = torch.randint(0, config.vocab_size, (1, T))

@@ -133,7 +133,7 @@ def test_indexshare_stage_drops_shared_indexers(reference):
     model, _ = _load_ckpt(run, "02_share", 2)
     kinds = [layer.self_attn.indexer is not None for layer in model.model.layers]
     assert kinds == [True, False]
-    assert model.config.sparse_attention and model.config.indexer_types == ["full", "shared"]
+    assert model.runtime.sparse_attention and model.config.indexer_types == ["full", "shared"]
 
 
 def test_finished_plan_reruns_nothing(reference, source):

@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from hf_reference import SMALL, small_config
+from hf_reference import SMALL, small_config, small_model
 from orthon.pretrain.hf_io import save_hf
 from orthon.core.errors import ConfigError
 from orthon.pretrain import GLMForCausalLM, ModelConfig, from_hf
@@ -112,7 +112,7 @@ def test_indexer_is_trainable():
 @pytest.mark.parametrize("case, impl", [("moe", "auto"), ("dsa", "mask"), ("dsa", "gather")])
 def test_document_mask_equals_separate_documents(case, impl):
     """A packed sequence with doc_ids gives each document the logits it has alone (same positions)."""
-    model = GLMForCausalLM(small_config(case, sparse_impl=impl)).eval()
+    model = small_model(case, sparse_impl=impl).eval()
     a, b = torch.randint(0, 257, (1, 14)), torch.randint(0, 257, (1, 26))
     packed = torch.cat([a, b], dim=1)
     docs = torch.tensor([[0] * 14 + [1] * 26])

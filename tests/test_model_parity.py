@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from hf_reference import CASES, hf_model_from_dir, randomize_router_bias, small_config
+from hf_reference import CASES, hf_model_from_dir, randomize_router_bias, small_config, small_model
 from orthon.pretrain import GLMForCausalLM, from_hf
 from orthon.pretrain.hf_io import save_hf, load_hf_state
 
@@ -59,7 +59,7 @@ def _raw_keys(directory):
 
 @pytest.mark.parametrize("impl", ["mask", "gather"])
 def test_sparse_impls_match_hf(impl, tmp_path):
-    model = GLMForCausalLM(small_config("indexshare", sparse_impl=impl, query_chunk=7)).eval()
+    model = small_model("indexshare", sparse_impl=impl, query_chunk=7).eval()
     save_hf(model, tmp_path)
     reference = hf_model_from_dir(tmp_path)
     ids = torch.randint(0, model.config.vocab_size, (2, SEQ))

@@ -5,7 +5,7 @@ import json
 import torch
 import yaml
 
-from orthon.pretrain import GLMForCausalLM, ModelConfig
+from orthon.pretrain import GLMForCausalLM, ModelConfig, RuntimeOptions
 from orthon.pretrain.weights_dir import save_weights_dir
 from pretrain_support import MODEL, orthon
 from test_data_support import train_tiny_tokenizer
@@ -15,7 +15,8 @@ def _pretrain_dir(tmp_path):
     run = tmp_path / "pre"
     tok = train_tiny_tokenizer(tmp_path / "tok", vocab_size=512)
     torch.manual_seed(0)
-    model = GLMForCausalLM(ModelConfig(**{**MODEL, "vocab_size": 512, "sparse_attention": True, "index_topk": 8}))
+    model = GLMForCausalLM(ModelConfig(**{**MODEL, "vocab_size": 512, "index_topk": 8}),
+                           runtime=RuntimeOptions(sparse_attention=True))
     save_weights_dir(model, run / "final")
     (run / "config.yaml").write_text(yaml.safe_dump({"data": {"tokenizer": str(tok)}}))
     return run
