@@ -17,9 +17,12 @@ SPEC.md section 3 (GLM-5): 32K / 1T tokens with rope_theta 8M; 128K / 500B with 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
+from orthon.core.config import build
 from orthon.core.errors import ConfigError
+from orthon.pretrain.config import RuntimeOptions
+from orthon.pretrain.train_config import TrainConfig
 
 DsaPhase = Literal["off", "indexer_warmup", "sparse"]
 STEP_PHASES = ("dense", "indexer_only", "sparse")  # what one optimizer step runs
@@ -97,6 +100,13 @@ class LongEvalConfig:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
 
 
+# Mid-training's own defaults for the stages' Trainer and runtime (a plan's keys are merged over them).
+TRAIN_DEFAULTS = {"micro_batch_size": 1, "checkpoint_interval": 100, "keep_last": 2, "eval_interval": 0,
+                  "eval_samples": 16, "loss_chunk": 1024, "track_max_logit": False}
+RUNTIME_DEFAULTS = {"sparse_impl": "gather", "activation_checkpointing": True}
+STAGE_SETS = {"run_dir", "total_tokens", "max_steps", "init_from"}
+
+
 @dataclass
 class MidtrainPlan:
     stages: list[StageConfig] = field(default_factory=list)
@@ -106,22 +116,14 @@ class MidtrainPlan:
     lr_start: float = 4e-5
     lr_end: float = 1e-5
     batch_tokens: int = 64 * 2**20
-    micro_batch_size: int = 1
     # Layer pattern once IndexShare is on, repeated over the layers (starts with "full").
     index_share_pattern: list[str] = field(default_factory=lambda: ["full", "shared"])
     source_has_dsa: bool = False  # the source model's indexers are already adapted
-    # How sparse attention runs in training: "gather" keeps memory linear in T (see ModelConfig).
-    sparse_impl: Literal["auto", "mask", "gather"] = "gather"
-    query_chunk: int = 0  # 0: the model's
-    ce_chunk: int = 1024  # positions per chunk of the chunked cross-entropy
-    activation_checkpointing: bool = True
-    checkpoint_interval: int = 100
-    keep_last: int = 2
-    eval_interval: int = 0
-    eval_samples: int = 16
-    log_interval: int = 1
-    log_sample_ids: bool = False
-    progress: bool = True
+    # How each stage's Trainer runs: overrides of the source run's ``train`` section (TrainConfig keys; the
+    # stage sets run_dir, total_tokens and max_steps itself) and of its ``runtime`` (RuntimeOptions keys).
+    # Given keys are merged over these defaults.
+    train: dict[str, Any] = field(default_factory=dict)
+    runtime: dict[str, Any] = field(default_factory=dict)
     eval: LongEvalConfig = field(default_factory=LongEvalConfig)
 
     def __post_init__(self):
@@ -129,12 +131,15 @@ class MidtrainPlan:
             raise ConfigError("stages: the plan has no stages")
         if not 0 <= self.lr_end <= self.lr_start:
             raise ConfigError(f"lr_end: need 0 <= lr_end <= lr_start, got {self.lr_end} and {self.lr_start}")
-        for name in ("batch_tokens", "micro_batch_size", "ce_chunk", "keep_last", "log_interval"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
-        for name in ("query_chunk", "checkpoint_interval", "eval_interval", "eval_samples"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.batch_tokens < 1:
+            raise ConfigError(f"batch_tokens: must be positive, got {self.batch_tokens}")
+        self.train = {**TRAIN_DEFAULTS, **self.train}
+        self.runtime = {**RUNTIME_DEFAULTS, **self.runtime}
+        fixed = sorted(set(self.train) & STAGE_SETS)
+        if fixed:
+            raise ConfigError(f"train.{fixed[0]}: set by each stage, not by the plan")
+        build(TrainConfig, self.train, "train")  # every key and value checked at load time
+        build(RuntimeOptions, self.runtime, "runtime")
         if not self.index_share_pattern or self.index_share_pattern[0] != "full" or any(
                 k not in ("full", "shared") for k in self.index_share_pattern):
             raise ConfigError(f"index_share_pattern: a list of 'full' / 'shared' starting with 'full', "

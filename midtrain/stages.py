@@ -25,7 +25,9 @@ import yaml
 from orthon.core import config as config_io
 from orthon.core.errors import ConfigError
 from orthon.core.files import atomic_write_text
+from orthon.pretrain.config import RuntimeOptions
 from orthon.pretrain.recipe import Recipe, load_recipe
+from orthon.pretrain.train_config import TrainConfig
 from orthon.midtrain.config import MidtrainPlan
 from orthon.midtrain.optimizer import StageOptimizer, copy_training_state
 from orthon.midtrain.steps import StageStep
@@ -52,22 +54,17 @@ def stage_recipe(source: Recipe, plan: MidtrainPlan, index: int, run_dir) -> Rec
     if stage.index_share:
         indexer_types = plan.indexer_types(source.model.num_hidden_layers)
     model = source.model.replace(rope_theta=plan.rope_theta(index, source.model.rope_theta), indexer_types=indexer_types)
-    runtime = source.runtime.replace(sparse_attention=stage.dsa != "off", sparse_impl=plan.sparse_impl,
-                                     activation_checkpointing=plan.activation_checkpointing,
-                                     query_chunk=plan.query_chunk or source.runtime.query_chunk)
+    runtime = config_io.build(RuntimeOptions, {**config_io.to_dict(source.runtime), **plan.runtime,
+                                               "sparse_attention": stage.dsa != "off"}, "runtime")
     lr0, lr1 = plan.lr_segment(index)
     batch = stage.batch_tokens or plan.batch_tokens
-    train = replace(
-        source.train, run_dir=str(run_dir), micro_batch_size=stage.micro_batch_size or plan.micro_batch_size,
-        total_tokens=stage.tokens, max_steps=0, eval_interval=plan.eval_interval, eval_samples=plan.eval_samples,
-        checkpoint_interval=plan.checkpoint_interval, keep_last=plan.keep_last, log_interval=plan.log_interval,
-        track_max_logit=False,
-        log_sample_ids=plan.log_sample_ids, progress=plan.progress, progress_label=f"stage {stage.name}",
-        loss_chunk=plan.ce_chunk,
+    train = config_io.build(TrainConfig, {
+        **config_io.to_dict(source.train), **plan.train, "run_dir": str(run_dir), "total_tokens": stage.tokens,
+        "max_steps": 0, "progress_label": f"stage {stage.name}",
         # DDP only: the indexer KL runs outside the model's forward, on parameters FSDP2 reshards after it.
-        parallel="ddp",
-        init_from="",  # a stage starts from the previous stage's weights and optimizer, loaded by the stage
-    )
+        "parallel": "ddp",
+        "init_from": "",  # a stage starts from the previous stage's weights and optimizer, loaded by the stage
+        **({"micro_batch_size": stage.micro_batch_size} if stage.micro_batch_size else {})}, "train")
     # A different shuffle per stage, reproducible from the source seed.
     data = replace(source.data, seq_len=stage.seq_len, seed=source.data.seed + 1000 * (index + 1))
     return replace(source, model=model, runtime=runtime, data=data, train=train,
@@ -87,7 +84,7 @@ def stage_trainer(plan: MidtrainPlan, index: int, source: Recipe, run_dir, log=p
     """The one Trainer running stage ``index``: the stage's recipe, the LM + indexer-KL step plug-in,
     and the optimizer split into main and indexer parts."""
     recipe = stage_recipe(source, plan, index, run_dir)
-    step = StageStep(plan.stages[index], plan.ce_chunk, recipe.data.document_mask)
+    step = StageStep(plan.stages[index], recipe.train.loss_chunk, recipe.data.document_mask)
     return Trainer(recipe, run_dir, log, step=step, build_optimizer=_stage_optimizer)
 
 

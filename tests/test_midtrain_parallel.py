@@ -24,7 +24,7 @@ def test_two_processes_match_one(tmp_path):
     for n in (1, 2):
         runs[n] = tmp_path / f"mid{n}"
         # One sequence per micro-batch, so every stage's batch splits evenly over 2 ranks.
-        orthon("midtrain", "-c", write_plan(tmp_path / f"plan{n}.yaml", plan(runs[n], micro_batch_size=1)), "--from", source,
+        orthon("midtrain", "-c", write_plan(tmp_path / f"plan{n}.yaml", plan(runs[n], train={"micro_batch_size": 1})), "--from", source,
                "--no-eval", nproc=n)
     for stage in STAGES:
         for key in ("loss", "indexer_kl", "indexer_recall"):

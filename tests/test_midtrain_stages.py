@@ -36,9 +36,11 @@ def plan(run_dir, **changes):
          "indexer_lr": 0.01, "lr_mode": "hold"},
         {"name": "share", "seq_len": 128, "tokens": 512, "dsa": "sparse", "index_share": True},
     ]
-    p = {"run_dir": str(run_dir), "lr_start": 0.004, "lr_end": 0.001, "batch_tokens": 256, "micro_batch_size": 2,
-         "checkpoint_interval": 2, "keep_last": 10, "progress": False, "log_sample_ids": True, "ce_chunk": 48,
-         "query_chunk": 24, "stages": stages}
+    p = {"run_dir": str(run_dir), "lr_start": 0.004, "lr_end": 0.001, "batch_tokens": 256,
+         "train": {"micro_batch_size": 2, "checkpoint_interval": 2, "keep_last": 10, "progress": False,
+                   "log_sample_ids": True, "loss_chunk": 48},
+         "runtime": {"query_chunk": 24}, "stages": stages}
+    p["train"].update(changes.pop("train", {}))
     p.update(changes)
     return p
 
@@ -155,6 +157,9 @@ def test_bad_plans_fail_before_training(source, tmp_path):
         "sparse": ("sparse before DSA", lambda p: p["stages"][0].update(dsa="sparse"), "stages[0].dsa"),
         "too_long": ("beyond the model's positions", lambda p: p["stages"][2].update(seq_len=512, batch_tokens=512),
                      "stages[2].seq_len"),
+        "train_key": ("not a TrainConfig key", lambda p: p["train"].update(micro_batch=3), "train.micro_batch"),
+        "stage_key": ("a key each stage sets", lambda p: p["train"].update(run_dir="x"), "train.run_dir"),
+        "runtime": ("a bad runtime value", lambda p: p["runtime"].update(sparse_impl="fast"), "runtime.sparse_impl"),
     }
     for key, (why, change, path) in bad.items():
         data = plan(tmp_path / key, source=str(source))
