@@ -1,15 +1,14 @@
-"""`orthon smoke -c configs/tiny.yaml`: build the recipe's model, train a few AdamW steps on random
-tokens, print the loss. The smallest real thing the model does; `orthon pretrain` is the real run."""
+"""`orthon smoke -c configs/tiny.yaml`: build the recipe's model, train a few steps of the one Trainer
+(the recipe's optimizer at ``smoke.lr``) on a fixed batch of random tokens, print the loss. The smallest
+real thing the model does; `orthon pretrain` is the real run."""
 from __future__ import annotations
 
 import math
-import time
-
-import torch
+import tempfile
+from dataclasses import replace
 
 from orthon.launch.args import add_recipe_args
 from orthon.pretrain.recipe import load_recipe
-from orthon.pretrain.model import GLMForCausalLM
 
 
 def register(parser, name):
@@ -17,20 +16,26 @@ def register(parser, name):
 
 
 def run(args, name):
+    import torch
+
+    from orthon.data.loader import Batch
+    from orthon.optim.config import ScheduleConfig
+    from orthon.pretrain.trainer import Trainer
+
     recipe = load_recipe(args.config, args.overrides)
     s = recipe.smoke
-    torch.manual_seed(s.seed)
-    model = GLMForCausalLM(recipe.model)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params / 1e6:.2f}M parameters; ln(vocab) = {math.log(recipe.model.vocab_size):.3f}")
-    opt = torch.optim.AdamW(model.parameters(), lr=s.lr)
-    # A fixed batch of random tokens: the loss must fall as the model memorises it.
-    ids = torch.randint(0, recipe.model.vocab_size, (s.batch_size, s.seq_len + 1))
-    for step in range(s.steps):
-        start = time.perf_counter()
-        loss = model(ids[:, :-1], labels=ids[:, 1:]).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        print(f"step {step}: loss {loss.item():.4f} ({time.perf_counter() - start:.2f}s)")
+    recipe = replace(recipe, schedule=ScheduleConfig(peak_lr=s.lr, floor_lr=s.lr, warmup_tokens=0, total_tokens=1,
+                                                     total_steps=s.steps),
+                     train=replace(recipe.train, seed=s.seed, micro_batch_size=s.batch_size, progress=False))
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = Trainer(recipe, run_dir, with_data=False)
+        n_params = sum(p.numel() for p in trainer.model.parameters())
+        print(f"model: {n_params / 1e6:.2f}M parameters; ln(vocab) = {math.log(recipe.model.vocab_size):.3f}")
+        # A fixed batch of random tokens: the loss must fall as the model memorises it.
+        ids = torch.randint(0, recipe.model.vocab_size, (s.batch_size, s.seq_len + 1))
+        zeros = torch.zeros(s.batch_size, dtype=torch.long)
+        batch = Batch(ids[:, :-1], ids[:, 1:], torch.zeros_like(ids[:, :-1]), zeros, zeros)
+        for step in range(s.steps):
+            metrics = trainer.train_step(batch, tokens=batch.input_ids.numel())
+            print(f"step {step}: loss {metrics['loss']:.4f} ({metrics['step_time_s']:.2f}s)")
     return 0
