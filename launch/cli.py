@@ -14,8 +14,8 @@ from orthon.core.errors import ConfigError
 
 COMMANDS = {
     "model-info": ("orthon.launch.cmd_model_info", "parameter counts per component (meta device)"),
-    "export": ("orthon.launch.cmd_hf", "write a run's model in the Hugging Face glm_moe_dsa layout"),
-    "import": ("orthon.launch.cmd_hf", "read a Hugging Face glm_moe_dsa directory into an orthon checkpoint"),
+    "export": ("orthon.launch.cmd_hf", "copy a run's weights (HF glm_moe_dsa layout) cast / re-sharded for publishing"),
+    "import": ("orthon.launch.cmd_hf", "check an HF glm_moe_dsa directory and write it as an orthon weights directory"),
     "smoke": ("orthon.launch.cmd_smoke", "build the model of a recipe, train a few steps, print the loss"),
     "pretrain": ("orthon.launch.cmd_pretrain", "pretrain (or --resume) a model; the built-in corpus by default"),
     "generate": ("orthon.launch.cmd_generate", "sample text from a run's final model"),

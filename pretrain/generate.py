@@ -45,11 +45,11 @@ def sample_text(run_dir, prompt: str, max_new_tokens: int = 100, temperature: fl
                 seed: int = 0) -> str:
     from orthon.data.tokenizer import load_tokenizer
     from orthon.pretrain.recipe import load_recipe
-    from orthon.pretrain.weights_dir import load_weights_dir
+    from orthon.pretrain.weights import load_weights
 
     run_dir = Path(run_dir)
     recipe = load_recipe(run_dir / "config.yaml")
     tokenizer = load_tokenizer(recipe.data.tokenizer)
-    model = load_weights_dir(run_dir / "final")
+    model = load_weights(run_dir / "final")
     ids = generate_ids(model, tokenizer.encode(prompt), max_new_tokens, temperature, top_k, tokenizer.eos_id, seed)
     return prompt + tokenizer.decode(ids)

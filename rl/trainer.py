@@ -15,7 +15,7 @@ import torch
 from orthon.core.plugins import resolve
 from orthon.pretrain.checkpoint import Checkpointer
 from orthon.core.metrics import MetricsLogger, plot_curves, read_metrics
-from orthon.pretrain.weights_dir import load_weights_dir, save_weights_dir
+from orthon.pretrain.weights import load_weights, save_weights
 from orthon.rl.buffer import DataBuffer
 from orthon.rl.engine import InProcessEngine
 from orthon.rl.logprobs import sample_log_probs
@@ -44,9 +44,9 @@ class RLTrainer:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.tokenizer = tokenizer
-        self.model = load_weights_dir(policy_dir).train()
+        self.model = load_weights(policy_dir).train()
         self.model.set_indexers_trainable(False)  # the policy loss never reaches the DSA indexers
-        self.engine = InProcessEngine(load_weights_dir(policy_dir), cfg.engine)
+        self.engine = InProcessEngine(load_weights(policy_dir), cfg.engine)
         self.task = resolve(cfg.task, "rl.task")(tokenizer, seed=cfg.seed, **cfg.task_args)
         self.reward = SafeReward.from_config(cfg.reward) if cfg.reward else SafeReward(self.task.reward_fn)
         self.buffer = DataBuffer(cfg.buffer.num_repeat_per_sample, self.task.task_type)
@@ -243,7 +243,7 @@ class RLTrainer:
         if not self.checkpointer.has(self.iteration):
             self.save_checkpoint()
         metrics.close()
-        save_weights_dir(self.model, self.run_dir / "final")
+        save_weights(self.model, self.run_dir / "final")
         records = read_metrics(self.run_dir / "metrics.jsonl")
         plot_curves(records, ["reward_mean", "eval_reward", "eval_greedy"], self.run_dir / "reward.png",
                     title="GRPO + IcePop: mean reward (train samples; held-out sampled and greedy)")
