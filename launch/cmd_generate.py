@@ -12,6 +12,13 @@ def register(parser, name):
 
 
 def run(args, name):
+    from pathlib import Path
+
+    from orthon.core.errors import OrthonError
+
+    if not Path(args.run_dir).is_dir():
+        raise OrthonError(f"{args.run_dir}: no such run directory (give the train.run_dir of a finished run, "
+                          f"e.g. runs/tiny after `orthon pretrain -c configs/tiny.yaml`)")
     from orthon.pretrain.generate import sample_text
 
     print(sample_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))

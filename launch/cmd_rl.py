@@ -15,6 +15,16 @@ def register(parser, name):
     parser.add_argument("--resume", action="store_true", help="continue rl.run_dir from its last good checkpoint")
 
 
+def resume_command(args, name) -> str | None:
+    """What to type after Ctrl-C (cli.py prints it)."""
+    import shlex
+
+    if not getattr(args, "started", False):
+        return None
+    words = ["orthon", "rl"] + (["-c", args.config] if args.config else []) + list(args.overrides) + ["--resume"]
+    return "resume with: " + " ".join(shlex.quote(str(w)) for w in words)
+
+
 def run(args, name):
     import yaml
 
@@ -37,6 +47,7 @@ def run(args, name):
     (run_dir / "source.txt").write_text(str(source.resolve()) + "\n")
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(recipe), sort_keys=False))
     trainer = RLTrainer(cfg, source / "final", load_tokenizer(pre.data.tokenizer), run_dir)
+    args.started = True
     if args.resume and not trainer.resume():
         print(f"no usable RL checkpoint in {run_dir}; starting at iteration 0")
     result = trainer.fit()

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from orthon.launch.args import add_recipe_args
+from orthon.launch.args import add_recipe_args, check_model_fits, require_recipe
 from orthon.pretrain.recipe import load_recipe
 from orthon.pretrain.model import GLMForCausalLM
 
@@ -17,7 +17,9 @@ def register(parser, name):
 
 
 def run(args, name):
+    require_recipe(args, name)
     recipe = load_recipe(args.config, args.overrides)
+    check_model_fits(recipe.model, command="train")
     s = recipe.smoke
     torch.manual_seed(s.seed)
     model = GLMForCausalLM(recipe.model)

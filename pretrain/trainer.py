@@ -28,7 +28,7 @@ from orthon.optim import batch_size_at, build_for_model, lr_at
 from orthon.core import distributed
 from orthon.pretrain import parallel
 from orthon.pretrain.checkpoint import Checkpointer
-from orthon.core.metrics import MetricsLogger, plot_curves, read_metrics
+from orthon.core.metrics import MetricsLogger, plot_training, read_metrics
 from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.moe import update_expert_bias
 from orthon.pretrain.weights import load_weights, save_weights
@@ -251,10 +251,10 @@ class Trainer:
         """The run's final weights (orthon weights dir, for `orthon export`, RL `--from`) and loss plot."""
         save_weights(self.model, self.run_dir / "final", state)
         records = read_metrics(self.run_dir / "metrics.jsonl")
-        plot_curves(records, ["loss", "eval_loss"], self.run_dir / "loss.png",
-                    title=f"pretraining loss ({self.recipe.model.hidden_size}-wide, "
-                          f"{self.recipe.model.num_hidden_layers} layers)",
-                    reference=math.log(self.recipe.model.vocab_size), reference_label="ln(vocab)")
+        plot_training(records, self.run_dir / "loss.png",
+                      title=f"pretraining loss ({self.recipe.model.hidden_size}-wide, "
+                            f"{self.recipe.model.num_hidden_layers} layers)",
+                      reference=math.log(self.recipe.model.vocab_size), reference_label="ln(vocab)")
 
 
 def write_run_config(run_dir: Path, recipe) -> None:
