@@ -177,3 +177,23 @@ def test_cli_export_casts_and_reshards_import_converts_the_old_layout(tmp_path):
     assert load_weights(tmp_path / "imp").config.sparse_impl == "gather"
     out = _cli("import", tmp_path / "pub", "--out", tmp_path / "x", "--set", "hidden_size=8")
     assert out.returncode == 2 and "not an orthon-only model field" in out.stderr
+
+
+def test_a_runs_final_dir_is_hf_layout_that_transformers_loads(tmp_path):
+    pytest.importorskip("transformers")
+    from pretrain_support import make_stores, orthon, write_recipe
+    from orthon.pretrain.recipe import load_recipe
+
+    stores = make_stores(tmp_path / "data")
+    recipe = write_recipe(tmp_path / "r.yaml", stores, tmp_path / "run", train={"max_steps": 2})
+    orthon("pretrain", "-c", recipe)
+    final = tmp_path / "run" / "final"
+    assert sorted(p.name for p in final.iterdir()) == ["config.json", "model.safetensors", SIDECAR]
+    assert json.loads((final / SIDECAR).read_text())["model"]["sparse_attention"] is False
+    model = load_weights(final).eval()
+    assert model.config == load_recipe(recipe).model
+    reference = hf_model_from_dir(final)
+    # transformers always runs DSA; up to index_topk (16) tokens its top-k keeps every key, as dense MLA does.
+    ids = torch.randint(0, model.config.vocab_size, (2, model.config.index_topk))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=1e-4, rtol=0)
