@@ -92,8 +92,10 @@ def hf_tensors(model: GLMForCausalLM, state: dict[str, torch.Tensor] | None = No
     if state is None:
         state = _persistent_state(model)
     else:
-        expected = _persistent_state(model)
-        missing = sorted(set(expected) - set(state))
+        expected = set(model.state_dict(keep_vars=True))  # names only (an FSDP model's are shards)
+        if model.config.tie_word_embeddings:
+            expected.discard("lm_head.weight")
+        missing = sorted(expected - set(state))
         if missing:
             raise CheckpointError(f"the state to save lacks {len(missing)} tensors of the model: {missing[:8]}")
         state = {k: v.detach().contiguous() for k, v in state.items() if k in expected}

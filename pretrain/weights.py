@@ -81,6 +81,9 @@ def save_weights(model: GLMForCausalLM, directory, state: dict | None = None, *,
     float32); ``max_shard_bytes`` sizes the safetensors shards. An existing weights directory is replaced
     whole; a directory holding other files is refused."""
     directory = Path(os.path.abspath(directory))
+    old = directory.with_name(directory.name + ".old")
+    if not directory.exists() and old.is_dir():  # a save that died between its two renames: put it back
+        os.replace(old, directory)
     if directory.exists():
         if not directory.is_dir():
             raise CheckpointError(f"{directory}: exists and is not a directory")
@@ -163,7 +166,8 @@ def load_weights(directory, device="cpu", dtype: torch.dtype | None = None, **or
     """The model of a weights directory (orthon's, or any HF ``glm_moe_dsa`` checkpoint).
 
     ``orthon_fields`` override the sidecar's orthon-only fields (e.g. ``sparse_impl="gather"``); without a
-    sidecar those fields take their defaults. Missing, extra or mis-shaped tensors and damaged files raise
+    sidecar those fields take their defaults. The model is float32 (whatever the files hold) unless
+    ``dtype`` says otherwise. Missing, extra or mis-shaped tensors and damaged files raise
     CheckpointError naming what is wrong."""
     config = load_config(directory, **orthon_fields)
     with torch.device("meta"):

@@ -135,6 +135,15 @@ def test_crash_during_save_keeps_the_previous_weights(tmp_path, monkeypatch):
         save_weights(GLMForCausalLM(small_config("dense")), tmp_path / "w")
     monkeypatch.undo()
     _same_state(first, load_weights(tmp_path / "w"))
+    # Died between its two renames: the previous weights wait under w.old, and the next save puts them back
+    # before replacing them.
+    (tmp_path / "w").rename(tmp_path / "w.old")
+    with pytest.raises(CheckpointError, match="a save was interrupted: w.old"):
+        load_weights(tmp_path / "w")
+    second = GLMForCausalLM(small_config("dense"))
+    save_weights(second, tmp_path / "w")
+    _same_state(second, load_weights(tmp_path / "w"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w"]
 
 
 def _cli(*args):
