@@ -136,6 +136,19 @@ def _quiet_interrupts() -> None:
         pass
 
 
+def _close_progress_bars() -> None:
+    """End a progress bar's line, so the interrupt message starts a line of its own."""
+    if "tqdm" not in sys.modules:
+        return
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        try:
+            bar.close()
+        except Exception:  # a bar half torn down by the interrupt: its line is not worth a traceback
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     threads, argv = _pop_threads(list(argv))
@@ -160,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         code = int(module.run(args, name) or 0)
     except KeyboardInterrupt:
         _quiet_interrupts()
+        _close_progress_bars()
         if _rank0():
             hint = getattr(module, "resume_command", lambda *_: None)(args, name)
             print(f"orthon {name}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
