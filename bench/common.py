@@ -30,7 +30,7 @@ def tiny_pair(overrides=()):
     import torch
     from transformers import GlmMoeDsaForCausalLM
 
-    from orthon.pretrain.hf_io import save_hf
+    from orthon.pretrain.weights import save_weights
     from orthon.pretrain.recipe import load_recipe
     from orthon.pretrain.config import RuntimeOptions
     from orthon.pretrain.model import GLMForCausalLM
@@ -40,6 +40,6 @@ def tiny_pair(overrides=()):
     torch.manual_seed(0)
     ours = GLMForCausalLM(config, runtime=RuntimeOptions(sparse_attention=True))
     with tempfile.TemporaryDirectory() as d:
-        save_hf(ours, d)
+        save_weights(ours, d)
         theirs = GlmMoeDsaForCausalLM.from_pretrained(d, dtype=torch.float32)
     return ours, theirs

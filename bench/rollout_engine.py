@@ -1,7 +1,7 @@
 """Rollout throughput: orthon's in-process engine against transformers' generate() on the same weights.
 
 configs/tiny.yaml's model with DSA on (transformers' glm_moe_dsa always runs its indexer), saved
-with save_hf and loaded by transformers' GlmMoeDsaForCausalLM. Every row gets a 32-token prompt and
+with save_weights and loaded by transformers' GlmMoeDsaForCausalLM. Every row gets a 32-token prompt and
 exactly 128 new tokens (no stop token), greedy on both by default or the same temperature / top-k
 with --sample. Generated tokens per second at batch 1, 8 and 64, in one run; the two run in turn
 and each keeps its fastest repeat (the machine is shared). orthon's time includes what the engine

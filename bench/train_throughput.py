@@ -34,7 +34,7 @@ def worker(variant: str, steps: int, batch: int, seq: int, weights: str) -> dict
 
     from orthon.pretrain.recipe import load_recipe
     from orthon.optim import build_for_model
-    from orthon.pretrain.hf_io import from_hf
+    from orthon.pretrain.weights import load_weights
 
     torch.manual_seed(0)
     recipe = load_recipe(ROOT / "configs/tiny.yaml", [f"model.index_topk={seq}", "runtime.sparse_attention=true"])
@@ -49,7 +49,7 @@ def worker(variant: str, steps: int, batch: int, seq: int, weights: str) -> dict
             logits = model(ids[:, :-1]).logits
             return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
     else:
-        model = from_hf(weights).train()
+        model = load_weights(weights, sparse_attention=True).train()
         algorithm = "muon" if variant == "orthon_muon" else "adamw"
         recipe = load_recipe(ROOT / "configs/tiny.yaml", [f"optim.algorithm={algorithm}"])
         opt = build_for_model(model, recipe.optim, recipe.schedule)
@@ -85,14 +85,14 @@ def main():
         return
     import torch
 
-    from orthon.pretrain.hf_io import save_hf
+    from orthon.pretrain.weights import save_weights
     from orthon.pretrain.model import GLMForCausalLM
     from orthon.pretrain.recipe import load_recipe
 
     config = load_recipe(ROOT / "configs/tiny.yaml", [f"model.index_topk={args.seq}"]).model
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as weights:
-        save_hf(GLMForCausalLM(config), weights)
+        save_weights(GLMForCausalLM(config), weights)
         results = {}
         for variant in VARIANTS:
             out = subprocess.run([sys.executable, __file__, "--worker", variant, "--weights", weights,

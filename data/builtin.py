@@ -158,14 +158,16 @@ def prepare_builtin(out_dir: str | Path, vocab_size: int = 4096, seed: int = 0, 
     if done.get("corpus_settings") == corpus_settings and done.get("corpus") and all(
             Path(p).is_file() for paths in done["corpus"].values() for p in paths):
         corpus = {split: [Path(p) for p in paths] for split, paths in done["corpus"].items()}
+        corpus_reused = True
     else:
+        corpus_reused = False
         done = {}
         corpus = build_corpus(root / "corpus", cfg)
         atomic_write_json(done_path, {"corpus_settings": corpus_settings,
                                       "corpus": {s: [str(p) for p in ps] for s, ps in corpus.items()}})
     seconds["corpus"] = time.perf_counter() - t
     log(f"built-in corpus: {sum(p.stat().st_size for ps in corpus.values() for p in ps) / 1e6:.1f} MB "
-        f"in {seconds['corpus']:.1f}s")
+        + ("(reused: already built)" if corpus_reused else f"in {seconds['corpus']:.1f}s"))
 
     t = time.perf_counter()
     tokenizer = Path(cfg.tokenizer) if cfg.tokenizer else root / f"tokenizer_{vocab_size}.model"
@@ -180,7 +182,8 @@ def prepare_builtin(out_dir: str | Path, vocab_size: int = 4096, seed: int = 0, 
                 "corpus": {s: [str(p) for p in ps] for s, ps in corpus.items()}}
         atomic_write_json(done_path, done)
     seconds["tokenizer"] = time.perf_counter() - t
-    log(f"tokenizer ({vocab_size} pieces): {tokenizer} in {seconds['tokenizer']:.1f}s")
+    log(f"tokenizer ({vocab_size} pieces): {tokenizer} "
+        + (f"in {seconds['tokenizer']:.1f}s" if retrained and not cfg.tokenizer else "(reused)"))
 
     t = time.perf_counter()
     stores: dict[str, dict[str, Path]] = {"train": {}, "valid": {}}
@@ -197,7 +200,8 @@ def prepare_builtin(out_dir: str | Path, vocab_size: int = 4096, seed: int = 0, 
                              log=None)
             stores[split][kind] = store
             tokens[f"{split}/{kind}"] = read_manifest(store)["totals"]["n_tokens"]
-            log(f"store {split}/{kind}: {tokens[f'{split}/{kind}']} tokens ({report.mb_per_s:.1f} MB/s)")
+            log(f"store {split}/{kind}: {tokens[f'{split}/{kind}']} tokens "
+                + (f"({report.mb_per_s:.1f} MB/s)" if report.shards_written else "(reused: already prepared)"))
     seconds["prepare"] = time.perf_counter() - t
 
     report = {"settings": settings, "tokens": tokens, "seconds": {k: round(v, 2) for k, v in seconds.items()}}

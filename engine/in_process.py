@@ -118,7 +118,7 @@ class InProcessEngine:
 
         ``weights``: a state dict (names of the model's state_dict), (name, tensor) pairs (a partial
         update, e.g. one bucket), a path to a weights directory (HF layout, config.json + safetensors
-        shards as ``orthon.pretrain.hf_io.save_hf`` writes them, or orthon's own weights directory) or
+        shards as ``orthon.pretrain.weights.save_weights`` writes them) or
         to one .safetensors file, or a ``WeightDelta`` (its ``apply_to(current state dict)`` returns
         the new tensors). Every name and shape is checked before anything is copied, so a bad update
         changes nothing. ``strict``: every tensor of the model must be given (a path always must: it

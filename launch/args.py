@@ -1,7 +1,68 @@
-"""Arguments shared by the commands."""
+"""Arguments shared by the commands, and the checks every command that builds a model makes first."""
 from __future__ import annotations
+
+import os
+
+from orthon.core.errors import ConfigError, OrthonError
 
 
 def add_recipe_args(parser) -> None:
     parser.add_argument("-c", "--config", help="YAML recipe (configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.hidden_size=512")
+
+
+def require_recipe(args, name: str) -> None:
+    """A command that allocates and trains a model needs a recipe: without one the recipe's defaults are
+    GLM-5 itself (744B parameters), which no laptop can hold."""
+    if not args.config:
+        raise OrthonError(f"no recipe given: add -c RECIPE, e.g. `orthon {name} -c configs/tiny.yaml` (the 8.6M-parameter "
+                          f"model that trains on a laptop CPU); without -c the defaults are GLM-5 itself "
+                          f"(configs/glm5.yaml, 744B parameters, a cluster's job)")
+
+
+BYTES_PER_PARAM = 16  # fp32 weights + gradients + two optimizer moments (AdamW; Muon keeps one)
+
+
+def machine_memory() -> tuple[int, str]:
+    """(bytes, what) of the memory a model is trained in: one GPU's, or this machine's RAM."""
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return props.total_memory, f"GPU memory ({props.name})"
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024, "memory"
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "memory"
+    except (ValueError, OSError, AttributeError):
+        return 0, "memory"
+
+
+def check_model_fits(model_config, parallel: str = "ddp", command: str = "train") -> None:
+    """Refuse, before anything is allocated, a model whose training state cannot fit: parameters (counted
+    on the meta device) x 16 bytes against one GPU's memory or this machine's RAM (shared by the
+    processes torchrun starts here). ORTHON_NO_MEMORY_CHECK=1 skips the check."""
+    if os.environ.get("ORTHON_NO_MEMORY_CHECK", "0") not in ("", "0"):
+        return
+    import torch
+
+    from orthon.pretrain.model_info import parameter_counts
+
+    n_params = sum(c["total"] for c in parameter_counts(model_config).values())
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    full = n_params * BYTES_PER_PARAM
+    share = full / world if parallel == "fsdp" and world > 1 else full  # one rank's part
+    need = share if torch.cuda.is_available() else share * local
+    have, what = machine_memory()
+    if have and need > have:
+        raise ConfigError(
+            f"model: {n_params / 1e9:,.2f}B parameters need about {need / 1e9:,.1f} GB to {command} "
+            f"({BYTES_PER_PARAM} bytes each: fp32 weights, gradients, optimizer state), more than this "
+            f"machine's {have / 1e9:,.1f} GB of {what}; choose a smaller model in the recipe (model.hidden_size, "
+            f"model.num_hidden_layers, model.n_routed_experts, ...; configs/tiny.yaml is 8.6M parameters), "
+            f"or set ORTHON_NO_MEMORY_CHECK=1")

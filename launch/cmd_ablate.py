@@ -7,7 +7,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from orthon.launch.args import add_recipe_args
+from orthon.launch.args import add_recipe_args, check_model_fits, require_recipe
 from orthon.pretrain.recipe import load_recipe
 
 
@@ -21,7 +21,9 @@ def run(args, name):
     from orthon.core.metrics import plot_curves, read_metrics
     from orthon.pretrain.trainer import Trainer, write_run_config
 
+    require_recipe(args, name)
     base = load_recipe(args.config, args.overrides)
+    check_model_fits(base.model, base.train.parallel, "train")
     ab = base.ablation
     out = Path(ab.out_dir)
     out.mkdir(parents=True, exist_ok=True)

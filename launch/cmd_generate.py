@@ -19,19 +19,20 @@ def sample_text(run_dir, prompt: str, max_new_tokens: int = 100, temperature: fl
                 top_p: float = 1.0, seed: int = 0) -> str:
     """The prompt and its continuation by the run's final model (RUN_DIR/final, the tokenizer its
     config.yaml names), ending at the tokenizer's end-of-sequence token or after max_new_tokens."""
-    from orthon.core.errors import ConfigError
+    from orthon.core.errors import ConfigError, OrthonError
     from orthon.data.tokenizer import load_tokenizer
     from orthon.engine.in_process import InProcessEngine
     from orthon.engine.sampling import SamplingParams
     from orthon.pretrain.recipe import load_recipe
-    from orthon.pretrain.weights_dir import load_weights_dir
+    from orthon.pretrain.weights import load_weights
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise FileNotFoundError(f"{run_dir}: the run directory does not exist")
+        raise OrthonError(f"{run_dir}: no such run directory (give the train.run_dir of a finished run, "
+                          f"e.g. runs/tiny after `orthon pretrain -c configs/tiny.yaml`)")
     for need in ("config.yaml", "final"):
         if not (run_dir / need).exists():
-            raise FileNotFoundError(f"{run_dir}: not a finished run directory (no {need})")
+            raise OrthonError(f"{run_dir}: not a finished run directory (no {need})")
     recipe = load_recipe(run_dir / "config.yaml")
     if not recipe.data.tokenizer:
         raise ConfigError(f"{run_dir / 'config.yaml'}: data.tokenizer: the run names no tokenizer")
@@ -39,18 +40,14 @@ def sample_text(run_dir, prompt: str, max_new_tokens: int = 100, temperature: fl
     eos = tokenizer.eos_id
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             stop_token_ids=() if eos is None else (eos,), seed=seed)
-    result = InProcessEngine(load_weights_dir(run_dir / "final")).generate([tokenizer.encode(prompt)], params)[0]
+    result = InProcessEngine(load_weights(run_dir / "final")).generate([tokenizer.encode(prompt)], params)[0]
     if not result.ok:
-        raise ValueError(result.error)
+        raise OrthonError(f"prompt: {result.error}")
     tokens = result.tokens[:-1] if result.finish_reason == "stop" else result.tokens  # the eos is not text
     return prompt + tokenizer.decode(tokens)
 
 
 def run(args, name):
-    try:
-        text = sample_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                           args.seed)
-    except (FileNotFoundError, ValueError) as exc:  # ConfigError (a ValueError) included
-        raise SystemExit(f"orthon {name}: {exc}") from None
-    print(text)
+    print(sample_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                      args.seed))
     return 0

@@ -43,6 +43,14 @@ def _evaluate(runs: list[str], cfg, out_dir) -> None:
     print(f"report: {Path(out_dir) / 'eval.txt'}, heat map: {Path(out_dir) / 'eval.png'}")
 
 
+def resume_command(args, name) -> str | None:
+    """What to type after Ctrl-C (cli.py prints it)."""
+    if args.eval:
+        return None
+    run_dir = args.resume or getattr(args, "started_run_dir", None)
+    return f"resume with: orthon midtrain --resume {run_dir}" if run_dir else None
+
+
 def run(args, name):
     from orthon.midtrain.config import LongEvalConfig
     from orthon.midtrain.stages import PLAN_NAME, load_plan, run_plan
@@ -63,6 +71,7 @@ def run(args, name):
             raise SystemExit(f"orthon midtrain: {plan.run_dir} already holds stages; use --resume {plan.run_dir} "
                              f"or another run_dir")
     start = time.perf_counter()
+    args.started_run_dir = str(plan.run_dir)
     summaries = run_plan(plan)
     for s in summaries:
         eval_loss = s.get("final_eval_loss")

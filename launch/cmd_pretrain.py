@@ -9,7 +9,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from orthon.launch.args import add_recipe_args
+from orthon.core.errors import OrthonError
+from orthon.launch.args import add_recipe_args, check_model_fits, require_recipe
 from orthon.pretrain.recipe import Recipe, load_recipe
 
 
@@ -34,14 +35,37 @@ def with_builtin_data(recipe: Recipe, log=print) -> Recipe:
     return replace(recipe, data=data)
 
 
+def resume_command(args, name) -> str:
+    """What to type after Ctrl-C (cli.py prints it)."""
+    run_dir = args.resume or getattr(args, "started_run_dir", None)
+    if run_dir is None:  # stopped before the run directory was set up: the same command starts it
+        import shlex
+        import sys
+
+        return "nothing trained yet; start again with: orthon " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    checkpoints = Path(run_dir) / "checkpoints"
+    steps = sorted(int(p.name.split("_")[1]) for p in checkpoints.glob("step_*")
+                   if p.is_dir() and p.name.split("_")[1].isdigit()) if checkpoints.is_dir() else []
+    where = f"newest checkpoint: step {steps[-1]}" if steps else "no checkpoint yet, it restarts at step 0"
+    return f"resume with: orthon pretrain --resume {run_dir} ({where})"
+
+
 def run(args, name):
     from orthon.pretrain.trainer import CONFIG_NAME, Trainer, write_run_config
 
     if args.resume:
         run_dir = Path(args.resume)
+        if not (run_dir / CONFIG_NAME).is_file():
+            raise OrthonError(f"--resume {run_dir}: " + ("no such run directory" if not run_dir.is_dir() else
+                                                         f"no {CONFIG_NAME} (not a run directory, or the run was "
+                                                         f"stopped before it started: run its pretrain command again)"))
         recipe = load_recipe(run_dir / CONFIG_NAME, args.overrides)
+        check_model_fits(recipe.model, recipe.train.parallel, "train")
     else:
-        recipe = with_builtin_data(load_recipe(args.config, args.overrides))
+        require_recipe(args, name)
+        recipe = load_recipe(args.config, args.overrides)
+        check_model_fits(recipe.model, recipe.train.parallel, "train")  # before the corpus, before any weights
+        recipe = with_builtin_data(recipe)
         run_dir = Path(recipe.train.run_dir)
         if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
             raise SystemExit(f"orthon pretrain: {run_dir} already holds checkpoints; use --resume {run_dir} "
@@ -50,6 +74,7 @@ def run(args, name):
     trainer = Trainer(recipe, run_dir)
     if trainer.rank == 0 and not args.resume:
         write_run_config(run_dir, replace(recipe, train=replace(recipe.train, run_dir=str(run_dir))))
+    args.started_run_dir = str(run_dir)
     if args.resume and not trainer.resume():
         trainer.log(f"no usable checkpoint in {run_dir}; starting from step 0")
     result = trainer.fit()

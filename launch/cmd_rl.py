@@ -14,12 +14,22 @@ def register(parser, name):
     parser.add_argument("--resume", action="store_true", help="continue train.run_dir from its last good checkpoint")
 
 
+def resume_command(args, name) -> str | None:
+    """What to type after Ctrl-C (cli.py prints it)."""
+    import shlex
+
+    if not getattr(args, "started", False):
+        return None
+    words = ["orthon", "rl"] + (["-c", args.config] if args.config else []) + list(args.overrides) + ["--resume"]
+    return "resume with: " + " ".join(shlex.quote(str(w)) for w in words)
+
+
 def run(args, name):
     from orthon.core.files import atomic_write_text
     from orthon.data.tokenizer import load_tokenizer
     from orthon.pretrain.recipe import load_recipe
     from orthon.pretrain.trainer import write_run_config
-    from orthon.pretrain.weights_dir import load_weights_dir
+    from orthon.pretrain.weights import load_config, load_runtime
     from orthon.rl.recipe import load_rl_recipe
     from orthon.rl.trainer import RLTrainer
 
@@ -34,13 +44,14 @@ def run(args, name):
     if not pre.data.tokenizer:
         raise SystemExit(f"orthon rl: {source}/config.yaml names no tokenizer (data.tokenizer)")
     policy = source / "final"
-    # The policy's architecture is the source run's; the RL recipe's model section is not used.
-    recipe = replace(recipe, model=load_weights_dir(policy).config,
+    # The policy's architecture and runtime are the source run's; the RL recipe's model section is not used.
+    recipe = replace(recipe, model=load_config(policy), runtime=load_runtime(policy),
                      train=replace(recipe.train, init_from=str(policy)))
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "source.txt", str(source.resolve()) + "\n")
     write_run_config(run_dir, recipe)
     trainer = RLTrainer(recipe, load_tokenizer(pre.data.tokenizer))
+    args.started = True
     if args.resume and not trainer.resume():
         print(f"no usable RL checkpoint in {run_dir}; starting at iteration 0")
     result = trainer.fit()

@@ -7,7 +7,7 @@ import math
 import tempfile
 from dataclasses import replace
 
-from orthon.launch.args import add_recipe_args
+from orthon.launch.args import add_recipe_args, check_model_fits, require_recipe
 from orthon.pretrain.recipe import load_recipe
 
 
@@ -22,7 +22,9 @@ def run(args, name):
     from orthon.optim.config import ScheduleConfig
     from orthon.pretrain.trainer import Trainer
 
+    require_recipe(args, name)
     recipe = load_recipe(args.config, args.overrides)
+    check_model_fits(recipe.model, command="train")
     s = recipe.smoke
     recipe = replace(recipe, schedule=ScheduleConfig(peak_lr=s.lr, floor_lr=s.lr, warmup_tokens=0, total_tokens=1,
                                                      total_steps=s.steps),

@@ -250,13 +250,13 @@ def evaluate_run(path, cfg: LongEvalConfig, log=print) -> dict:
     from orthon.data.store import TokenStore
     from orthon.data.tokenizer import load_tokenizer
     from orthon.pretrain.recipe import load_recipe
-    from orthon.pretrain.weights_dir import load_weights_dir
+    from orthon.pretrain.weights import load_weights
 
     run_dir, weights = resolve_run(path)
     recipe = load_recipe(run_dir / "config.yaml")
     if not recipe.data.tokenizer or not recipe.data.valid:
         raise ValueError(f"{run_dir}: the run names no tokenizer or held-out stores (data.tokenizer, data.valid)")
-    model = load_weights_dir(weights).eval()
+    model = load_weights(weights).eval()
     tokenizer = load_tokenizer(recipe.data.tokenizer)
     # Recall documents hold needles of their own; the haystack is plain held-out text.
     haystack = Haystack([TokenStore(s.path) for s in recipe.data.valid if s.name != "recall"])

@@ -4,7 +4,9 @@ and FSDP layouts), trainer state as JSON, a manifest of sha256 checksums, writte
 Layout: RUN_DIR/checkpoints/step_00000120/{*.distcp, .metadata, trainer_state.json, manifest.json}.
 A checkpoint is written into ``step_N.tmp`` and renamed once its manifest is complete, so a crash
 leaves no directory that looks finished. Loading verifies every checksum; a truncated or corrupted
-checkpoint is reported and the previous good one is used.
+checkpoint is reported and the previous good one is used. At the next save a checkpoint found bad is
+moved aside to ``checkpoints/corrupt/`` (kept for inspection, never counted by ``keep_last``), and
+pruning never removes the newest checkpoint known to be good.
 """
 from __future__ import annotations
 
@@ -12,17 +14,32 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from orthon.core.distributed import barrier, rank
+from orthon.core.distributed import barrier, is_distributed, rank
 from orthon.core.errors import CheckpointError
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
+CORRUPT_DIR = "corrupt"
+
+
+@contextmanager
+def _single_process_quiet():
+    """DCP warns on every save and load that torch.distributed is not initialised and it works in one
+    process; in a single-process run that is the intent, so the warning is dropped there (and only there)."""
+    if is_distributed():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def _sha256(path: Path) -> str:
@@ -44,12 +61,15 @@ def verify(path: Path) -> None:
         raise CheckpointError(f"{manifest}: unreadable ({exc})") from None
     for name, expected in entries.items():
         f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"{path}: file {name} is missing")
-        if f.stat().st_size != expected["size"]:
-            raise CheckpointError(f"{path}: file {name} is {f.stat().st_size} bytes, expected {expected['size']} (truncated?)")
-        if _sha256(f) != expected["sha256"]:
-            raise CheckpointError(f"{path}: file {name} fails its checksum (corrupted)")
+        try:
+            if not f.is_file():
+                raise CheckpointError(f"{path}: file {name} is missing")
+            if f.stat().st_size != expected["size"]:
+                raise CheckpointError(f"{path}: file {name} is {f.stat().st_size} bytes, expected {expected['size']} (truncated?)")
+            if _sha256(f) != expected["sha256"]:
+                raise CheckpointError(f"{path}: file {name} fails its checksum (corrupted)")
+        except OSError as exc:  # vanished or unreadable while being checked
+            raise CheckpointError(f"{path}: file {name} cannot be read ({exc})") from None
 
 
 class Checkpointer:
@@ -57,6 +77,8 @@ class Checkpointer:
         self.root = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
         self.log = log
+        self.bad: set[str] = set()  # checkpoints latest_good() found unusable; moved aside at the next save
+        self.good: str | None = None  # the newest checkpoint known to verify (found, or written here)
 
     def step_dirs(self) -> list[Path]:
         if not self.root.is_dir():
@@ -73,19 +95,47 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         barrier()
         model_state, optim_state = get_state_dict(model, optimizers)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+        with _single_process_quiet():
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
         barrier()
         if rank() == 0:
             (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state))
             files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
             (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
+            self._move_bad_aside()
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            for old in self.step_dirs()[: -self.keep_last] if self.keep_last > 0 else []:
-                shutil.rmtree(old, ignore_errors=True)
+            self.good = final.name
+            self._prune()
         barrier()
         return final
+
+    def _move_bad_aside(self) -> None:
+        """Checkpoints found unusable go to checkpoints/corrupt/ (a later name if one is there already)."""
+        for name in sorted(self.bad):
+            path = self.root / name
+            if not path.is_dir():
+                continue
+            target = self.root / CORRUPT_DIR / name
+            n = 1
+            while target.exists():
+                target = self.root / CORRUPT_DIR / f"{name}.{n}"
+                n += 1
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(path, target)
+            self.log(f"moved the unusable checkpoint {name} aside to {target}")
+        self.bad.clear()
+
+    def _prune(self) -> None:
+        """Keep the newest ``keep_last`` checkpoints, and always the newest one known to be good."""
+        dirs = self.step_dirs()
+        keep = set(p.name for p in dirs[-self.keep_last:]) if self.keep_last > 0 else set()
+        if self.good:
+            keep.add(self.good)
+        for old in dirs:
+            if old.name not in keep:
+                shutil.rmtree(old, ignore_errors=True)
 
     def has(self, step: int) -> bool:
         dirs = self.step_dirs()
@@ -96,8 +146,10 @@ class Checkpointer:
         for path in reversed(self.step_dirs()):
             try:
                 verify(path)
+                self.good = path.name
                 return path
             except CheckpointError as exc:
+                self.bad.add(path.name)
                 self.log(f"checkpoint {path.name} is unusable, falling back: {exc}")
         return None
 
@@ -105,7 +157,8 @@ class Checkpointer:
         """Load into an already-built (and already-sharded) model and optimizers; returns trainer state."""
         model_state, optim_state = get_state_dict(model, optimizers)
         state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=str(path))
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path))
         set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=StateDictOptions(strict=True))
         return json.loads((path / TRAINER_STATE).read_text())

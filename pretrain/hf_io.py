@@ -1,5 +1,8 @@
 """Hugging Face interop: the ``GlmMoeDsaForCausalLM`` directory layout (config.json + safetensors
-shards + index), read and written without importing transformers."""
+shards + index), read and written without importing transformers.
+
+This is the codec of orthon's one model-weights format; ``orthon.pretrain.weights`` (save_weights /
+load_weights) adds the orthon sidecar and builds the model."""
 from __future__ import annotations
 
 import json
@@ -8,21 +11,17 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from orthon.core.errors import CheckpointError
-from orthon.pretrain.config import ModelConfig, RuntimeOptions
+from orthon.core.files import atomic_write_json, fsync_file
 from orthon.pretrain.model import GLMForCausalLM
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-
-
-def _atomic_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+CONFIG_NAME = "config.json"
+DEFAULT_SHARD_BYTES = 5 * 1024**3
 
 
 def _persistent_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -84,56 +83,102 @@ def experts_from_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_hf(model: GLMForCausalLM, directory, max_shard_bytes: int = 5 * 1024**3) -> None:
-    """Write config.json and safetensors shards; each file is written to a temp name then renamed,
-    config.json last, so a crash never leaves a directory that looks complete."""
+def hf_tensors(model: GLMForCausalLM, state: dict[str, torch.Tensor] | None = None,
+               dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The tensors an HF directory holds for ``model`` (or for ``state``, a full state dict of it, e.g.
+    gathered from FSDP shards): persistent tensors only, a tied head once (under the embedding's name),
+    routed experts one tensor each, on the CPU. ``dtype`` casts floating tensors, except the routers'
+    ``e_score_correction_bias`` (kept in float32: it decides expert selection by small margins)."""
+    if state is None:
+        state = _persistent_state(model)
+    else:
+        expected = set(model.state_dict(keep_vars=True))  # names only (an FSDP model's are shards)
+        if model.config.tie_word_embeddings:
+            expected.discard("lm_head.weight")
+        missing = sorted(expected - set(state))
+        if missing:
+            raise CheckpointError(f"the state to save lacks {len(missing)} tensors of the model: {missing[:8]}")
+        state = {k: v.detach().contiguous() for k, v in state.items() if k in expected}
+    out = {}
+    for key, tensor in experts_to_hf(state).items():
+        tensor = tensor.detach().cpu()
+        if dtype is not None and tensor.is_floating_point() and not key.endswith("e_score_correction_bias"):
+            tensor = tensor.to(dtype)
+        out[key] = tensor.contiguous()
+    return out
+
+
+def write_hf(directory, tensors: dict[str, torch.Tensor], config: dict,
+             max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
+    """Write safetensors shards (one ``model.safetensors`` when they fit in one, else numbered shards and
+    the index) and ``config.json`` into ``directory``; returns the files written. Each file goes to a
+    temporary name first, config.json last, so a crash never leaves a directory that looks complete."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = experts_to_hf(_persistent_state(model))
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, tensor in state.items():
+    for name, tensor in tensors.items():
         nbytes = tensor.numel() * tensor.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append({})
             size = 0
-        shards[-1][name] = tensor.cpu()
+        shards[-1][name] = tensor
         size += nbytes
     names = [SINGLE_NAME] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
     ]
-    weight_map = {}
+    written, weight_map = [], {}
     for shard, fname in zip(shards, names):
         tmp = directory / (fname + ".tmp")
         save_file(shard, str(tmp), metadata={"format": "pt"})
+        fsync_file(tmp)
         os.replace(tmp, directory / fname)
+        written.append(directory / fname)
         weight_map.update({k: fname for k in shard})
     stale = directory / (SINGLE_NAME if len(shards) > 1 else INDEX_NAME)
     if stale.exists():
         stale.unlink()
     if len(shards) > 1:
-        total = sum(t.numel() * t.element_size() for t in state.values())
-        _atomic_json(directory / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        atomic_write_json(directory / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        written.append(directory / INDEX_NAME)
+    atomic_write_json(directory / CONFIG_NAME, config)
+    written.append(directory / CONFIG_NAME)
+    return written
+
+
+def hf_config(model: GLMForCausalLM, tensors: dict[str, torch.Tensor]) -> dict:
+    """config.json for ``model`` whose weights are ``tensors`` (their dtype is the config's ``dtype``)."""
     config = model.config.to_hf_dict()
-    config["dtype"] = str(model.lm_head.weight.dtype).replace("torch.", "")
-    _atomic_json(directory / "config.json", config)
+    head = tensors.get("lm_head.weight", tensors.get("model.embed_tokens.weight"))
+    if head is not None:
+        config["dtype"] = str(head.dtype).replace("torch.", "")
+    return config
 
 
 def read_hf_config(directory) -> dict:
-    path = Path(directory) / "config.json"
+    path = Path(directory) / CONFIG_NAME
     if not path.is_file():
-        raise CheckpointError(f"{directory}: no config.json")
+        raise CheckpointError(f"{directory}: no {CONFIG_NAME}")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
 
 
-def _weight_files(directory: Path) -> list[Path]:
+def weight_files(directory) -> list[Path]:
+    """The safetensors files of an HF directory: those its index names, or the single model.safetensors."""
+    directory = Path(directory)
     index = directory / INDEX_NAME
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{index}: unreadable index ({type(exc).__name__}: {exc})") from None
     elif (directory / SINGLE_NAME).is_file():
         files = [SINGLE_NAME]
     else:
@@ -145,11 +190,15 @@ def _weight_files(directory: Path) -> list[Path]:
 
 
 def load_hf_state(directory) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF directory, routed experts stacked; a damaged file is named in the error."""
     state = {}
-    for path in _weight_files(Path(directory)):
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                state[key] = f.get_tensor(key)
+    for path in weight_files(directory):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    state[key] = f.get_tensor(key)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{path}: unreadable safetensors file, truncated or corrupted? ({exc})") from None
     return experts_from_hf(state)
 
 
@@ -178,21 +227,3 @@ def check_state(model: GLMForCausalLM, state: dict[str, torch.Tensor]) -> dict[s
                 f"tensor {key}: shape {tuple(state[key].shape)} does not match the config's {tuple(ref.shape)}"
             )
     return {k: state[k] for k in expected}
-
-
-def from_hf(directory, device="cpu", dtype: torch.dtype | None = None,
-            runtime: RuntimeOptions | None = None) -> GLMForCausalLM:
-    """Build the model from an HF-layout directory (config.json + safetensors).
-
-    ``runtime``: how the model runs (e.g. RuntimeOptions(sparse_impl="gather"))."""
-    config = ModelConfig.from_hf_dict(read_hf_config(directory))
-    with torch.device("meta"):
-        model = GLMForCausalLM(config, init=False, runtime=runtime)
-    state = check_state(model, load_hf_state(directory))
-    model.to_empty(device=device)
-    model.load_state_dict(state, strict=False)  # non-persistent buffers are absent from checkpoints
-    for router in model.moe_routers():
-        router.expert_load.zero_()
-    if dtype is not None:
-        model.to(dtype)
-    return model

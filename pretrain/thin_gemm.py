@@ -9,12 +9,14 @@ accumulators in AVX2 registers, so a weight is read once per call at close to me
 Built on first use from the C source below with the system C compiler into a per-user cache
 (keyed by the source's hash), loaded with ctypes. Where it cannot be built or run (no compiler, a
 CPU without AVX2 / FMA, ORTHON_THIN_GEMM=0) every call falls back to ``F.linear``: same values up
-to float summation order.
+to float summation order. The fallback is logged once per process with its reason (logger
+``orthon.pretrain.thin_gemm``; a warning, or info when ORTHON_THIN_GEMM=0 asked for it).
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import subprocess
@@ -24,6 +26,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 MAX_ROWS = 8  # above this MKL's blocked GEMM is as fast or faster
 PANEL = 16
@@ -132,7 +136,13 @@ def library() -> ctypes.CDLL | None:
                 try:
                     _lib = _build()
                 except (OSError, subprocess.SubprocessError) as exc:
-                    why_unavailable = f"could not build the kernel: {exc}"
+                    detail = getattr(exc, "stderr", None)
+                    detail = detail.decode(errors="replace").strip().splitlines()[-1:] if detail else []
+                    why_unavailable = f"could not build the kernel: {exc}" + (f" ({detail[0]})" if detail else "")
+            if why_unavailable is not None:
+                level = logging.INFO if os.environ.get("ORTHON_THIN_GEMM") == "0" else logging.WARNING
+                log.log(level, "orthon: thin-GEMM decode kernel unavailable, %s; decoding uses F.linear "
+                               "(same values, slower at small batches)", why_unavailable)
         return _lib
 
 

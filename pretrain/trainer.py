@@ -26,15 +26,15 @@ from orthon.core import distributed
 from orthon.core.config import to_dict
 from orthon.core.errors import ConfigError
 from orthon.core.files import atomic_write_bytes
-from orthon.core.metrics import MetricsLogger, plot_curves, read_metrics
 from orthon.data.loader import IGNORE_INDEX, TrainData, ValidData
 from orthon.optim import batch_size_at, build_for_model, lr_at
 from orthon.pretrain import parallel
 from orthon.pretrain.checkpoint import Checkpointer
+from orthon.core.metrics import MetricsLogger, plot_training, read_metrics
 from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.steps import NextTokenStep, TrainStep
 from orthon.pretrain.moe import update_expert_bias
-from orthon.pretrain.weights_dir import load_weights_dir, save_weights_dir
+from orthon.pretrain.weights import load_weights, save_weights
 
 CONFIG_NAME = "config.yaml"
 
@@ -65,7 +65,7 @@ def initial_weights(source, config) -> dict:
     """The state dict of ``source`` (a run directory's final/ or a weights directory), checked to hold
     the model ``config`` describes."""
     path = Path(source)
-    loaded = load_weights_dir(path / "final" if (path / "final").is_dir() else path)
+    loaded = load_weights(path / "final" if (path / "final").is_dir() else path)
     differ = [f.name for f in dataclasses.fields(config) if getattr(loaded.config, f.name) != getattr(config, f.name)]
     if differ:
         raise ConfigError(f"train.init_from: {source} holds another model (model.{', model.'.join(differ)} differ)")
@@ -301,12 +301,12 @@ class Trainer:
 
     def finish(self, state: dict) -> None:
         """The run's final weights (orthon weights dir, for `orthon export`, RL `--from`) and loss plot."""
-        save_weights_dir(self.model, self.run_dir / "final", state)
+        save_weights(self.model, self.run_dir / "final", state)
         records = read_metrics(self.run_dir / "metrics.jsonl")
-        plot_curves(records, ["loss", "eval_loss"], self.run_dir / "loss.png",
-                    title=f"{self.cfg.progress_label} loss ({self.recipe.model.hidden_size}-wide, "
-                          f"{self.recipe.model.num_hidden_layers} layers)",
-                    reference=math.log(self.recipe.model.vocab_size), reference_label="ln(vocab)")
+        plot_training(records, self.run_dir / "loss.png",
+                      title=f"{self.cfg.progress_label} loss ({self.recipe.model.hidden_size}-wide, "
+                            f"{self.recipe.model.num_hidden_layers} layers)",
+                      reference=math.log(self.recipe.model.vocab_size), reference_label="ln(vocab)")
         self.step_fn.finish(self, records)
 
 

@@ -21,7 +21,7 @@ from orthon.engine.in_process import InProcessEngine
 from orthon.engine.sampling import SamplingParams
 from orthon.core.plugins import resolve
 from orthon.pretrain.trainer import Trainer
-from orthon.pretrain.weights_dir import load_weights_dir, save_weights_dir
+from orthon.pretrain.weights import load_weights, save_weights
 from orthon.rl.buffer import DataBuffer
 from orthon.rl.loss import grpo_advantages
 from orthon.rl.rewards.registry import SafeReward
@@ -39,12 +39,12 @@ class RLTrainer:
         policy = recipe.train.init_from
         reference = None
         if self.cfg.loss.kl_coef > 0:
-            reference = load_weights_dir(policy).eval().requires_grad_(False)
+            reference = load_weights(policy).eval().requires_grad_(False)
         self.trainer = Trainer(recipe, self.run_dir, log, step=PolicyStep(self.cfg.loss, reference), with_data=False)
         self.model = self.trainer.model
         if reference is not None:
             reference.to(self.trainer.device)
-        self.engine = engine or InProcessEngine(load_weights_dir(policy, device=self.trainer.device), self.cfg.engine)
+        self.engine = engine or InProcessEngine(load_weights(policy, device=self.trainer.device), self.cfg.engine)
         seed = recipe.train.seed
         self.task = resolve(self.cfg.task, "rl.task")(tokenizer, seed=seed, **self.cfg.task_args)
         self.reward = SafeReward.from_config(self.cfg.reward) if self.cfg.reward else SafeReward(self.task.reward_fn)
@@ -203,7 +203,7 @@ class RLTrainer:
         if not self.trainer.checkpointer.has(self.trainer.step):
             self.save_checkpoint()
         metrics.close()
-        save_weights_dir(self.model, self.run_dir / "final")
+        save_weights(self.model, self.run_dir / "final")
         records = read_metrics(self.run_dir / "metrics.jsonl")
         plot_curves(records, ["reward_mean", "eval_reward", "eval_greedy"], self.run_dir / "reward.png",
                     title="GRPO + IcePop: mean reward (train samples; held-out sampled and greedy)")

@@ -65,3 +65,39 @@ def test_damage_is_detected_and_loading_round_trips(tmp_path):
     assert ckpt.latest_good().name == "step_00000002"
     (ckpt.step_dirs()[0] / "manifest.json").unlink()
     assert ckpt.latest_good() is None
+
+
+@pytest.mark.parametrize("keep_last", [1, 2])
+def test_truncated_newest_is_moved_aside_and_never_costs_the_good_one(tmp_path, keep_last):
+    model, opt = _model_opt()
+    ckpt = Checkpointer(tmp_path, keep_last=2, log=lambda *_: None)
+    for step in (4, 8):
+        ckpt.save(step, model, [opt], {"step": step})
+    newest = tmp_path / "checkpoints" / "step_00000008"
+    victim = max((p for p in newest.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+
+    messages = []
+    resumed = Checkpointer(tmp_path, keep_last=keep_last, log=messages.append)  # a resumed run's
+    assert resumed.latest_good().name == "step_00000004"
+    assert any("step_00000008 is unusable" in m and "truncated" in m for m in messages)
+    resumed.save(6, model, [opt], {"step": 6})  # the resumed run's next checkpoint
+    kept = [p.name for p in resumed.step_dirs()]
+    assert kept == (["step_00000006"] if keep_last == 1 else ["step_00000004", "step_00000006"])
+    assert (tmp_path / "checkpoints" / "corrupt" / "step_00000008").is_dir()  # kept aside, not counted
+    assert resumed.latest_good().name == "step_00000006"
+    resumed.save(8, model, [opt], {"step": 8})  # the same step name again: no clash with the corrupt copy
+    assert [p.name for p in resumed.step_dirs()][-1] == "step_00000008"
+    verify(resumed.step_dirs()[-1])
+
+
+def test_single_process_save_and_load_do_not_warn(tmp_path):
+    import warnings
+
+    model, opt = _model_opt()
+    ckpt = Checkpointer(tmp_path, keep_last=1, log=lambda *_: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ckpt.save(1, model, [opt], {"step": 1})
+        ckpt.load(ckpt.latest_good(), model, [opt])
+    assert not [w for w in caught if "torch.distributed is disabled" in str(w.message)]

@@ -140,3 +140,14 @@ def test_full_builtin_corpus(tmp_path):
     assert paths.report["tokens"]["train/code"] > 1_000_000
     assert paths.report["tokens"]["train/arithmetic"] > 500_000
     assert load_tokenizer(paths.tokenizer).vocab_size == 4096
+
+
+def test_reused_builtin_corpus_says_so(small_builtin):
+    lines = []
+    prepare_builtin(small_builtin.root, vocab_size=600, seed=0, log=lines.append, arithmetic_problems=3000,
+                    max_code_mb=0.4, valid_fraction=0.05, workers=1)
+    assert not [line for line in lines if "MB/s" in line], lines
+    stores = [line for line in lines if line.startswith("store ")]
+    assert stores and all("(reused: already prepared)" in line for line in stores), lines
+    assert any(line.startswith("built-in corpus") and "reused" in line for line in lines)
+    assert any(line.startswith("tokenizer") and "(reused)" in line for line in lines)

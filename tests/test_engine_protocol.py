@@ -10,7 +10,7 @@ from orthon.core.errors import CheckpointError
 from orthon.engine import Engine, GenerationResult, InProcessEngine, SamplingParams, WeightDelta
 from orthon.engine.protocol import FINISH_REASONS
 from orthon.pretrain import GLMForCausalLM
-from orthon.pretrain.hf_io import save_hf
+from orthon.pretrain.weights import save_weights
 from orthon.pretrain.logprobs import sequence_log_probs
 from orthon.rl.sample import FINISH_STATUS, Sample, SampleStatus, to_sample
 
@@ -93,7 +93,7 @@ def test_update_weights_from_a_state_dict():
 @pytest.mark.parametrize("case", ["moe", "dsa"])  # moe: HF's per-expert tensors stack back into orthon's
 def test_update_weights_from_an_hf_directory_and_a_safetensors_file(case, tmp_path):
     model, other = _pair(case)
-    save_hf(other, tmp_path / "hf")
+    save_weights(other, tmp_path / "hf")
     assert (tmp_path / "hf" / "config.json").is_file()
     engine = InProcessEngine(model)
     before = engine.generate(PROMPTS, SAMPLED)
@@ -106,7 +106,7 @@ def test_update_weights_from_an_hf_directory_and_a_safetensors_file(case, tmp_pa
     # Back to the first weights from one safetensors file (a str path this time).
     first = GLMForCausalLM(model.config).eval()
     first.reset_parameters(seed=7)
-    save_hf(first, tmp_path / "first")
+    save_weights(first, tmp_path / "first")
     assert engine.update_weights(str(tmp_path / "first" / "model.safetensors")) == 6
     _assert_results_of(engine, engine.generate(PROMPTS, SAMPLED), first)
 
@@ -121,11 +121,11 @@ def test_bad_weight_paths_change_nothing(tmp_path):
     with pytest.raises(CheckpointError, match="no model.safetensors"):
         engine.update_weights(tmp_path / "empty")
     wider = GLMForCausalLM(small_config("moe", hidden_size=model.config.hidden_size * 2))
-    save_hf(wider, tmp_path / "wider")
+    save_weights(wider, tmp_path / "wider")
     with pytest.raises(CheckpointError, match="shape"):
         engine.update_weights(tmp_path / "wider")
     smaller = GLMForCausalLM(small_config("moe", num_hidden_layers=model.config.num_hidden_layers - 1))
-    save_hf(smaller, tmp_path / "smaller")
+    save_weights(smaller, tmp_path / "smaller")
     with pytest.raises(CheckpointError, match="missing tensors"):
         engine.update_weights(tmp_path / "smaller")
     assert engine.weight_version == 0
@@ -201,7 +201,6 @@ def test_finish_reasons_map_to_sample_statuses():
 def run_dir(tmp_path_factory):
     from orthon.core.config import to_dict
     from orthon.pretrain.recipe import Recipe
-    from orthon.pretrain.weights_dir import save_weights_dir
     from test_data_support import train_tiny_tokenizer
 
     tmp = tmp_path_factory.mktemp("generate_run")
@@ -215,21 +214,21 @@ def run_dir(tmp_path_factory):
     run.mkdir()
     (run / "config.yaml").write_text(yaml.safe_dump(data))
     torch.manual_seed(0)
-    save_weights_dir(GLMForCausalLM(recipe.model), run / "final")
+    save_weights(GLMForCausalLM(recipe.model), run / "final")
     return run
 
 
 def test_generate_cli_greedy_is_the_models_greedy_continuation(run_dir, capsys):
     from orthon.data.tokenizer import load_tokenizer
     from orthon.pretrain.recipe import load_recipe
-    from orthon.pretrain.weights_dir import load_weights_dir
+    from orthon.pretrain.weights import load_weights
     from test_data_support import run_cli
 
     assert run_cli("generate", [str(run_dir), "--prompt", "def f(x):", "--temperature", "0",
                                 "--max-new-tokens", "10"]) == 0
     printed = capsys.readouterr().out
     tokenizer = load_tokenizer(load_recipe(run_dir / "config.yaml").data.tokenizer)
-    model = load_weights_dir(run_dir / "final").eval()
+    model = load_weights(run_dir / "final").eval()
     ids = tokenizer.encode("def f(x):")
     with torch.no_grad():
         for _ in range(10):
@@ -250,8 +249,10 @@ def test_generate_cli_greedy_is_the_models_greedy_continuation(run_dir, capsys):
 def test_generate_cli_names_a_missing_run_directory(tmp_path):
     from test_data_support import run_cli
 
-    with pytest.raises(SystemExit, match="nosuch: the run directory does not exist"):
+    from orthon.core.errors import OrthonError
+
+    with pytest.raises(OrthonError, match="nosuch: no such run directory"):
         run_cli("generate", [str(tmp_path / "nosuch")])
     (tmp_path / "half").mkdir()
-    with pytest.raises(SystemExit, match="no config.yaml"):
+    with pytest.raises(OrthonError, match="no config.yaml"):
         run_cli("generate", [str(tmp_path / "half")])

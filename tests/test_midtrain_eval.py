@@ -17,7 +17,7 @@ from orthon.midtrain.eval import (answer_matches, answer_nll, copy_nll, evaluate
                                   needle_answer, place_needle, repeated_sequences, resolve_run)
 from orthon.engine.in_process import EngineConfig, InProcessEngine
 from orthon.pretrain.model import GLMForCausalLM
-from orthon.pretrain.weights_dir import save_weights_dir
+from orthon.pretrain.weights import save_weights
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -105,14 +105,14 @@ def run_dir(tmp_path_factory):
     run = tmp / "run"
     run.mkdir()
     (run / "config.yaml").write_text(yaml.safe_dump(data))
-    save_weights_dir(GLMForCausalLM(recipe.model), run / "final")
+    save_weights(GLMForCausalLM(recipe.model), run / "final")
     return run
 
 
 def test_perplexity_by_position_matches_direct_computation(run_dir):
     from orthon.data.loader import ValidData
     from orthon.pretrain.recipe import load_recipe
-    from orthon.pretrain.weights_dir import load_weights_dir
+    from orthon.pretrain.weights import load_weights
 
     cfg = LongEvalConfig(lengths=[48], depths=[0.0, 1.0], trials=2, ppl_length=48, ppl_buckets=4, ppl_samples=3)
     result = evaluate_run(run_dir, cfg, log=lambda *_: None)
@@ -123,7 +123,7 @@ def test_perplexity_by_position_matches_direct_computation(run_dir):
     assert set(nats) == {0.0, 1.0} and all(v > math.log(10) for v in nats.values())
 
     recipe = load_recipe(run_dir / "config.yaml")
-    model = load_weights_dir(run_dir / "final").eval()
+    model = load_weights(run_dir / "final").eval()
     from dataclasses import replace
 
     batch = next(ValidData(replace(recipe.data, seq_len=48), max_samples=3).batches(3))

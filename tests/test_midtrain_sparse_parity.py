@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hf_reference import hf_model_from_dir, small_model
-from orthon.pretrain.hf_io import save_hf
+from orthon.pretrain.weights import save_weights
 from orthon.pretrain.attention import attention_mask
 from orthon.pretrain.layers import rope_cos_sin
 
@@ -38,7 +38,7 @@ def test_sparse_model_matches_transformers_at_length(impl, tmp_path):
     pytest.importorskip("transformers")
     model = small_model("indexshare", index_topk=48, sparse_impl=impl, query_chunk=128).eval()
     config = model.config
-    save_hf(model, tmp_path)
+    save_weights(model, tmp_path)
     reference = hf_model_from_dir(tmp_path)
     ids = torch.randint(0, config.vocab_size, (1, T))
     with torch.no_grad():

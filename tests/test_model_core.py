@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_reference import SMALL, small_config, small_model
-from orthon.pretrain.hf_io import save_hf
+from orthon.pretrain.weights import save_weights
 from orthon.core.errors import ConfigError
 from orthon.pretrain import GLMForCausalLM, ModelConfig, from_hf
 from orthon.core.errors import CheckpointError
@@ -44,7 +44,7 @@ def test_hf_dir_with_missing_or_misshaped_tensors(tmp_path):
     from safetensors.torch import load_file, save_file
 
     model = GLMForCausalLM(small_config("moe"))
-    save_hf(model, tmp_path)
+    save_weights(model, tmp_path)
     weights = tmp_path / "model.safetensors"
     state = load_file(str(weights))
     good = dict(state)

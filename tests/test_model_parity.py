@@ -4,7 +4,8 @@ import torch
 
 from hf_reference import CASES, hf_model_from_dir, randomize_router_bias, small_config, small_model
 from orthon.pretrain import GLMForCausalLM, from_hf
-from orthon.pretrain.hf_io import save_hf, load_hf_state
+from orthon.pretrain.hf_io import load_hf_state
+from orthon.pretrain.weights import save_weights
 
 transformers = pytest.importorskip("transformers")
 
@@ -15,7 +16,7 @@ SEQ = 40  # longer than index_topk (8) in the DSA cases
 def test_orthon_to_hf_logits(case, tmp_path):
     model = GLMForCausalLM(small_config(case)).eval()
     randomize_router_bias(model)
-    save_hf(model, tmp_path)
+    save_weights(model, tmp_path)
     reference = hf_model_from_dir(tmp_path)
     ids = torch.randint(0, model.config.vocab_size, (2, SEQ))
     with torch.no_grad():
@@ -39,7 +40,7 @@ def test_hf_to_orthon_logits_and_round_trip(case, tmp_path):
     ids = torch.randint(0, model.config.vocab_size, (2, SEQ))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=1e-4, rtol=0)
-    save_hf(model, back_dir)
+    save_weights(model, back_dir)
     assert _raw_keys(hf_dir) == _raw_keys(back_dir)  # the same on-disk names (one tensor per expert)
     original, again = load_hf_state(hf_dir), load_hf_state(back_dir)
     assert original.keys() == again.keys()
@@ -60,7 +61,7 @@ def _raw_keys(directory):
 @pytest.mark.parametrize("impl", ["mask", "gather"])
 def test_sparse_impls_match_hf(impl, tmp_path):
     model = small_model("indexshare", sparse_impl=impl, query_chunk=7).eval()
-    save_hf(model, tmp_path)
+    save_weights(model, tmp_path)
     reference = hf_model_from_dir(tmp_path)
     ids = torch.randint(0, model.config.vocab_size, (2, SEQ))
     with torch.no_grad():
@@ -113,7 +114,7 @@ def test_cli_import_export_round_trip(tmp_path):
     import sys
 
     model = GLMForCausalLM(small_config("indexshare"))
-    save_hf(model, tmp_path / "hf")
+    save_weights(model, tmp_path / "hf")
     run = lambda *a: subprocess.run([sys.executable, "-m", "orthon.launch.cli", *map(str, a)], check=True,
                                     capture_output=True, text=True)
     run("import", tmp_path / "hf", "--out", tmp_path / "orthon")

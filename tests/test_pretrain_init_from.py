@@ -6,14 +6,14 @@ from pretrain_support import make_stores, orthon, write_recipe
 from orthon.core.errors import ConfigError
 from orthon.pretrain.recipe import load_recipe
 from orthon.pretrain.trainer import Trainer
-from orthon.pretrain.weights_dir import load_weights_dir
+from orthon.pretrain.weights import load_weights
 
 
 def test_init_from_starts_from_the_source_weights_and_checks_the_model(tmp_path):
     stores = make_stores(tmp_path / "data")
     source = tmp_path / "source"
     orthon("pretrain", "-c", write_recipe(tmp_path / "a.yaml", stores, source, train={"max_steps": 3}))
-    trained = load_weights_dir(source / "final").state_dict()
+    trained = load_weights(source / "final").state_dict()
 
     recipe_path = write_recipe(tmp_path / "b.yaml", stores, tmp_path / "b", train={"init_from": str(source)})
     model = Trainer(load_recipe(recipe_path, []), tmp_path / "b").model

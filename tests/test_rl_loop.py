@@ -6,7 +6,7 @@ import torch
 import yaml
 
 from orthon.pretrain import GLMForCausalLM, ModelConfig, RuntimeOptions
-from orthon.pretrain.weights_dir import save_weights_dir
+from orthon.pretrain.weights import save_weights
 from pretrain_support import MODEL, orthon
 from test_data_support import train_tiny_tokenizer
 
@@ -17,7 +17,7 @@ def _pretrain_dir(tmp_path):
     torch.manual_seed(0)
     model = GLMForCausalLM(ModelConfig(**{**MODEL, "vocab_size": 512, "index_topk": 8}),
                            runtime=RuntimeOptions(sparse_attention=True))
-    save_weights_dir(model, run / "final")
+    save_weights(model, run / "final")
     (run / "config.yaml").write_text(yaml.safe_dump({"data": {"tokenizer": str(tok)}}))
     return run
 

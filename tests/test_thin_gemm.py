@@ -60,3 +60,34 @@ def test_disabled_or_unbuildable_falls_back(tmp_path):
     if thin_gemm._cpu_has_avx2_fma():
         assert out.splitlines()[0] == "True True [[4.0, 4.0, 4.0, 4.0]]" and "could not build" in out
     assert not list((tmp_path / "cache").glob("*.so"))  # no half-built library left behind
+
+
+def test_fallback_is_logged_once_with_its_reason(monkeypatch, caplog):
+    import logging
+
+    monkeypatch.setattr(thin_gemm, "_tried", False)
+    monkeypatch.setattr(thin_gemm, "_lib", None)
+    monkeypatch.setattr(thin_gemm, "why_unavailable", None)
+    monkeypatch.setattr(thin_gemm, "_cpu_has_avx2_fma", lambda: False)
+    monkeypatch.delenv("ORTHON_THIN_GEMM", raising=False)
+    with caplog.at_level(logging.INFO, logger="orthon.pretrain.thin_gemm"):
+        assert thin_gemm.library() is None
+        assert thin_gemm.library() is None
+        PackedLinear(torch.ones(4, 4))
+    records = [r for r in caplog.records if r.name == "orthon.pretrain.thin_gemm"]
+    assert len(records) == 1 and records[0].levelno == logging.WARNING
+    assert "AVX2" in records[0].getMessage() and "F.linear" in records[0].getMessage()
+
+
+def test_unbuildable_kernel_says_so_on_stderr(tmp_path):
+    import os
+
+    if not thin_gemm._cpu_has_avx2_fma():
+        pytest.skip("the CPU lacks AVX2 / FMA: the build is never tried")
+    code = ("from orthon.pretrain import thin_gemm; import torch;"
+            "[thin_gemm.PackedLinear(torch.ones(4, 4)) for _ in range(3)]")
+    env = {**os.environ, "ORTHON_CACHE": str(tmp_path / "cache"), "CC": "false"}
+    env.pop("ORTHON_THIN_GEMM", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    lines = [line for line in out.stderr.splitlines() if "thin-GEMM" in line]
+    assert len(lines) == 1 and "could not build the kernel" in lines[0]

@@ -1,0 +1,207 @@
+"""orthon's one model-weights format: the Hugging Face ``glm_moe_dsa`` layout plus a small sidecar.
+
+A weights directory (every run's ``final/``, what ``orthon import`` / ``orthon export`` write, what RL,
+generation and evaluation read) is what transformers' ``GlmMoeDsaForCausalLM.from_pretrained`` loads:
+
+    config.json                         the HF config (ModelConfig's HF fields)
+    model.safetensors                   or model-0000i-of-0000n.safetensors + model.safetensors.index.json
+    orthon.json                         the sidecar: the model's RuntimeOptions (how it runs: sparse attention
+                                        on or off, the sparse kernel, chunk sizes), which HF has no key for
+
+transformers ignores the sidecar; a directory without it (a real HF checkpoint) loads with the
+default RuntimeOptions. Resumable training state (optimizer, data position, RNG) is not here: that
+is a DCP checkpoint (``orthon.pretrain.checkpoint``).
+
+A save writes a complete directory beside the target (``NAME.tmp``) and swaps it in with renames, so
+a crash never leaves a directory that mixes two saves or looks complete when it is not.
+
+The format lives here rather than in ``hf_io`` because ``hf_io`` is the layout's codec (tensor names,
+shards, config.json; nothing orthon-specific): the sidecar, the directory swap and the errors for the
+old orthon layout are orthon's policy on top of it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from orthon.core.errors import CheckpointError, ConfigError
+from orthon.core.files import atomic_write_json
+import orthon.pretrain.hf_io as hf_io
+from orthon.core.config import build, to_dict
+from orthon.pretrain.config import ModelConfig, RuntimeOptions
+from orthon.pretrain.model import GLMForCausalLM
+
+SIDECAR = "orthon.json"
+SIDECAR_FORMAT = "orthon-weights"
+SIDECAR_VERSION = 1
+# The layout orthon wrote before the HF layout became its format: no config.json.
+OLD_LAYOUT = ("recipe.yaml", "model.safetensors")
+# What a weights directory may hold; a save replaces the directory whole, so it refuses one holding
+# anything else (it is not ours to delete).
+_OURS = {hf_io.CONFIG_NAME, hf_io.SINGLE_NAME, hf_io.INDEX_NAME, SIDECAR, "generation_config.json", "recipe.yaml"}
+
+
+def _is_ours(name: str) -> bool:
+    return name in _OURS or (name.startswith("model-") and name.endswith(".safetensors"))
+
+
+def sidecar(runtime: RuntimeOptions) -> dict:
+    """The sidecar's contents for a model that runs with ``runtime``."""
+    return {"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, "runtime": to_dict(runtime)}
+
+
+def read_sidecar(directory) -> dict:
+    """The RuntimeOptions fields saved beside the weights; {} without a sidecar (an HF checkpoint)."""
+    path = Path(directory) / SIDECAR
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != SIDECAR_FORMAT:
+        raise CheckpointError(f"{path}: not an orthon sidecar (no \"format\": \"{SIDECAR_FORMAT}\")")
+    if data.get("version") != SIDECAR_VERSION:
+        raise CheckpointError(f"{path}: sidecar version {data.get('version')!r}; this orthon reads version "
+                              f"{SIDECAR_VERSION}")
+    fields = data.get("runtime") or {}
+    try:
+        build(RuntimeOptions, fields, "runtime")
+    except ConfigError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+    return dict(fields)
+
+
+def save_weights(model: GLMForCausalLM, directory, state: dict | None = None, *, dtype: torch.dtype | None = None,
+                 max_shard_bytes: int = hf_io.DEFAULT_SHARD_BYTES) -> Path:
+    """Write ``model`` (or ``state``, a full state dict of it, e.g. gathered from FSDP shards) as a weights
+    directory: HF layout + sidecar. ``dtype`` casts the floating tensors (the routers' selection bias stays
+    float32); ``max_shard_bytes`` sizes the safetensors shards. An existing weights directory is replaced
+    whole; a directory holding other files is refused."""
+    directory = Path(os.path.abspath(directory))
+    old = directory.with_name(directory.name + ".old")
+    if not directory.exists() and old.is_dir():  # a save that died between its two renames: put it back
+        os.replace(old, directory)
+    if directory.exists():
+        if not directory.is_dir():
+            raise CheckpointError(f"{directory}: exists and is not a directory")
+        foreign = sorted(p.name for p in directory.iterdir() if not _is_ours(p.name))
+        if foreign:
+            raise CheckpointError(f"{directory}: holds files that are not model weights ({', '.join(foreign[:5])}); "
+                                  f"save into an empty or new directory")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tensors = hf_io.hf_tensors(model, state, dtype)
+    hf_io.write_hf(tmp, tensors, hf_io.hf_config(model, tensors), max_shard_bytes)
+    atomic_write_json(tmp / SIDECAR, sidecar(model.runtime))
+    _swap_in(tmp, directory)
+    return directory
+
+
+def _swap_in(tmp: Path, directory: Path) -> None:
+    old = directory.with_name(directory.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if directory.exists():
+        os.replace(directory, old)
+    os.replace(tmp, directory)
+    shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(directory.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def check_weights_dir(directory) -> Path:
+    """``directory`` as a Path once it looks like a weights directory; a CheckpointError says what it is
+    instead (missing, the old orthon layout, no config.json)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        hint = ""
+        for suffix in (".old", ".tmp"):
+            if directory.with_name(directory.name + suffix).is_dir():
+                hint = f" (a save was interrupted: {directory.name}{suffix} beside it holds a copy)"
+                break
+        raise CheckpointError(f"{directory}: no such weights directory{hint}")
+    if not (directory / hf_io.CONFIG_NAME).is_file():
+        if all((directory / name).is_file() for name in OLD_LAYOUT):
+            raise CheckpointError(
+                f"{directory}: the old orthon weights layout (recipe.yaml + model.safetensors, no config.json); "
+                f"weights are now the Hugging Face layout (config.json + safetensors + {SIDECAR}). "
+                f"Convert it with: orthon import {directory} --out {directory}")
+        raise CheckpointError(f"{directory}: no {hf_io.CONFIG_NAME} (not a weights directory: expected the "
+                              f"Hugging Face layout, config.json + safetensors)")
+    return directory
+
+
+def load_config(directory) -> ModelConfig:
+    """The ModelConfig (the architecture) of a weights directory: its config.json."""
+    directory = check_weights_dir(directory)
+    try:
+        config = ModelConfig.from_hf_dict(hf_io.read_hf_config(directory))
+    except ConfigError as exc:
+        raise ConfigError(f"{directory / hf_io.CONFIG_NAME}: {exc}") from None
+    if config.indexer_types is not None and set(config.indexer_types) == {"full"}:
+        # config.json always lists every layer; ModelConfig's canonical "all full" is None (what a
+        # recipe that never mentions IndexShare holds), so a saved config compares equal to its recipe.
+        config = config.replace(indexer_types=None)
+    return config
+
+
+def load_runtime(directory, **runtime_fields) -> RuntimeOptions:
+    """How the saved model runs: the sidecar's RuntimeOptions (defaults without one), then ``runtime_fields``."""
+    fields = {**read_sidecar(check_weights_dir(directory)), **runtime_fields}
+    return build(RuntimeOptions, fields, "runtime")
+
+
+def load_weights(directory, device="cpu", dtype: torch.dtype | None = None, **runtime_fields) -> GLMForCausalLM:
+    """The model of a weights directory (orthon's, or any HF ``glm_moe_dsa`` checkpoint).
+
+    ``runtime_fields`` override the sidecar's RuntimeOptions (e.g. ``sparse_impl="gather"``); without a
+    sidecar they take their defaults. The model is float32 (whatever the files hold) unless ``dtype``
+    says otherwise. Missing, extra or mis-shaped tensors and damaged files raise CheckpointError naming
+    what is wrong."""
+    config = load_config(directory)
+    runtime = load_runtime(directory, **runtime_fields)
+    with torch.device("meta"):
+        model = GLMForCausalLM(config, init=False, runtime=runtime)
+    state = hf_io.check_state(model, hf_io.load_hf_state(directory))
+    model.to_empty(device=device)
+    if config.tie_word_embeddings:  # to_empty gives each module its own tensor: tie the head again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.load_state_dict(state, strict=False)  # non-persistent buffers are absent from checkpoints
+    for router in model.moe_routers():
+        router.expert_load.zero_()
+    if dtype is not None:
+        model.to(dtype)
+    return model
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size such as ``5GB``, ``500MB``, ``2GiB`` or ``1000000``."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    raw = str(text).strip().lower().replace("_", "")
+    number = raw.rstrip("kmgtib")
+    unit = raw[len(number):]
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise CheckpointError(f"size {text!r}: expected a number with an optional unit (e.g. 5GB, 500MB)") from None
+    if value <= 0:
+        raise CheckpointError(f"size {text!r}: must be positive")
+    return int(value)

@@ -1,0 +1,90 @@
+"""What the command line prints when things go wrong: one line, never a traceback."""
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pretrain_support import ROOT, env, make_stores, orthon, write_recipe
+from orthon.launch.cli import pick_threads
+
+
+def _one_line(proc) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
+
+
+def test_orthon_errors_are_one_line_with_exit_code_2(tmp_path):
+    proc = orthon("generate", tmp_path / "nosuch", check=False)
+    assert proc.returncode == 2
+    assert _one_line(proc) == (f"orthon generate: {tmp_path / 'nosuch'}: no such run directory (give the "
+                               f"train.run_dir of a finished run, e.g. runs/tiny after `orthon pretrain -c configs/tiny.yaml`)")
+    proc = orthon("export", tmp_path / "nosuch", "--out", tmp_path / "x", check=False)
+    assert proc.returncode == 2 and _one_line(proc) == f"orthon export: {tmp_path / 'nosuch'}: no such weights directory"
+    proc = orthon("pretrain", "--resume", tmp_path / "nosuch", check=False)
+    assert proc.returncode == 2 and "no such run directory" in _one_line(proc)
+
+
+@pytest.mark.parametrize("command", ["pretrain", "smoke", "ablate"])
+def test_a_model_building_command_without_recipe_names_one(command):
+    proc = orthon(command, check=False)
+    assert proc.returncode == 2
+    line = _one_line(proc)
+    assert line.startswith(f"orthon {command}: no recipe given") and f"orthon {command} -c configs/tiny.yaml" in line
+
+
+def test_a_model_too_large_for_the_machine_is_refused_before_allocation():
+    start = time.perf_counter()
+    proc = orthon("pretrain", "-c", ROOT / "configs/glm5.yaml", check=False)
+    assert proc.returncode == 2
+    line = _one_line(proc)
+    assert "743.91B parameters" in line and "model.hidden_size" in line and "ORTHON_NO_MEMORY_CHECK" in line
+    assert time.perf_counter() - start < 120  # counted on the meta device, nothing built
+
+
+def test_ctrl_c_stops_with_one_line_naming_resume(tmp_path):
+    stores = make_stores(tmp_path / "data")
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", stores, run_dir, train={"max_steps": 400, "checkpoint_interval": 2})
+    proc = subprocess.Popen([sys.executable, "-m", "orthon.launch.cli", "pretrain", "-c", str(recipe)], cwd=ROOT,
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    target = run_dir / "checkpoints" / "step_00000002"
+    deadline = time.time() + 300
+    while not target.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert lines[0].startswith(f"orthon pretrain: interrupted; resume with: orthon pretrain --resume {run_dir} "
+                               f"(newest checkpoint: step "), lines[0]
+    # The printed command works.
+    command = lines[0].split("resume with: ")[1].split(" (")[0].split()
+    newest = int(lines[0].split("newest checkpoint: step ")[1].rstrip(")"))
+    assert command[:3] == ["orthon", "pretrain", "--resume"]
+    out = orthon(*command[1:], f"train.max_steps={newest + 2}")
+    assert f"at step {newest}" in out.stdout and not out.stderr
+
+
+def test_thread_choice():
+    assert pick_threads(3, {"OMP_NUM_THREADS": "2"})[0] == 3
+    assert pick_threads(None, {"OMP_NUM_THREADS": "2"}) == (2, "OMP_NUM_THREADS", False)
+    assert pick_threads(None, {}, measure=lambda: (2, 1.95)) == (2, "1.9 of 2 cores idle", False)  # quiet: every core
+    assert pick_threads(None, {}, measure=lambda: (2, 1.05)) == (1, "1.1 of 2 cores idle", True)  # the idle core only
+    assert pick_threads(None, {}, measure=lambda: (2, 0.1))[0] == 1
+    assert pick_threads(None, {}, measure=lambda: (8, None))[0] == 8
+
+
+def test_idle_cores_sees_a_busy_core():
+    import os
+
+    from orthon.launch.cli import idle_cores
+
+    cores, idle = idle_cores(0.1)
+    if idle is None or not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no per-core CPU times here")
+    assert cores == len(os.sched_getaffinity(0)) and 0.0 <= idle <= cores + 0.01
