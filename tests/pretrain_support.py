@@ -86,6 +86,20 @@ def losses(run_dir: Path) -> dict[int, float]:
             if "loss" in r}
 
 
+def resumed_from(log: str) -> tuple[Path, int]:
+    """The checkpoint directory a resumed run names in its log ("resumed from DIR at step N"), and N."""
+    import re
+
+    match = re.search(r"resumed from (\S+) at step (\d+)", log)
+    assert match, f"the log names no checkpoint it resumed from:\n{log[-3000:]}"
+    return Path(match[1]), int(match[2])
+
+
+def records_up_to(lines: list[str], step: int) -> list[str]:
+    """The metrics.jsonl lines of steps <= step (what a resume at that step keeps)."""
+    return [line for line in lines if json.loads(line)["step"] <= step]
+
+
 def sample_ids(run_dir: Path) -> list[int]:
     return [i for line in (run_dir / "samples.jsonl").read_text().splitlines() for i in json.loads(line)["ids"]]
 

@@ -1,9 +1,11 @@
 """The ablation's arithmetic, hand-checked, and `orthon ablate` end to end on a small recipe."""
 import json
 
+import pytest
 import yaml
 
-from orthon.optim.ablation import moving_average, steps_to_reach, summarize
+from orthon.optim.ablation import format_table, moving_average, steps_to_reach, summarize
+from plot_support import cycle_colour, pixels_of, read_png
 from pretrain_support import make_stores, orthon, write_recipe
 
 
@@ -28,11 +30,29 @@ def test_orthon_ablate_runs_every_variant(tmp_path):
     recipe = write_recipe(tmp_path / "r.yaml", stores, tmp_path / "unused", train={"max_steps": 6},
                           ablation={"out_dir": str(tmp_path / "ab"), "smooth": 2})
     out = orthon("ablate", "-c", recipe)
-    rows = json.loads((tmp_path / "ab" / "summary.json").read_text())
-    assert [r["variant"] for r in rows] == ["adamw", "muon", "muon_split"]
-    for name in ("loss.png", "max_attn_logit.png", "table.md"):
-        assert (tmp_path / "ab" / name).stat().st_size > 0
-    assert "| muon_split |" in out.stdout
+    ab = tmp_path / "ab"
+    rows = json.loads((ab / "summary.json").read_text())
+    variants = ["adamw", "muon", "muon_split"]
+    assert [r["variant"] for r in rows] == variants
+    # The summary's numbers are those of each variant's own metrics file: 6 steps each, the final loss the
+    # mean of the last 2 (smooth=2), the steps to reach adamw's final loss as summarize finds them.
+    curves = {}
+    for name in variants:
+        records = [r for r in map(json.loads, (ab / name / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+        curves[name] = ([r["step"] for r in records], [r["loss"] for r in records])
+        assert curves[name][0] == [1, 2, 3, 4, 5, 6]
+    assert [r["final_loss"] for r in rows] == pytest.approx([(curves[n][1][-2] + curves[n][1][-1]) / 2 for n in variants],
+                                                            abs=1e-4)
+    assert rows == summarize(curves, {r["variant"]: r["wall_s"] for r in rows}, "adamw", 2)
+    # The table (file and stdout) is the summary's rows.
+    table = format_table(rows, "adamw")
+    assert (ab / "table.md").read_text() == table + "\n" and table in out.stdout
+    # Both plots: 7 x 4.2 inches at 110 dpi, with one curve (its line and markers) per variant in the
+    # colours matplotlib gives a variant's line in order: a plot missing a variant's curve lacks its colour.
+    for name in ("loss.png", "max_attn_logit.png"):
+        image = read_png(ab / name)
+        assert image.shape == (462, 770, 3), name
+        assert [pixels_of(image, cycle_colour(i)) > 20 for i in range(3)] == [True] * 3, name
     # each variant ran with its own optimizer setting
     assert yaml.safe_load((tmp_path / "ab" / "adamw" / "config.yaml").read_text())["optim"]["algorithm"] == "adamw"
     assert yaml.safe_load((tmp_path / "ab" / "muon" / "config.yaml").read_text())["optim"]["muon_split"] is False

@@ -131,7 +131,9 @@ def test_crash_mid_shard_leaves_no_half_written_file(tmp_path, tok):
 
     flag.unlink()
     report = prepare(cfg, log=None)
+    # The rerun kept the finished shards and wrote exactly the rest: the manifest lists both, nothing twice.
     assert report.shards_resumed == done and report.shards_written > 0
+    assert done + report.shards_written == len(_manifest(tmp_path / "out")["shards"])
     clean = prepare(_cfg([src], tmp_path / "clean", tok, workers=1, shard_mb=0.0005), log=None)
     assert _docs(tmp_path / "out") == _docs(tmp_path / "clean")
     assert report.docs_kept + sum(_manifest(tmp_path / "out")["shards"][i]["n_docs"] for i in range(done)) \

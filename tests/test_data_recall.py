@@ -47,8 +47,8 @@ def test_each_definition_is_restated_later_with_its_value(seed):
     # Removing the inserted lines gives back a contiguous (wrapped) run of the code's lines.
     kept = [line for line in doc.splitlines() if not PAIR.match(line)]
     lines = code.splitlines()
-    start = next(i for i in range(len(lines)) if (lines[i:] + lines[:i])[: len(kept)] == kept)
-    assert start >= 0
+    starts = [i for i in range(len(lines)) if (lines[i:] + lines[:i])[: len(kept)] == kept]
+    assert starts, "the code lines left after removing the pairs are not a contiguous run of the code"
     # The window holds about max(1, chars // 300) pairs.
     assert len(by_name) == max(1, (sum(len(x) + 1 for x in kept)) // 300)
 

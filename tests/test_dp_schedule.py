@@ -71,7 +71,9 @@ def test_split_to_multiple():
     bins = [[0, 5], [1, 2, 3, 4]]
     out = split_to_multiple(bins, lengths, 4)
     assert len(out) == 4 and sorted(i for b in out for i in b) == list(range(6))
-    assert all(len(b) >= 1 for b in out)
+    # By hand: the heavier bin (5+4+3+2 = 14 against 7) halves greedily, heaviest first, to [1, 4] | [2, 3]
+    # (7 | 7); then three bins weigh 7 each and the tie goes to the first: [0, 5] -> [0] | [5].
+    assert out == [[0], [5], [1, 4], [2, 3]]
     # nothing left to split: padded with empty micro-batches
     out = split_to_multiple([[0], [1], [2]], lengths, 4)
     assert out == [[0], [1], [2], []]

@@ -91,7 +91,11 @@ def test_recompute_has_gradients_and_entropy():
     torch.testing.assert_close(out.entropy[0, 0], -(p * p.log()).sum(), atol=1e-5, rtol=0)
     assert out.entropy[1, 1] == 0
     out.log_probs[out.mask].sum().backward()
-    assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
+    # The gradient is that of the same three log-probs computed one sequence at a time, by hand.
+    second = torch.log_softmax(model(torch.tensor([seqs[1]])).logits[0].float(), -1)[1, 12]
+    (direct,) = torch.autograd.grad(expected.sum() + second, model.lm_head.weight)
+    assert direct.abs().max() > 0
+    torch.testing.assert_close(model.lm_head.weight.grad, direct, atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="non-empty prompt"):
         sequence_log_probs(model, [[1, 2]], [2])
 
@@ -119,7 +123,8 @@ def test_waves_keep_request_order():
 
 
 def test_stop_token_ends_its_row_and_is_kept_with_its_log_prob():
-    engine = InProcessEngine(_model())
+    model = _model()
+    engine = InProcessEngine(model)
     prompts = _prompts()
     free = engine.generate(prompts, _greedy(16))
     stop = free[1].tokens[4]  # row 1 must stop at its 5th token (or earlier if it appears before)
@@ -135,7 +140,11 @@ def test_stop_token_ends_its_row_and_is_kept_with_its_log_prob():
         # Rows that left the batch early do not disturb the rest (KVCache.select).
         torch.testing.assert_close(b.log_probs, a.log_probs[:end], atol=1e-5, rtol=0)
     assert len(stopped[1].tokens) == first + 1 and stopped[1].tokens[-1] == stop
-    assert math.isfinite(float(stopped[1].log_probs[-1]))
+    # The stop token's recorded log-prob is the model's own for that token after the row's prefix.
+    with torch.no_grad():
+        rescored = sequence_log_probs(model, [prompts[1] + stopped[1].tokens], [first + 1]).log_probs[0]
+    assert float(stopped[1].log_probs[-1]) == pytest.approx(float(rescored[-1]), abs=1e-5)
+    assert -math.log(model.config.vocab_size) <= float(rescored[-1]) < 0  # a greedy pick: at least 1 / V
 
 
 def test_default_stop_is_eos_and_immediate_stop_gives_one_token():

@@ -2,6 +2,7 @@
 computation, and the report (table, JSON, heat map) from `orthon midtrain --eval`."""
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 import yaml
 
 from hf_reference import small_config
+from plot_support import colormap_colour, cycle_colour, pixels_of, read_png
 from test_data_support import corpus_texts, make_store, run_cli, train_tiny_tokenizer
 from orthon.core.config import to_dict
 from orthon.pretrain.recipe import Recipe
@@ -166,8 +168,24 @@ def test_cli_eval_writes_table_json_and_heat_map(run_dir, tmp_path):
     assert run_cli("midtrain", ["--eval", str(run_dir), "-c", str(plan), "--out", str(tmp_path / "out")]) == 0
     report = json.loads((tmp_path / "out" / "eval.json").read_text())
     assert list(report) == ["run"] and list(report["run"]["passkey"]) == ["32", "64"]
+    r = report["run"]
     table = (tmp_path / "out" / "eval.txt").read_text()
     assert "L=32" in table and "L=64" in table and "perplexity by position" in table and "copying" in table
+    # The table prints the report's numbers (2 decimals): passkey rows (2 trials a cell: 0, 1/2 or 1) with
+    # their mean, perplexity by position over 2 buckets of 64, and copying NLLs.
+    lines = table.splitlines()
+    at = next(i for i, line in enumerate(lines) if "passkey accuracy" in line)
+    for line, (length, row) in zip(lines[at + 1 : at + 3], r["passkey"].items()):
+        assert set(row) == {"0.0", "0.5", "1.0"} and all(a in (0.0, 0.5, 1.0) for a in row.values())
+        values = [*row.values(), sum(row.values()) / 3]
+        assert line.split() == [f"L={length}", *(f"{a:.2f}" for a in values)]
+    assert [(b["start"], b["end"]) for b in r["ppl_by_position"]] == [(0, 32), (32, 64)]
+    ppl = next(line for line in lines if "perplexity by position" in line)
+    assert re.findall(r"\[(\d+),(\d+)\): (\S+)", ppl) == [(str(b["start"]), str(b["end"]), f"{b['ppl']:.2f}")
+                                                         for b in r["ppl_by_position"]]
+    copying = next(line for line in lines if "copying" in line)
+    assert re.findall(r"L=(\d+): (\S+) / (\S+)", copying) == [(L, f"{c['first']:.2f}", f"{c['repeat']:.2f}")
+                                                              for L, c in r["copy_nll"].items()]
     assert "nats per key digit" in table and set(report["run"]["passkey_answer_nll"]) == {"32", "64"}
     assert set(report["run"]["copy_nll"]) == {"32", "64"}
     heads = report["run"]["heads"]
@@ -176,8 +194,13 @@ def test_cli_eval_writes_table_json_and_heat_map(run_dir, tmp_path):
         assert len(h["layers"]) == 3 and all(0 <= x[key] <= 1 for x in h["layers"] for key in x)
     # The tiny test model is untrained: its attention is near uniform, as the uniform levels say.
     assert heads["64"]["uniform_previous_token"] == pytest.approx(sum(1 / (t + 1) for t in range(1, 64)) / 63)
-    png = (tmp_path / "out" / "eval.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    # The figure: one heat map and the perplexity panel, (4.2 * 2) x 3.8 inches at 110 dpi. Every passkey
+    # accuracy in the report is painted in its viridis colour, and the perplexity curve in the first line colour.
+    image = read_png(tmp_path / "out" / "eval.png")
+    assert image.shape == (418, 924, 3)
+    for accuracy in {a for row in r["passkey"].values() for a in row.values()}:
+        assert pixels_of(image, colormap_colour("viridis", accuracy)) > 500, accuracy
+    assert pixels_of(image, cycle_colour(0)) > 20
 
 
 def test_resolve_run_errors_name_the_directory(tmp_path):

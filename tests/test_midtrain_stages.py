@@ -2,6 +2,7 @@
 touching only the indexers, IndexShare, the LR segments, optimizer state carried across stages, bad
 plans failing before training, and SIGKILL + resume inside a stage reproducing the uninterrupted run."""
 import json
+import re
 import subprocess
 import sys
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 import yaml
 
-from pretrain_support import ROOT, env, kill_when, make_stores, orthon, sample_ids, write_recipe
+from pretrain_support import (ROOT, env, kill_when, make_stores, orthon, records_up_to, resumed_from, sample_ids,
+                              write_recipe)
 
 # `orthon midtrain`, whether or not launch/cli.py lists it yet.
 CLI = ("import sys; from orthon.launch import cli; "
@@ -140,10 +142,21 @@ def test_indexshare_stage_drops_shared_indexers(reference):
 
 def test_finished_plan_reruns_nothing(reference, source):
     run, _ = reference
-    sizes = {s: (run / "stages" / s / "metrics.jsonl").stat().st_size for s in STAGES}
+    stages = run / "stages"
+    stamps = {p: p.stat().st_mtime_ns for p in stages.rglob("*") if p.is_file()}
     out = midtrain("--resume", run, "--no-eval")
-    assert "stage share" in out.stdout
-    assert {s: (run / "stages" / s / "metrics.jsonl").stat().st_size for s in STAGES} == sizes
+    # No stage started, no file under stages/ was written again (a deterministic rerun would rewrite
+    # the metrics with the same bytes, so compare modification times), and none was added.
+    assert re.search(r"stage \d+ '\w+': seq_len", out.stdout) is None, out.stdout
+    assert {p: p.stat().st_mtime_ns for p in stages.rglob("*") if p.is_file()} == stamps
+    # The rerun prints each stage's recorded summary: the steps and tokens the plan gives (512, 1024 and
+    # 512 tokens at 256 a step), and the last training loss and held-out loss of the stage's metrics file.
+    for stage, name, steps, tokens in zip(STAGES, ["long", "dsa", "share"], [2, 4, 2], [512, 1024, 512]):
+        records = [json.loads(line) for line in (stages / stage / "metrics.jsonl").read_text().splitlines()]
+        loss = [r["loss"] for r in records if "loss" in r][-1]
+        held_out = [r["final_eval_loss"] for r in records if "final_eval_loss" in r][-1]
+        assert (f"stage {name}: {steps} steps, {tokens:,} tokens, train loss {loss:.4f}, "
+                f"held-out loss {held_out:.4f}") in out.stdout, out.stdout
 
 
 def test_bad_plans_fail_before_training(source, tmp_path):
@@ -180,9 +193,17 @@ def test_sigkill_inside_a_stage_and_resume_reproduces_the_run(reference, source,
     kill_when(midtrain_cmd("-c", write_plan(tmp_path / "plan.yaml", plan(run)), "--from", source, "--no-eval"),
               run / "stages" / "01_dsa" / "checkpoints" / "step_00000002")  # end of phase 1
     assert not (run / "stages" / "02_share").exists() or not (run / "stages" / "02_share" / "stage_done.json").exists()
+    before = {s: (run / "stages" / s / "metrics.jsonl").read_text().splitlines() for s in STAGES
+              if (run / "stages" / s / "metrics.jsonl").is_file()}
 
     out = midtrain("--resume", run, "--no-eval")
-    assert "resumed from" in out.stdout + out.stderr
+    # Resumed inside the killed stage from one of its checkpoints, not started again: its records up to
+    # that step are the killed run's own lines, timings and all (a rerun would rewrite them).
+    path, step = resumed_from(out.stdout + out.stderr)
+    stage = path.parent.parent.name
+    assert path == run / "stages" / stage / "checkpoints" / f"step_{step:08d}" and stage in before
+    kept = records_up_to(before[stage], step)
+    assert len(kept) >= step and (run / "stages" / stage / "metrics.jsonl").read_text().splitlines()[: len(kept)] == kept
     for stage in STAGES:
         got, want = _metrics(run, stage), _metrics(ref, stage)
         assert [r["step"] for r in got] == [r["step"] for r in want]

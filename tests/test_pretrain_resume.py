@@ -3,7 +3,7 @@ sample seen exactly once."""
 import sys
 
 
-from pretrain_support import kill_when, losses, make_stores, orthon, sample_ids, write_recipe
+from pretrain_support import kill_when, losses, make_stores, orthon, records_up_to, resumed_from, sample_ids, write_recipe
 
 STEPS = 24
 
@@ -18,9 +18,16 @@ def test_sigkill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
               run_dir / "checkpoints" / "step_00000012")
     killed_at = max(losses(run_dir))
     assert 12 <= killed_at < STEPS
+    before = (run_dir / "metrics.jsonl").read_text().splitlines()
 
     out = orthon("pretrain", "--resume", run_dir)
-    assert "resumed from" in out.stdout + out.stderr
+    # It resumed from a checkpoint the killed run saved (every 4 steps, from step 12 on), not from scratch:
+    # the killed run's own records up to that step are kept, timings and all (a fresh start that happened
+    # to reproduce the losses would have rewritten them).
+    path, step = resumed_from(out.stdout + out.stderr)
+    assert path == run_dir / "checkpoints" / f"step_{step:08d}" and step % 4 == 0 and 12 <= step <= killed_at
+    kept = records_up_to(before, step)
+    assert len(kept) >= step and (run_dir / "metrics.jsonl").read_text().splitlines()[: len(kept)] == kept
     ref, got = losses(ref_dir), losses(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
     assert got == ref  # bit-identical: the same floats, not merely close
@@ -41,4 +48,5 @@ def test_corrupted_checkpoint_falls_back_to_the_previous_good_one(tmp_path):
     out = orthon("pretrain", "--resume", run_dir, "train.max_steps=10")
     log = out.stdout + out.stderr
     assert "step_00000008 is unusable" in log and "truncated" in log
-    assert "resumed from" in log and "step_00000004" in log
+    assert resumed_from(log) == (run_dir / "checkpoints" / "step_00000004", 4)
+    assert sorted(losses(run_dir)) == list(range(1, 11))  # steps 5..10 run again after the fallback

@@ -1,12 +1,15 @@
 """`orthon rl` end to end on a small random policy: the loop runs, engine and trainer log-probs agree,
 metrics / plot / checkpoints are written, and a resumed run continues where it stopped."""
 import json
+import math
+import re
 
 import torch
 import yaml
 
 from orthon.pretrain import GLMForCausalLM, ModelConfig, RuntimeOptions
 from orthon.pretrain.weights import save_weights
+from plot_support import cycle_colour, pixels_of, read_png
 from pretrain_support import MODEL, orthon
 from test_data_support import train_tiny_tokenizer
 
@@ -38,11 +41,28 @@ def _records(run):
     return [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+SUMMARY = re.compile(r"done: (\d+) iterations; held-out mean reward (\S+) -> (\S+) \(best (\S+)\), "
+                     r"greedy (\S+) -> (\S+);")
+
+
+def _printed_summary(stdout, records):
+    """The final line's numbers, and what the metrics file says they should be (3 decimals)."""
+    evals = [r for r in records if "eval_reward" in r]
+    want = (str(max(r["step"] for r in records)), *(f"{x:.3f}" for x in (
+        evals[0]["eval_reward"], evals[-1]["eval_reward"], max(r["eval_reward"] for r in evals),
+        evals[0]["eval_greedy"], evals[-1]["eval_greedy"])))
+    return SUMMARY.search(stdout).groups(), want
+
+
 def test_rl_loop_runs_and_resumes(tmp_path):
     pre, run = _pretrain_dir(tmp_path), tmp_path / "rl"
     out = orthon("rl", "-c", _recipe(tmp_path, run, 3), "--from", pre)
-    assert "held-out reward" in out.stdout and "held-out mean reward" in out.stdout and "greedy" in out.stdout
     records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    # What the run prints is what it logged: the first evaluation, and the summary over all of them.
+    start = records[0]
+    assert f"iteration 0: held-out reward {start['eval_reward']:.3f} (greedy {start['eval_greedy']:.3f})" in out.stdout
+    got, want = _printed_summary(out.stdout, records)
+    assert got == want and got[0] == "3"
     steps = [r for r in records if "reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert [r["lr"] for r in steps] == [5e-4, 1e-3, 1e-3]  # linear warmup over 2 iterations
@@ -54,12 +74,28 @@ def test_rl_loop_runs_and_resumes(tmp_path):
         assert r["masked_fraction"] == 0.0
         assert r["buffer_consumed_groups"] == 3 * r["step"]
         assert r["policy_version"] == r["step"]
-    assert (run / "reward.png").stat().st_size > 0 and (run / "final" / "model.safetensors").exists()
+        # A freshly initialised policy over 512 tokens is near uniform: entropy just under ln 512.
+        assert 0.95 * math.log(512) < r["entropy"] <= math.log(512)
+        assert 0 < r["response_length"] <= 12  # max_new_tokens
+    # The plot: 7 x 4.2 inches at 110 dpi, three curves (train reward, held-out sampled, held-out greedy)
+    # in matplotlib's first three line colours.
+    image = read_png(run / "reward.png")
+    assert image.shape == (462, 770, 3)
+    assert [pixels_of(image, cycle_colour(i)) > 20 for i in range(3)] == [True] * 3
+    # The final weights are a whole policy of the source's architecture: every tensor, in its shape.
+    from safetensors.torch import load_file
+
+    final, source = (load_file(str(d / "final" / "model.safetensors")) for d in (run, pre))
+    assert {k: v.shape for k, v in final.items()} == {k: v.shape for k, v in source.items()}
 
     out = orthon("rl", "-c", _recipe(tmp_path, run, 5), "--resume")
-    assert "resumed RL" in out.stdout + out.stderr and "at iteration 3" in out.stdout + out.stderr
+    assert "resumed RL at iteration 3" in out.stdout + out.stderr
     records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "reward_mean" in r] == [1, 2, 3, 4, 5]
+    # The resumed run kept the first part's records: its summary starts at the iteration-0 evaluation.
+    assert records[0] == start
+    got, want = _printed_summary(out.stdout, records)
+    assert got == want and got[0] == "5"
 
 
 def test_resumed_run_equals_uninterrupted(tmp_path):

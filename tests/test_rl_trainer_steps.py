@@ -12,7 +12,7 @@ from orthon.optim.config import ScheduleConfig
 from orthon.rl.recipe import RLRecipe
 from orthon.rl.train_config import RLConfig
 from orthon.rl.trainer import RLTrainer
-from orthon.pretrain.weights_dir import load_weights_dir
+from orthon.pretrain.weights import load_config
 from test_rl_loop import _pretrain_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -22,7 +22,7 @@ G = 4
 
 def _trainer(tmp_path, name, loss=None, **overrides):
     pre = _pretrain_dir(tmp_path / name)
-    model = load_weights_dir(pre / "final").config
+    model = load_config(pre / "final")
     recipe = build(RLRecipe, {
         "train": {"run_dir": str(tmp_path / name / "rl"), "progress": False, "micro_batch_size": 3,
                   "init_from": str(pre / "final")},
@@ -54,11 +54,23 @@ def _steps(trainer) -> int:
 
 def test_updates_per_iteration_take_that_many_steps(tmp_path):
     trainer = _trainer(tmp_path, "a", updates_per_iteration=2)
+    # Before each optimizer step, the mean |logp - rollout logp| of its batch under the weights it starts from.
+    diffs, train_step = [], trainer.trainer.train_step
+
+    def recording(batch, tokens):
+        with torch.no_grad():
+            lp = sequence_log_probs(trainer.model, [s.tokens for s, _ in batch], [s.response_length for s, _ in batch])
+        diffs.append(float((lp.log_probs - torch.stack([s.rollout_log_probs for s, _ in batch])).abs().mean()))
+        return train_step(batch, tokens=tokens)
+
+    trainer.trainer.train_step = recording
     stats = trainer.train_on(_groups(trainer, [[1, 0, 0, 1], [0, 1, 1, 1], [1, 0, 0, 0], [0, 0, 1, 1]]))
-    assert _steps(trainer) == 2
-    # The first step runs on the rollout's weights: no mismatch; the second is off-policy.
+    assert _steps(trainer) == 2 and len(diffs) == 2
+    # The first step runs on the rollout's weights: no mismatch; the second is off-policy, and the logged
+    # mean is over both steps' tokens (2 groups x 4 samples x 4 tokens each): half the second step's.
     assert stats["logp_mismatch_max"] == 0.0
-    assert stats["logp_abs_diff"] > 0
+    assert diffs[0] < 1e-6 and diffs[1] > 1e-4
+    assert stats["logp_abs_diff"] == pytest.approx((diffs[0] + diffs[1]) / 2, rel=1e-3)
 
 
 def _script_rollouts(trainer, rounds):
