@@ -19,7 +19,7 @@ from orthon.core.files import tmp_path
 
 # Special ids of a trained sentencepiece model.
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
-# Role and thinking markers of the chat format (SPEC §4); single tokens in the built-in tokenizer.
+# Role and thinking markers of the chat format (the GLM-5 recipe); single tokens in the built-in tokenizer.
 CHAT_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<think>", "</think>"]
 # End-of-document tokens tried, in order, when an HF tokenizer has no configured eos token.
 _HF_EOS_NAMES = ["<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eos|>", "<|im_end|>"]

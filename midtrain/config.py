@@ -10,7 +10,7 @@ dynamic scaling), its place in the plan's LR decay, IndexShare on/off and the DS
                           budget trains jointly with sparse attention (phase 2).
 - ``dsa: sparse``         phase 2 from the first step (the indexers were adapted earlier).
 
-SPEC.md section 3 (GLM-5): 32K / 1T tokens with rope_theta 8M; 128K / 500B with IndexShare; 200K /
+the GLM-5 recipe (README, "The recipe") (GLM-5): 32K / 1T tokens with rope_theta 8M; 128K / 500B with IndexShare; 200K /
 50B; LR linear 4e-5 -> 1e-5 across the three; DSA adaptation 20B tokens at 128K+, of which the first
 1000 steps train only the indexer.
 """
@@ -112,7 +112,7 @@ class MidtrainPlan:
     stages: list[StageConfig] = field(default_factory=list)
     run_dir: str = "runs/midtrain"
     source: str = ""  # the pretraining run directory to continue (`--from` sets it)
-    # One linear decay across the "decay" stages (SPEC: 4e-5 -> 1e-5).
+    # One linear decay across the "decay" stages (GLM-5: 4e-5 -> 1e-5).
     lr_start: float = 4e-5
     lr_end: float = 1e-5
     batch_tokens: int = 64 * 2**20

@@ -1,6 +1,6 @@
 """Typed configs of the optimizer, the LR schedule and the batch-size ramp.
 
-Defaults are the numbers of SPEC.md sections 2 and 3. Values the recipe
+Defaults are the numbers of the GLM-5 recipe (README, "The recipe"). Values the recipe
 does not give (AdamW's betas and eps, the warmup length) are marked as
 orthon's choice where they are set.
 """
@@ -21,7 +21,7 @@ class OptimConfig:
     """Muon + Muon Split for hidden matrices, AdamW for the rest (or AdamW for all).
 
     muon_lr / adamw_lr: peak learning rates; None takes the schedule's peak
-    (SPEC: 2e-4 for both). The schedule scales both by the same multiplier.
+    (GLM-5: 2e-4 for both). The schedule scales both by the same multiplier.
     """
 
     algorithm: Literal["muon", "adamw"] = "muon"  # "adamw": everything on AdamW (ablation baseline)
@@ -120,7 +120,7 @@ class ScheduleConfig:
 
 
 def midtrain_schedule() -> ScheduleConfig:
-    """SPEC's mid-training LR: one linear decay 4e-5 -> 1e-5 across the three stages (1T + 500B + 50B tokens)."""
+    """GLM-5's mid-training LR: one linear decay 4e-5 -> 1e-5 across the three stages (1T + 500B + 50B tokens)."""
     return ScheduleConfig(kind="linear", peak_lr=4e-5, floor_lr=1e-5, warmup_tokens=0,
                           total_tokens=1_000 * 10**9 + 500 * 10**9 + 50 * 10**9)
 

@@ -1,6 +1,6 @@
 """Which optimizer updates which parameter, decided from the model's ParamSpecs.
 
-The rule (SPEC.md section 2): Muon for hidden matrices ("matrix") and expert
+The rule (the GLM-5 recipe; README, "The recipe"): Muon for hidden matrices ("matrix") and expert
 stacks ("expert_stack": E matrices, each its own Muon matrix); AdamW for
 embeddings, the output head (unless ``head_to_muon``), norm scales and
 biases. Muon Split comes from the spec's ``split_rows`` (the model declares

@@ -2,7 +2,7 @@
 
 Tokens (not steps) are the clock, so a run resumed with a different
 data-parallel size, or after the batch ramp changed the step size, lands on
-the same LR and batch size. SPEC.md section 3:
+the same LR and batch size. The GLM-5 recipe (README, "The recipe"):
 
 - pretraining LR: linear warmup 0 -> 2e-4, cosine decay to 4e-5;
 - mid-training LR: linear 4e-5 -> 1e-5 across the three stages;

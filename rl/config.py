@@ -1,6 +1,6 @@
 """Typed configs of the RL core: buffer, loss, OPD, rewards, DP scheduling.
 
-Defaults are SPEC.md sections 4 and 5 (GLM-5): G = 32 samples per prompt,
+Defaults are the GLM-5 recipe (README, "The recipe") (GLM-5): G = 32 samples per prompt,
 IcePop beta = 2, asymmetric clip 0.2 / 0.28, KL coefficient 0, binary rewards,
 OPD form 2 with lambda = 1.0, group size 1 and batch 1024.
 """
@@ -43,7 +43,7 @@ class LossConfig:
     eps_high: float = 0.28
     kl_coef: float = 0.0
     aggregation: Literal["token", "sequence"] = "token"
-    # "one": SPEC's m_t in {0, 1}. "rho": peers' pop(rho) = rho on kept tokens (see orthon.rl.loss).
+    # "one": GLM-5's m_t in {0, 1}. "rho": peers' pop(rho) = rho on kept tokens (see orthon.rl.loss).
     keep_weight: Literal["one", "rho"] = "one"
 
     def __post_init__(self):
@@ -59,13 +59,13 @@ class LossConfig:
 
 @dataclass
 class OPDConfig:
-    """On-policy distillation (SPEC.md section 5)."""
+    """On-policy distillation (the GLM-5 recipe (README, "The recipe"))."""
 
     # "sampled": form 2, A' = sg[log pi_T(a) - log pi_S(a)] (GLM-5's choice).
     # "kl_penalty": form 1, A' = A - coef * KL(pi_T || pi_S) exact over the vocabulary.
     form: Literal["sampled", "kl_penalty"] = "sampled"
     coef: float = 1.0  # lambda
-    # Direction of the form-1 KL; SPEC.md writes KL(teacher || student).
+    # Direction of the form-1 KL; the recipe writes KL(teacher || student).
     kl_direction: Literal["teacher_student", "student_teacher"] = "teacher_student"
     group_size: int = 1
     batch_size: int = 1024

@@ -1,12 +1,12 @@
 """GRPO advantages, the IcePop policy loss, loss aggregation and OPD advantages.
 
-Pure functions, tensors in and tensors out (SPEC.md sections 4 and 5). Shapes:
+Pure functions, tensors in and tensors out (the GLM-5 recipe (README, "The recipe")). Shapes:
 B sequences, T response positions (padded), V vocabulary. ``loss_mask`` [B, T]
 is 1 on model-generated tokens and 0 on padding, prompt and tool observations;
 values at mask-0 positions are never read into the result or its gradient, so
 padding may hold anything (even -inf).
 
-The IcePop loss per token (SPEC.md section 4):
+The IcePop loss per token (the GLM-5 recipe (README, "The recipe")):
 
     rho_t  = exp(logp_train_t - logp_rollout_t)
     m_t    = 1[1/beta <= rho_t <= beta]            (on detached rho; beta = 2)
@@ -96,7 +96,7 @@ def icepop_token_loss(
     engine recorded. advantages: [B] (one per sample, broadcast over tokens) or [B, T] (e.g. OPD).
     loss_mask [B, T]: 1 where the token is trained.
 
-    keep_weight="one" (default, SPEC.md): the formula in the module docstring.
+    keep_weight="one" (default, the GLM-5 recipe): the formula in the module docstring.
     keep_weight="rho" (peers' IcePop, not the default): the band test and the weight of a kept
     token are the mismatch ratio k_t = exp(logp_old - logp_rollout) (pop(k) = k inside the band,
     0 outside), and the clipped PPO ratio is r_t = exp(logp_train - logp_old):
@@ -253,7 +253,7 @@ def opd_sampled_advantages(
 
     Only the sampled token's log-probs [B, T] are needed. Under the policy gradient with a_t drawn
     from the student this is a reverse-KL (mode-seeking) objective. ``advantages`` ([B] or
-    [B, T]) are added if given; SPEC.md's form 2 uses none (no outcome reward). Returns [B, T]
+    [B, T]) are added if given; the recipe's form 2 uses none (no outcome reward). Returns [B, T]
     float32 with no gradient, 0 where loss_mask = 0.
     """
     if teacher_log_probs.shape != student_log_probs.shape or teacher_log_probs.shape != loss_mask.shape:

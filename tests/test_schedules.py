@@ -1,4 +1,4 @@
-"""LR and batch-size schedules at the SPEC.md numbers, as functions of tokens consumed."""
+"""LR and batch-size schedules at the GLM-5 recipe's numbers, as functions of tokens consumed."""
 import pytest
 
 from orthon.core.config import ConfigError, build

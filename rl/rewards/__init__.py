@@ -1,4 +1,4 @@
-"""Binary outcome rewards (SPEC.md section 4): math, code, and custom ones by dotted path."""
+"""Binary outcome rewards (the GLM-5 recipe (README, "The recipe")): math, code, and custom ones by dotted path."""
 from orthon.rl.rewards.code import code_reward, extract_code, run_tests
 from orthon.rl.rewards.math import extract_answer, math_reward
 from orthon.rl.rewards.registry import RewardStats, SafeReward, resolve_reward
