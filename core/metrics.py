@@ -110,7 +110,7 @@ def save_figure(fig, out_png) -> None:
     tmp.replace(out_png)
 
 
-def _moving_average(values: list[float], window: int) -> list[float]:
+def moving_average(values: list[float], window: int) -> list[float]:
     """Trailing mean over up to ``window`` values (the first points average what there is)."""
     out, total = [], 0.0
     for i, v in enumerate(values):
@@ -143,7 +143,7 @@ def plot_training(records: list[dict], out_png, title: str = "", reference: floa
         xs, ys = map(list, zip(*loss))
         window = smooth or max(2, round(len(ys) / 15))
         series["loss"] = (xs, ys)
-        series["loss_smoothed"] = (xs, _moving_average(ys, window))
+        series["loss_smoothed"] = (xs, moving_average(ys, window))
     held = dict(_points(records, "eval_loss"))
     held.update(_points(records, "final_eval_loss"))  # the last step's evaluation; replaces one at that step
     if held:

@@ -23,6 +23,7 @@ import collections
 import dataclasses
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -261,6 +262,10 @@ _WORKER: dict = {}
 
 
 def _init_worker(tokenizer_path: str, filters: list[FilterConfig], parent_pid: int | None) -> None:
+    if parent_pid is not None:
+        # Ctrl-C reaches the whole process group: the parent stops the run and reports it once; a
+        # worker dying of its own KeyboardInterrupt would only add tracebacks.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER["tokenizer"] = load_tokenizer(tokenizer_path)
     _WORKER["filters"] = FilterChain(filters)
     _WORKER["dtype"] = token_dtype(_WORKER["tokenizer"].vocab_size)

@@ -29,6 +29,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from orthon.core.errors import CheckpointError
 from orthon.core.files import atomic_write_text
 from orthon.core.metrics import save_figure
 from orthon.engine.in_process import InProcessEngine
@@ -239,10 +240,10 @@ def resolve_run(path) -> tuple[Path, Path]:
     if stages.is_dir():
         done = sorted(p for p in stages.iterdir() if (p / "final").is_dir())
         if not done:
-            raise FileNotFoundError(f"{path}: no stage has finished (no stages/*/final)")
+            raise CheckpointError(f"{path}: no stage has finished (no stages/*/final)")
         path = done[-1]
     if not (path / "config.yaml").is_file() or not (path / "final").is_dir():
-        raise FileNotFoundError(f"{path}: not a run directory with config.yaml and final/")
+        raise CheckpointError(f"{path}: not a run directory with config.yaml and final/")
     return path, path / "final"
 
 

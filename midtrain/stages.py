@@ -23,19 +23,19 @@ import torch
 import yaml
 
 from orthon.core import config as config_io
+from orthon.core import distributed
 from orthon.core.errors import ConfigError
 from orthon.core.files import atomic_write_text
-from orthon.pretrain.config import RuntimeOptions
-from orthon.pretrain.recipe import Recipe, load_recipe
-from orthon.pretrain.train_config import TrainConfig
 from orthon.midtrain.config import MidtrainPlan
 from orthon.midtrain.optimizer import StageOptimizer, copy_training_state
 from orthon.midtrain.steps import StageStep
 from orthon.optim import build_for_model
 from orthon.optim.config import BatchRampConfig, ScheduleConfig
-from orthon.core import distributed
 from orthon.pretrain.checkpoint import Checkpointer
+from orthon.pretrain.config import RuntimeOptions
 from orthon.pretrain.model import GLMForCausalLM
+from orthon.pretrain.recipe import Recipe, load_recipe
+from orthon.pretrain.train_config import TrainConfig
 from orthon.pretrain.trainer import CONFIG_NAME, Trainer, write_run_config
 
 PLAN_NAME = "plan.yaml"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from orthon.core.metrics import moving_average
+
 
 @dataclass
 class AblationVariant:
@@ -26,17 +28,6 @@ class AblationConfig:
     variants: list[AblationVariant] = field(default_factory=_default_variants)
     baseline: str = "adamw"  # the variant whose final loss the others race to
     smooth: int = 10  # steps in the moving average of the training loss
-
-
-def moving_average(values: list[float], window: int) -> list[float]:
-    """Trailing mean over up to ``window`` values (shorter at the start)."""
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
 
 
 def steps_to_reach(steps: list[int], losses: list[float], target: float, window: int) -> int | None:

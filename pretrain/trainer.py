@@ -26,14 +26,14 @@ from orthon.core import distributed
 from orthon.core.config import to_dict
 from orthon.core.errors import ConfigError
 from orthon.core.files import atomic_write_bytes
+from orthon.core.metrics import MetricsLogger, plot_training, read_metrics
 from orthon.data.loader import IGNORE_INDEX, TrainData, ValidData
 from orthon.optim import batch_size_at, build_for_model, lr_at
 from orthon.pretrain import parallel
 from orthon.pretrain.checkpoint import Checkpointer
-from orthon.core.metrics import MetricsLogger, plot_training, read_metrics
 from orthon.pretrain.model import GLMForCausalLM
-from orthon.pretrain.steps import NextTokenStep, TrainStep
 from orthon.pretrain.moe import update_expert_bias
+from orthon.pretrain.steps import NextTokenStep, TrainStep
 from orthon.pretrain.weights import load_weights, save_weights
 
 CONFIG_NAME = "config.yaml"
@@ -75,7 +75,7 @@ def initial_weights(source, config) -> dict:
 class Trainer:
     """The one training loop: pretraining, mid-training and RL are configurations of it.
 
-    It builds (or is given) the model, places it on the device (CUDA when present), wraps it for data
+    It builds the model, places it on the device (CUDA when present), wraps it for data
     parallelism (DDP / FSDP2 by ``train.parallel``), builds the optimizer (the hybrid Muon/AdamW
     routing, or whatever ``build_optimizer`` returns), and runs optimizer steps whose loss is the
     ``step`` plug-in's (orthon.pretrain.steps). ``fit`` drives it from the recipe's data; RL calls
@@ -189,7 +189,7 @@ class Trainer:
         grad_norm = self._clip_and_norm()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        imbalance = self._update_moe_bias() if getattr(self.step_fn, "update_moe_bias", True) else None
+        imbalance = self._update_moe_bias() if self.step_fn.update_moe_bias else None
         self.step += 1
         self.tokens += int(tokens or 0)
         elapsed = time.perf_counter() - start

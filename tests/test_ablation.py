@@ -4,7 +4,8 @@ import json
 import pytest
 import yaml
 
-from orthon.optim.ablation import format_table, moving_average, steps_to_reach, summarize
+from orthon.core.metrics import moving_average
+from orthon.optim.ablation import format_table, steps_to_reach, summarize
 from plot_support import cycle_colour, pixels_of, read_png
 from pretrain_support import make_stores, orthon, write_recipe
 

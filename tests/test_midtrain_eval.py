@@ -204,5 +204,7 @@ def test_cli_eval_writes_table_json_and_heat_map(run_dir, tmp_path):
 
 
 def test_resolve_run_errors_name_the_directory(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not a run directory"):
+    from orthon.core.errors import CheckpointError  # an OrthonError: the CLI prints it as one line
+
+    with pytest.raises(CheckpointError, match="not a run directory"):
         resolve_run(tmp_path)
