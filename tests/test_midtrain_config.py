@@ -1,4 +1,4 @@
-"""The mid-training plan: the GLM-5 numbers of the GLM-5 recipe (README, "The recipe"), LR segments by hand, step phases, and
+"""The mid-training plan: the GLM-5 numbers (README, "The recipe"), LR segments by hand, step phases, and
 plans whose stages do not fit together failing at load time with the offending field's path."""
 from pathlib import Path
 
