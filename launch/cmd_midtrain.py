@@ -70,6 +70,12 @@ def run(args, name):
         if stages.is_dir() and any(stages.iterdir()):
             raise SystemExit(f"orthon midtrain: {plan.run_dir} already holds stages; use --resume {plan.run_dir} "
                              f"or another run_dir")
+    source_config = Path(plan.source) / "config.yaml"
+    if source_config.is_file():  # a missing source is reported, with the plan's other checks, by run_plan
+        from orthon.launch.args import check_model_fits
+        from orthon.pretrain.recipe import load_recipe
+
+        check_model_fits(load_recipe(source_config).model, command="mid-train")
     start = time.perf_counter()
     args.started_run_dir = str(plan.run_dir)
     summaries = run_plan(plan)

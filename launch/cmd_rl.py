@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from orthon.launch.args import add_recipe_args
+from orthon.launch.args import add_recipe_args, check_model_fits
 
 
 def register(parser, name):
@@ -47,6 +47,7 @@ def run(args, name):
     # The policy's architecture and runtime are the source run's; the RL recipe's model section is not used.
     recipe = replace(recipe, model=load_config(policy), runtime=load_runtime(policy),
                      train=replace(recipe.train, init_from=str(policy)))
+    check_model_fits(recipe.model, recipe.train.parallel, "train with RL")
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "source.txt", str(source.resolve()) + "\n")
     write_run_config(run_dir, recipe)

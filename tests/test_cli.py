@@ -7,7 +7,7 @@ import time
 import pytest
 
 from pretrain_support import ROOT, env, make_stores, orthon, write_recipe
-from orthon.launch.cli import pick_threads
+from orthon.launch.threads import pick_threads
 
 
 def _one_line(proc) -> str:
@@ -82,7 +82,7 @@ def test_thread_choice():
 def test_idle_cores_sees_a_busy_core():
     import os
 
-    from orthon.launch.cli import idle_cores
+    from orthon.launch.threads import idle_cores
 
     cores, idle = idle_cores(0.1)
     if idle is None or not hasattr(os, "sched_getaffinity"):
