@@ -5,6 +5,8 @@ import json
 import math
 from pathlib import Path
 
+from orthon.core.files import atomic_path, atomic_write_text
+
 EVENT_GLOB = "events.out.tfevents.*"
 
 
@@ -28,9 +30,7 @@ class MetricsLogger:
             # A fresh run (resume_step None) starts a new file: nothing stale is ever appended to.
             kept = [line for line in self.path.read_text().splitlines()
                     if resume_step is not None and line.strip() and json.loads(line).get("step", -1) <= resume_step]
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            tmp.replace(self.path)
+            atomic_write_text(self.path, "".join(line + "\n" for line in kept))
         self.file = open(self.path, "a")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -103,11 +103,11 @@ def save_figure(fig, out_png) -> None:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    out_png = Path(out_png)
-    tmp = out_png.with_name(out_png.stem + ".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    tmp.replace(out_png)
+    try:
+        with atomic_path(out_png) as tmp:
+            fig.savefig(tmp, format="png")  # the temporary name ends in .tmp: say the format
+    finally:
+        plt.close(fig)
 
 
 def moving_average(values: list[float], window: int) -> list[float]:

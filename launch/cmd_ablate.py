@@ -17,9 +17,8 @@ def register(parser, name):
 
 def run(args, name):
     from orthon.launch.cmd_pretrain import with_builtin_data
-    from orthon.core.metrics import moving_average
+    from orthon.core.metrics import moving_average, plot_curves, read_metrics
     from orthon.optim.ablation import format_table, summarize
-    from orthon.core.metrics import plot_curves, read_metrics
     from orthon.pretrain.trainer import Trainer, write_run_config
 
     require_recipe(args, name)

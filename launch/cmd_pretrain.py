@@ -43,10 +43,11 @@ def resume_command(args, name) -> str:
         import sys
 
         return "nothing trained yet; start again with: orthon " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    checkpoints = Path(run_dir) / "checkpoints"
-    steps = sorted(int(p.name.split("_")[1]) for p in checkpoints.glob("step_*")
-                   if p.is_dir() and p.name.split("_")[1].isdigit()) if checkpoints.is_dir() else []
-    where = f"newest checkpoint: step {steps[-1]}" if steps else "no checkpoint yet, it restarts at step 0"
+    from orthon.pretrain.checkpoint import Checkpointer
+
+    steps = Checkpointer(run_dir).step_dirs()
+    where = (f"newest checkpoint: step {int(steps[-1].name.split('_')[1])}" if steps
+             else "no checkpoint yet, it restarts at step 0")
     return f"resume with: orthon pretrain --resume {run_dir} ({where})"
 
 

@@ -64,7 +64,8 @@ class StageOptimizer:
 
     def set_tokens(self, tokens: int, step: int = 0) -> float:
         """Both parts follow the stage's schedule (see set_indexer_lr for phase 1's own LR)."""
-        return [part.set_tokens(tokens, step) for part in self.parts][0]
+        multipliers = [part.set_tokens(tokens, step) for part in self.parts]
+        return multipliers[0]
 
     def set_indexer_lr(self, lr: float) -> None:
         if self.indexer is not None:

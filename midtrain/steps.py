@@ -20,6 +20,7 @@ from orthon.core import distributed
 from orthon.core.metrics import plot_curves
 from orthon.midtrain.indexer_fit import AttentionInputs, indexer_terms
 from orthon.midtrain.optimizer import is_indexer_param
+from orthon.pretrain.parallel import unwrap
 from orthon.pretrain.steps import NextTokenStep
 
 _TRAINABLE = {"dense": lambda n: not is_indexer_param(n), "indexer_only": is_indexer_param, "sparse": lambda n: True}
@@ -66,7 +67,7 @@ class StageStep(NextTokenStep):
         sums = {"loss": float(lm.detach())}
         objective = lm * (self.world / self.count) if lm.requires_grad else None
         if record:
-            terms = indexer_terms(model.module if hasattr(model, "module") else model, self.probe.take(),
+            terms = indexer_terms(unwrap(model), self.probe.take(),
                                   "dense" if self.phase == "indexer_only" else "sparse")
             # Summed over ranks by DDP's average: scale by the world size as the LM term.
             kl = terms.kl_sum * (self.world / self.query_total)

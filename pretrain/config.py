@@ -199,6 +199,3 @@ class RuntimeOptions:
         for name in ("gather_min_len", "query_chunk"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
-
-    def replace(self, **changes) -> "RuntimeOptions":
-        return type(self)(**{**asdict(self), **changes})

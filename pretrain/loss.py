@@ -16,8 +16,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "
 
 
 def _chunk_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    logits = (hidden @ weight.t()).float()
-    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return cross_entropy(hidden @ weight.t(), labels, "sum")
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 
 from orthon.core import distributed
 from orthon.pretrain.loss import IGNORE_INDEX
+from orthon.pretrain.parallel import unwrap
 
 
 class TrainStep:
@@ -78,8 +79,7 @@ class NextTokenStep(TrainStep):
     def loss(self, model, micro):
         lm = self.lm_loss(model, micro)
         if self.track_max_logit:
-            inner = getattr(model, "module", model)
-            self.max_logit = max(self.max_logit, inner.max_attention_logit() or -math.inf)
+            self.max_logit = max(self.max_logit, unwrap(model).max_attention_logit() or -math.inf)
         return lm * (self.world / self.count), {"loss": float(lm.detach())}
 
     def end(self, trainer, sums):

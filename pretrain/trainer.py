@@ -93,7 +93,7 @@ class Trainer:
         random.seed(self.cfg.seed)
         np.random.seed(self.cfg.seed)
 
-        self.model = GLMForCausalLM(recipe.model, runtime=recipe.runtime.replace())  # its own copy: phases change it
+        self.model = GLMForCausalLM(recipe.model, runtime=dataclasses.replace(recipe.runtime))  # a copy: phases change it
         if self.cfg.init_from:
             self.model.load_state_dict(initial_weights(self.cfg.init_from, recipe.model))
         self.model.to(self.device)

@@ -27,7 +27,7 @@ from orthon.rl.loss import grpo_advantages
 from orthon.rl.rewards.registry import SafeReward
 from orthon.rl.rollout import RolloutContext
 from orthon.rl.sample import Sample, SampleStatus
-from orthon.rl.steps import PolicyStep
+from orthon.rl.steps import METRICS, PolicyStep
 
 
 class RLTrainer:
@@ -120,7 +120,7 @@ class RLTrainer:
                 stats["logp_mismatch_max"] = metrics["logp_mismatch_max"]
                 stats["lr"] = metrics["lr"]
             n = metrics["trained_tokens"]
-            for key in ("masked_fraction", "logp_abs_diff", "clip_fraction", "entropy"):
+            for key in METRICS:
                 if key in metrics:
                     sums[key] = sums.get(key, 0.0) + metrics[key] * n
             tokens += n
