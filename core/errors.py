@@ -17,3 +17,8 @@ class DataError(OrthonError, ValueError):
 
 class CheckpointError(OrthonError, ValueError):
     """A checkpoint or weights directory that is missing, incomplete, corrupted or holds another model."""
+
+
+class EngineUnavailable(OrthonError, ConnectionError):
+    """A generation engine did not answer (refused, timed out, died, answered garbage): callers retry
+    the request on another engine; the message names the engine and what happened."""

@@ -4,7 +4,7 @@ sections, as for pretraining; see orthon.rl.recipe for RL's defaults of those.""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from orthon.core.errors import ConfigError
 from orthon.engine.in_process import EngineConfig
@@ -30,6 +30,17 @@ class RLConfig:
     # dropped and counted). 1: no refill, the step trains on however many informative groups one round gave.
     max_sampling_rounds: int = 1
     eval_interval: int = 5
+    # "sync": generate the iteration's groups, then train on them (nothing generates during training).
+    # "async": producer threads keep generating with the newest weights while the trainer trains; the
+    # trainer takes ready groups as they come (orthon.rl.rollout_manager).
+    mode: Literal["sync", "async"] = "sync"
+    rollout_workers: int = 4  # async: prompts generated concurrently (each one group of G requests)
+    max_ahead_groups: int = 0  # async: groups ready or in flight at most; 0: 2 x prompts_per_iteration
+    # A group sampled by weights more than max_staleness versions older than the trainer's is stale:
+    # "drop" discards it, "keep" trains on it; both count it (stale_groups_drop / stale_groups_keep).
+    max_staleness: int = 2
+    stale_groups: Literal["drop", "keep"] = "drop"
+    max_retries: int = 3  # a prompt's rollout errors before it is abandoned (engine failures always retry)
     # Held-out evaluation: eval_reward is the policy's mean reward over eval_samples draws per prompt at
     # the rollout temperature (what RL maximises); eval_greedy the reward of the greedy answer.
     eval_samples: int = 4
@@ -45,8 +56,15 @@ class RLConfig:
 
     def __post_init__(self):
         for name in ("iterations", "prompts_per_iteration", "updates_per_iteration", "eval_samples",
-                     "max_sampling_rounds"):
+                     "max_sampling_rounds", "rollout_workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        for name in ("max_ahead_groups", "max_staleness", "max_retries"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.mode not in ("sync", "async"):
+            raise ConfigError(f"mode: must be 'sync' or 'async', got {self.mode!r}")
+        if self.stale_groups not in ("drop", "keep"):
+            raise ConfigError(f"stale_groups: must be 'drop' or 'keep', got {self.stale_groups!r}")
         if self.max_sampling_rounds > 1 and not self.drop_zero_std_groups:
             raise ConfigError("max_sampling_rounds: refill rounds only make sense with drop_zero_std_groups: true")

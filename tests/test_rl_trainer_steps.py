@@ -77,14 +77,14 @@ def _script_rollouts(trainer, rounds):
     """Replace generation by groups with scripted rewards, one list of groups per rollout round."""
     calls = []
 
-    def rollout():
+    def rollout(n):
         groups = _groups(trainer, rounds[len(calls)], first_id=100 * len(calls))
         calls.append(len(groups))
         for sample in (s for g in groups for s in g):
             trainer.buffer.add(sample)
         return {"rollout_failed": 0}
 
-    trainer.rollout = rollout
+    trainer.rollout.generate = rollout
     return calls
 
 

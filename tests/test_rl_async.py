@@ -1,0 +1,92 @@
+"""The asynchronous loop in one process: producer threads generate while the trainer trains; every
+prompt is trained on once, staleness stays bounded, and a crash + resume loses and repeats nothing."""
+import pytest
+import yaml
+
+from orthon.data.tokenizer import load_tokenizer
+from orthon.pretrain.weights import load_config
+from orthon.rl.recipe import load_rl_recipe
+from orthon.rl.trainer import RLTrainer
+from test_rl_loop import _pretrain_dir
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _trainer(tmp_path, pre, iterations, **rl):
+    path = tmp_path / "rl.yaml"
+    path.write_text(yaml.safe_dump({
+        "train": {"run_dir": str(tmp_path / "run"), "checkpoint_interval": 2, "progress": False,
+                  "micro_batch_size": 8, "init_from": str(pre / "final")},
+        "schedule": {"peak_lr": 1e-3, "floor_lr": 1e-3},
+        "rl": {"iterations": iterations, "prompts_per_iteration": 3, "max_new_tokens": 6, "eval_interval": 0,
+               "task_args": {"difficulty": 1, "eval_size": 4}, "eval_samples": 1,
+               "buffer": {"num_repeat_per_sample": 2}, "mode": "async", "rollout_workers": 2, **rl}}))
+    recipe = load_rl_recipe(path)
+    recipe.model = load_config(pre / "final")
+    tokenizer = load_tokenizer(yaml.safe_load((pre / "config.yaml").read_text())["data"]["tokenizer"])
+    trainer = RLTrainer(recipe, tokenizer, log=lambda *a: None)
+    trained = []
+    train_on = trainer.train_on
+
+    def recording(groups):
+        trained.extend(g[0].instance_id for g in groups)
+        return train_on(groups)
+
+    trainer.train_on = recording
+    return trainer, trained
+
+
+def _left_over(trainer) -> list[str]:
+    """Prompts drawn but not trained: queued, in flight at the checkpoint, or in the buffer."""
+    state = trainer.rollout.state_dict()
+    buffer = state["buffer"]
+    return ([p["instance_id"] for _, p in state["queue"]] + list(buffer["pending"])
+            + [key for key, _ in buffer["ready"]])
+
+
+def test_async_trains_every_prompt_once_with_bounded_staleness(tmp_path):
+    pre = _pretrain_dir(tmp_path)
+    trainer, trained = _trainer(tmp_path, pre, 4, max_staleness=1, stale_groups="keep")
+    trainer.fit()
+    assert len(trained) == 4 * 3 and len(set(trained)) == len(trained)
+    drawn = trainer.rollout.drawn
+    # Nothing drawn is lost: what was not trained is still queued or buffered, and the producers ran
+    # ahead of the trainer (async), but no further than max_ahead_groups (2 x 3) allows.
+    assert sorted(trained + _left_over(trainer)) == sorted(f"train-{i}" for i in range(drawn))
+    assert 12 < drawn <= 12 + 6
+    records = [__import__("json").loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["staleness_max"] <= 3 for r in records if "staleness_max" in r)
+    assert [r["policy_version"] for r in records if "policy_version" in r] == [1, 2, 3, 4]
+
+
+def test_async_drops_stale_groups_and_counts_them(tmp_path):
+    pre = _pretrain_dir(tmp_path)
+    trainer, trained = _trainer(tmp_path, pre, 3, max_staleness=0, stale_groups="drop", max_ahead_groups=9)
+    trainer.fit()
+    counters = trainer.rollout.counters
+    # With 9 groups generated ahead and 3 trained per version, groups from older versions exist and are
+    # dropped: each one counted, none trained.
+    assert counters["stale_groups_drop"] > 0
+    assert len(trained) == 9 and len(set(trained)) == 9
+
+
+def test_async_crash_and_resume_loses_and_repeats_nothing(tmp_path):
+    pre = _pretrain_dir(tmp_path)
+    first, trained_first = _trainer(tmp_path, pre, 4)
+    iterate = first.iterate
+
+    def crash_in_third():
+        if first.iteration == 2:
+            raise KeyboardInterrupt("killed")
+        return iterate()
+
+    first.iterate = crash_in_third
+    with pytest.raises(KeyboardInterrupt):
+        first.fit()
+    # The checkpoint at iteration 2 holds what was trained until then; the resumed run trains on.
+    second, trained_second = _trainer(tmp_path, pre, 4)
+    assert second.resume() and second.iteration == 2 and second.weight_version == 2
+    second.fit()
+    history = trained_first[:6] + trained_second
+    assert len(history) == 12 and len(set(history)) == 12
+    assert sorted(history + _left_over(second)) == sorted(f"train-{i}" for i in range(second.rollout.drawn))
