@@ -51,11 +51,16 @@ def run(args, name):
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "source.txt", str(source.resolve()) + "\n")
     write_run_config(run_dir, recipe)
-    trainer = RLTrainer(recipe, load_tokenizer(pre.data.tokenizer))
     args.started = True
-    if args.resume and not trainer.resume():
-        print(f"no usable RL checkpoint in {run_dir}; starting at iteration 0")
-    result = trainer.fit()
+    if recipe.rl.cluster.enabled:  # the same loop with its parts as Ray actors (orthon.rl.cluster)
+        from orthon.rl import cluster
+
+        result = cluster.run(recipe, pre.data.tokenizer, resume=args.resume)
+    else:
+        trainer = RLTrainer(recipe, load_tokenizer(pre.data.tokenizer))
+        if args.resume and not trainer.resume():
+            print(f"no usable RL checkpoint in {run_dir}; starting at iteration 0")
+        result = trainer.fit()
     print(f"done: {result['iterations']} iterations; held-out mean reward {result['eval_start']:.3f} -> "
           f"{result['eval_end']:.3f} (best {result['eval_best']:.3f}), greedy {result['greedy_start']:.3f} -> "
           f"{result['greedy_end']:.3f}; {run_dir / 'reward.png'}")

@@ -111,3 +111,36 @@ class DPScheduleConfig:
 
     def __post_init__(self):
         _positive(self, "micro_batch_tokens", "attention_crossover_tokens")
+
+
+@dataclass
+class ClusterConfig:
+    """RL on a Ray cluster (orthon.rl.cluster): engine servers, the rollout manager and the trainer as
+    Ray actors; rollouts reach the engines through sglang-router."""
+
+    enabled: bool = False
+    address: str | None = None  # None: start a local Ray cluster; "auto" or "ray://host:port": join one
+    engines: int = 2  # `orthon serve` processes (SGLang servers on a GPU cluster)
+    engine_threads: int = 1  # torch threads of each engine server
+    engine_max_batch_size: int = 64
+    router: bool = True  # sglang-router in front of the engines (session affinity by routing key)
+    reward_workers: int = 0  # Ray actors scoring rewards; 0: the rollout manager's threads score
+    # How new weights reach the engines: "disk" (versioned HF-layout safetensors the engines reload),
+    # "distributed" (one process group, the trainer broadcasts flattened buckets: gloo here, NCCL on GPU),
+    # "shared" (colocated: flattened buckets in shared memory, no copy on the way). With delta: true,
+    # only the changed bytes travel (the engines must hold the previous version's exact bytes).
+    weight_sync: Literal["disk", "distributed", "shared"] = "disk"
+    delta: bool = True
+    check_weights: bool = False  # after every sync, compare a hash per tensor of every engine with the trainer's
+    health_interval_s: float = 2.0  # how often the monitor polls each engine
+    health_failures: int = 2  # consecutive failed polls before an engine is restarted
+    request_timeout_s: float = 120.0  # one generate call; then the engine counts as unavailable
+    startup_timeout_s: float = 180.0
+
+    def __post_init__(self):
+        _positive(self, "engines", "engine_threads", "engine_max_batch_size", "health_interval_s",
+                  "health_failures", "request_timeout_s", "startup_timeout_s")
+        if self.reward_workers < 0:
+            raise ConfigError(f"reward_workers: must be >= 0, got {self.reward_workers}")
+        if self.weight_sync not in ("disk", "distributed", "shared"):
+            raise ConfigError(f"weight_sync: must be 'disk', 'distributed' or 'shared', got {self.weight_sync!r}")

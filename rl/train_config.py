@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from orthon.core.errors import ConfigError
 from orthon.engine.in_process import EngineConfig
-from orthon.rl.config import BufferConfig, LossConfig, RewardConfig
+from orthon.rl.config import BufferConfig, ClusterConfig, LossConfig, RewardConfig
 
 
 @dataclass
@@ -53,6 +53,7 @@ class RLConfig:
     buffer: BufferConfig = field(default_factory=lambda: BufferConfig(num_repeat_per_sample=8, task_type="arithmetic"))
     loss: LossConfig = field(default_factory=LossConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self):
         for name in ("iterations", "prompts_per_iteration", "updates_per_iteration", "eval_samples",

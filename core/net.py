@@ -1,0 +1,39 @@
+"""Small network helpers for services orthon starts itself (engine servers, the router)."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str, timeout_s: float = 5.0) -> dict:
+    """GET ``url`` and parse its JSON body; raises OSError (incl. timeouts) or ValueError."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as answer:
+        return json.loads(answer.read() or b"{}")
+
+
+def wait_until_healthy(url: str, timeout_s: float, alive=lambda: True, interval_s: float = 0.2) -> None:
+    """Poll ``url`` until it answers 200; TimeoutError after ``timeout_s``; RuntimeError as soon as
+    ``alive()`` says the process behind it is gone."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not alive():
+            raise RuntimeError(f"{url}: the process serving it exited before it became healthy")
+        try:
+            with urllib.request.urlopen(url, timeout=min(5.0, timeout_s)) as answer:
+                if answer.status == 200:
+                    return
+        except (OSError, urllib.error.URLError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url}: not healthy after {timeout_s:.0f}s")
+        time.sleep(interval_s)

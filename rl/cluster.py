@@ -1,0 +1,164 @@
+"""RL on Ray: the same loop as ``orthon rl`` with its parts in different processes (slime's layout).
+
+Actors: the trainer (RLTrainer: the policy, its optimizer, checkpoints, and the engine fleet with its
+health monitor and weight sync), the rollout manager (the Data Buffer, the prompt stream, the
+rollout plug-in; it reaches the engines through the router), the engine servers (``orthon serve``
+under small supervising actors) and, optionally, reward workers. The driver only wires them up and
+waits; ``rl.mode`` chooses synchronous or asynchronous training exactly as in one process.
+
+``ray.init()`` starts a local cluster unless ``rl.cluster.address`` names one (``ray start --head`` on
+the first machine, ``ray start --address HEAD:6379`` on the others, then ``address: auto``).
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+from orthon.rl.rollout_manager import RolloutManager
+
+
+class ActorProxy:
+    """A Ray actor called like the object it holds: ``proxy.method(*args)`` blocks for the result."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    def __getattr__(self, name):
+        import ray
+
+        method = getattr(self._handle, name)
+        return lambda *args, **kwargs: ray.get(method.remote(*args, **kwargs))
+
+
+class RewardWorker:
+    """Runs the reward function in its own process (a code or sandbox reward must not stall rollouts)."""
+
+    def __init__(self, reward_config, task):
+        from orthon.core.plugins import resolve
+        from orthon.rl.rewards.registry import resolve_reward
+
+        if reward_config:
+            self.fn = resolve_reward(reward_config.name, code_timeout_s=reward_config.code_timeout_s,
+                                     code_memory_mb=reward_config.code_memory_mb)
+        else:
+            self.fn = resolve(task, "rl.task").reward_fn
+
+    def score(self, response: str, label):
+        return self.fn(response, label)
+
+
+class RemoteRewardFn:
+    """A reward function that scores on a pool of RewardWorkers, round robin. The rollout manager wraps
+    it in SafeReward as any reward, so timeouts and errors (a worker's exception) are counted there."""
+
+    def __init__(self, workers):
+        self.workers, self._next, self._lock = workers, 0, threading.Lock()
+        self.__name__ = "remote_reward"
+
+    def __call__(self, response: str, label):
+        import ray
+
+        with self._lock:
+            worker = self.workers[self._next % len(self.workers)]
+            self._next += 1
+        return ray.get(worker.score.remote(response, label))
+
+
+class _RolloutActor(RolloutManager):
+    """The RolloutManager as a Ray actor: its producer threads run inside it, and it reaches the engines
+    through one HTTP client (of the router)."""
+
+    def __init__(self, cfg, tokenizer_path: str, engine_url: str, seed: int, reward_workers):
+        from orthon.data.tokenizer import load_tokenizer
+        from orthon.engine.client import HTTPEngine
+        from orthon.rl.rewards.registry import SafeReward
+
+        reward = None
+        if reward_workers:
+            reward = SafeReward(RemoteRewardFn(reward_workers), timeout_s=cfg.reward.timeout_s if cfg.reward else 30.0)
+        engine = HTTPEngine(engine_url, timeout_s=cfg.cluster.request_timeout_s)
+        super().__init__(cfg, load_tokenizer(tokenizer_path), engine, seed, reward=reward)
+
+
+class TrainerActor:
+    """The policy's process: RLTrainer + the engine fleet."""
+
+    def __init__(self, recipe, tokenizer_path: str):
+        from orthon.engine.client import HTTPEngine
+        from orthon.rl.fleet import EngineFleet
+        from orthon.rl.weight_sync import WeightSync
+
+        self.recipe, self.tokenizer_path = recipe, tokenizer_path
+        cluster = recipe.rl.cluster
+        run_dir = recipe.train.run_dir
+        self.fleet = EngineFleet(cluster, recipe.train.init_from, run_dir, WeightSync(cluster, run_dir),
+                                 lambda url: HTTPEngine(url, timeout_s=cluster.request_timeout_s))
+        self.engine_url = self.fleet.start()
+        self.trainer = None
+
+    def url(self) -> str:
+        return self.engine_url
+
+    def attach(self, rollout_handle) -> None:
+        from orthon.rl.trainer import RLTrainer
+
+        self.trainer = RLTrainer(self.recipe, None, rollout=ActorProxy(rollout_handle), weight_sync=self.fleet.sync)
+        self.trainer.weight_sync(self.trainer.model, 0)  # every engine holds the policy's exact bytes
+
+    def resume(self) -> bool:
+        return self.trainer.resume()
+
+    def fit(self) -> dict:
+        result = self.trainer.fit()
+        result["fleet"] = dict(self.fleet.counters)
+        return result
+
+    def engine_pids(self) -> list[int]:
+        return self.fleet.pids()
+
+    def fleet_counters(self) -> dict:
+        return dict(self.fleet.counters)
+
+    def stop(self) -> None:
+        self.fleet.stop()
+
+
+def run(recipe, tokenizer_path: str, resume: bool = False, log=print) -> dict:
+    """Start (or join) the Ray cluster, place the actors, run the loop; returns RLTrainer.fit's summary."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    cluster = recipe.rl.cluster
+    owns_cluster = not ray.is_initialized()
+    if owns_cluster:
+        needed = cluster.engines * cluster.engine_threads + 2 + cluster.reward_workers
+        kwargs = {} if cluster.address else {"num_cpus": max(needed, os.cpu_count() or 1), "include_dashboard": False}
+        ray.init(address=cluster.address, log_to_driver=False, **kwargs)
+    # One bundle for the trainer (which starts the engines inside the group), one for the rollout manager.
+    group = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="PACK")
+    ray.get(group.ready())
+    in_group = lambda i: PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i,
+                                                          placement_group_capture_child_tasks=False)
+    trainer = rollout = None
+    try:
+        trainer = ray.remote(TrainerActor).options(num_cpus=1, max_concurrency=4, scheduling_strategy=in_group(0)) \
+            .remote(recipe, tokenizer_path)
+        url = ray.get(trainer.url.remote())
+        rl = recipe.rl
+        workers = [ray.remote(RewardWorker).options(num_cpus=0).remote(rl.reward, rl.task)
+                   for _ in range(cluster.reward_workers)]
+        rollout = ray.remote(_RolloutActor).options(num_cpus=1, max_concurrency=8, scheduling_strategy=in_group(1)) \
+            .remote(rl, tokenizer_path, url, recipe.train.seed, workers)
+        ray.get(trainer.attach.remote(rollout))
+        if resume and not ray.get(trainer.resume.remote()):
+            log(f"no usable RL checkpoint in {recipe.train.run_dir}; starting at iteration 0")
+        return ray.get(trainer.fit.remote())
+    finally:
+        if trainer is not None:
+            try:
+                ray.get(trainer.stop.remote(), timeout=60)
+            except Exception:
+                pass
+        if owns_cluster:
+            ray.shutdown()

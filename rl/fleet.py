@@ -1,0 +1,181 @@
+"""The engine fleet: `orthon serve` processes on Ray, the router in front, a health monitor, weight sync.
+
+Each engine server is an ``orthon serve`` process supervised by a small Ray actor on its node (slime
+starts its SGLang servers the same way), so an engine can die, hang or be killed without taking an
+actor's state with it. The fleet lives in the trainer's process, beside the weights it hands out:
+
+- ``start()``: the servers (one placement-group bundle each), then sglang-router over them.
+- ``sync(model, version)``: the configured weight-sync path to every engine (orthon.rl.weight_sync);
+  a sync and a restart never interleave.
+- the monitor thread polls every engine's ``/health`` each ``health_interval_s``; after
+  ``health_failures`` failed polls in a row the engine is taken out of the router, its process killed
+  and started again, brought to the current weights (a full copy from disk) and added back. Requests
+  it had in flight fail at the router; the rollout manager queues their prompts again, whole.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+from orthon.core.net import free_port, wait_until_healthy
+
+
+class EngineServer:
+    """Supervises one ``orthon serve`` process (wrapped in ``ray.remote`` by the fleet)."""
+
+    def __init__(self, weights_dir: str, log_dir: str, threads: int = 1, max_batch_size: int = 64,
+                 host: str = "127.0.0.1", startup_timeout_s: float = 180.0):
+        self.weights_dir, self.log_dir, self.threads = weights_dir, Path(log_dir), threads
+        self.max_batch_size, self.host, self.startup_timeout_s = max_batch_size, host, startup_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+        self.start()
+
+    def start(self) -> str:
+        port = free_port(self.host)
+        self.url_ = f"http://{self.host}:{port}"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / f"engine_{port}.log", "ab")
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "orthon.launch.cli", "serve", self.weights_dir, "--host", self.host,
+             "--port", str(port), "--max-batch-size", str(self.max_batch_size), "--threads", str(self.threads)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        self.starts += 1
+        try:
+            wait_until_healthy(self.url_ + "/health", self.startup_timeout_s, alive=lambda: self.proc.poll() is None)
+        except Exception:
+            self.stop()
+            raise
+        return self.url_
+
+    def url(self) -> str:
+        return self.url_
+
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def restart(self) -> str:
+        self.stop()
+        return self.start()
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(10)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+
+
+class EngineFleet:
+    def __init__(self, cluster, weights_dir: str, run_dir: Path, sync, client_factory, log=print):
+        """``cluster``: the ClusterConfig; ``weights_dir``: what new engines start from; ``sync``: the
+        WeightSync (push / full); ``client_factory(url) -> Engine`` (an HTTP engine client)."""
+        self.cfg, self.weights_dir, self.run_dir = cluster, weights_dir, Path(run_dir)
+        self.sync_path, self.client_factory, self.log = sync, client_factory, log
+        self.actors, self.urls, self.router = [], [], None
+        self.version, self.model = 0, None  # what the engines hold; the model they were synced from
+        self.counters = Counter()
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._monitor: threading.Thread | None = None
+
+    # ------------------------------------------------------------ life cycle
+    def start(self) -> str:
+        """Start the engines (and the router); returns the URL rollouts send requests to."""
+        import ray
+
+        server = ray.remote(num_cpus=self.cfg.engine_threads)(EngineServer)
+        args = (self.weights_dir, str(self.run_dir / "engines"), self.cfg.engine_threads,
+                self.cfg.engine_max_batch_size, "127.0.0.1", self.cfg.startup_timeout_s)
+        self._server = lambda: server.remote(*args)
+        self.actors = [self._server() for _ in range(self.cfg.engines)]
+        self.urls = ray.get([a.url.remote() for a in self.actors])
+        if self.cfg.router:
+            from orthon.engine.router import Router
+
+            self.router = Router.start(self.urls, free_port(), policy="manual")
+        self._monitor = threading.Thread(target=self._watch, name="engine-monitor", daemon=True)
+        self._monitor.start()
+        self.log(f"engines: {', '.join(self.urls)}" + (f" behind the router at {self.router.url}" if self.router else ""))
+        return self.router.url if self.router else self.urls[0]
+
+    def stop(self) -> None:
+        import ray
+
+        self._stop.set()
+        if self._monitor is not None:
+            self._monitor.join(self.cfg.health_interval_s * 3)
+        if self.router is not None:
+            self.router.stop()
+        ray.get([a.stop.remote() for a in self.actors])
+
+    def pids(self) -> list[int]:
+        import ray
+
+        return ray.get([a.pid.remote() for a in self.actors])
+
+    # ------------------------------------------------------------ weights
+    def clients(self) -> list:
+        return [self.client_factory(url) for url in self.urls]
+
+    def sync(self, model, version: int) -> None:
+        with self._lock:
+            self.sync_path.push(model, version, self.clients())
+            self.version, self.model = version, model
+
+    # ------------------------------------------------------------ health
+    def _healthy(self, url: str) -> bool:
+        try:
+            return bool(self.client_factory(url).health().get("ok", False))
+        except Exception:
+            return False
+
+    def _watch(self) -> None:
+        failures = Counter()
+        while not self._stop.wait(self.cfg.health_interval_s):
+            for i, url in enumerate(list(self.urls)):
+                if self._healthy(url):
+                    failures[i] = 0
+                    continue
+                failures[i] += 1
+                self.counters["failed_polls"] += 1
+                if failures[i] >= self.cfg.health_failures and not self._stop.is_set():
+                    self.replace(i)
+                    failures[i] = 0
+
+    def replace(self, i: int) -> str:
+        """Take engine ``i`` out, restart it, bring it to the current weights, put it back."""
+        import ray
+
+        with self._lock:
+            old = self.urls[i]
+            self.log(f"engine {old} is not answering: restarting it")
+            if self.router is not None:
+                self.router.remove_worker(old)
+            try:
+                url = ray.get(self.actors[i].restart.remote(), timeout=self.cfg.startup_timeout_s + 30)
+            except Exception:  # the supervising actor itself is gone: a new one
+                ray.kill(self.actors[i], no_restart=True)
+                self.actors[i] = self._server()
+                url = ray.get(self.actors[i].url.remote(), timeout=self.cfg.startup_timeout_s + 30)
+            if self.model is not None:
+                self.sync_path.full(self.model, self.version, self.client_factory(url))
+            self.urls[i] = url
+            if self.router is not None:
+                self.router.add_worker(url)
+            self.counters["engine_restarts"] += 1
+            self.log(f"engine restarted at {url} with weight version {self.version}")
+            return url
