@@ -39,7 +39,7 @@ class RewardWorker:
 
         if reward_config:
             self.fn = resolve_reward(reward_config.name, code_timeout_s=reward_config.code_timeout_s,
-                                     code_memory_mb=reward_config.code_memory_mb)
+                                     code_memory_mb=reward_config.code_memory_mb, latency_s=reward_config.latency_s)
         else:
             self.fn = resolve(task, "rl.task").reward_fn
 

@@ -85,11 +85,15 @@ class RewardConfig:
     binary: bool = True  # a value other than 0 or 1 is invalid (0, counted)
     code_timeout_s: float = 10.0  # CPU and wall limit of one code-test subprocess
     code_memory_mb: int = 1024  # address-space limit of that subprocess
+    latency_s: float = 0.0  # added to every call (benchmarks: the cost of a sandboxed check)
+    concurrency: int = 8  # rewards of one rollout batch scored at once (threads; workers with cluster.reward_workers)
 
     def __post_init__(self):
         if not self.name:
             raise ConfigError("name: must be 'math', 'code' or a dotted path")
-        _positive(self, "timeout_s", "code_timeout_s", "code_memory_mb")
+        _positive(self, "timeout_s", "code_timeout_s", "code_memory_mb", "concurrency")
+        if not self.latency_s >= 0:
+            raise ConfigError(f"latency_s: must be >= 0, got {self.latency_s}")
 
 
 @dataclass

@@ -7,6 +7,7 @@ finished and scored; it talks to the engine only through the Engine protocol (``
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,6 +21,7 @@ class RolloutContext:
     reward: Callable[[str, str], float]  # (response text, label) -> 0 or 1
     sampling: object  # the SamplingParams of this round (its seed makes the round reproducible)
     group_size: int
+    reward_concurrency: int = 1
 
 
 def single_turn(ctx: RolloutContext, prompts) -> list[Sample]:
@@ -28,10 +30,21 @@ def single_turn(ctx: RolloutContext, prompts) -> list[Sample]:
     with reward 0 (counted by the buffer, never trained on)."""
     requests = [p for p in prompts for _ in range(ctx.group_size)]
     results = ctx.engine.generate([p.ids for p in requests], ctx.sampling)
-    samples = []
-    for prompt, result in zip(requests, results):
-        sample = to_sample(result, Sample(prompt.instance_id, prompt.ids, metadata={"label": prompt.label}))
-        failed = sample.status is SampleStatus.FAILED
-        sample.reward = 0.0 if failed else ctx.reward(ctx.tokenizer.decode(result.tokens), prompt.label)
-        samples.append(sample)
+    samples = [to_sample(result, Sample(prompt.instance_id, prompt.ids, metadata={"label": prompt.label}))
+               for prompt, result in zip(requests, results)]
+    scored = [s for s in samples if s.status is not SampleStatus.FAILED]
+    rewards = score([(ctx.tokenizer.decode(s.response_tokens), s.metadata["label"]) for s in scored], ctx)
+    for sample in samples:
+        sample.reward = 0.0
+    for sample, reward in zip(scored, rewards):
+        sample.reward = reward
     return samples
+
+
+def score(pairs: list[tuple[str, object]], ctx: RolloutContext) -> list[float]:
+    """``ctx.reward`` of each (response text, label), up to ``ctx.reward_concurrency`` at once (a
+    sandboxed check spends most of its time waiting)."""
+    if ctx.reward_concurrency <= 1 or len(pairs) <= 1:
+        return [ctx.reward(text, label) for text, label in pairs]
+    with ThreadPoolExecutor(min(ctx.reward_concurrency, len(pairs)), thread_name_prefix="reward") as pool:
+        return list(pool.map(lambda pair: ctx.reward(*pair), pairs))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -28,19 +29,27 @@ from orthon.rl.rewards.math import math_reward
 RewardFn = Callable[[str, Any], Any]
 
 
-def resolve_reward(name: str, *, code_timeout_s: float = 10.0, code_memory_mb: int = 1024) -> RewardFn:
-    """The reward function called ``name``: "math", "code", or a dotted path to a callable."""
+def resolve_reward(name: str, *, code_timeout_s: float = 10.0, code_memory_mb: int = 1024,
+                   latency_s: float = 0.0) -> RewardFn:
+    """The reward function called ``name``: "math", "code", or a dotted path to a callable; with
+    ``latency_s``, each call first waits that long (a stand-in for a sandbox's cost in benchmarks)."""
     if name == "math":
-        return math_reward
-    if name == "code":
-        return functools.partial(code_reward, timeout_s=code_timeout_s, memory_mb=code_memory_mb)
-    try:
-        fn = resolve_plugin(name, "reward")
-    except ConfigError as exc:
-        raise ValueError(str(exc)) from None
-    if not callable(fn):
-        raise ValueError(f"reward {name!r}: not callable")
-    return fn
+        fn = math_reward
+    elif name == "code":
+        fn = functools.partial(code_reward, timeout_s=code_timeout_s, memory_mb=code_memory_mb)
+    else:
+        try:
+            fn = resolve_plugin(name, "reward")
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        if not callable(fn):
+            raise ValueError(f"reward {name!r}: not callable")
+    return functools.partial(_delayed, fn, latency_s) if latency_s > 0 else fn
+
+
+def _delayed(fn: RewardFn, latency_s: float, response: str, label: Any) -> Any:
+    time.sleep(latency_s)
+    return fn(response, label)
 
 
 @dataclass
@@ -113,7 +122,8 @@ class SafeReward:
 
     @classmethod
     def from_config(cls, config) -> "SafeReward":
-        fn = resolve_reward(config.name, code_timeout_s=config.code_timeout_s, code_memory_mb=config.code_memory_mb)
+        fn = resolve_reward(config.name, code_timeout_s=config.code_timeout_s, code_memory_mb=config.code_memory_mb,
+                            latency_s=config.latency_s)
         return cls(fn, timeout_s=config.timeout_s, binary=config.binary, name=config.name)
 
     def __call__(self, response: str, label: Any) -> float:
