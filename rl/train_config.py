@@ -40,6 +40,10 @@ class RLConfig:
     # "drop" discards it, "keep" trains on it; both count it (stale_groups_drop / stale_groups_keep).
     max_staleness: int = 2
     stale_groups: Literal["drop", "keep"] = "drop"
+    # slime's debug modes: "rollout_only" generates and saves each iteration's groups (rollouts_dir)
+    # without training; "train_only" trains on groups saved so, without generating.
+    debug: Literal["none", "rollout_only", "train_only"] = "none"
+    rollouts_dir: str = ""  # "": <run_dir>/rollouts
     max_retries: int = 3  # a prompt's rollout errors before it is abandoned (engine failures always retry)
     # Held-out evaluation: eval_reward is the policy's mean reward over eval_samples draws per prompt at
     # the rollout temperature (what RL maximises); eval_greedy the reward of the greedy answer.
@@ -65,6 +69,8 @@ class RLConfig:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.mode not in ("sync", "async"):
             raise ConfigError(f"mode: must be 'sync' or 'async', got {self.mode!r}")
+        if self.debug not in ("none", "rollout_only", "train_only"):
+            raise ConfigError(f"debug: must be 'none', 'rollout_only' or 'train_only', got {self.debug!r}")
         if self.stale_groups not in ("drop", "keep"):
             raise ConfigError(f"stale_groups: must be 'drop' or 'keep', got {self.stale_groups!r}")
         if self.max_sampling_rounds > 1 and not self.drop_zero_std_groups:

@@ -11,19 +11,22 @@ the rollout manager, the engines and the trainer in different processes (orthon.
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
 
 import torch
 
+from orthon.core.errors import DataError
+from orthon.core.files import atomic_write_text
 from orthon.core.metrics import MetricsLogger, plot_curves, read_metrics
 from orthon.engine.in_process import InProcessEngine
 from orthon.pretrain.trainer import Trainer
 from orthon.pretrain.weights import load_weights, save_weights
 from orthon.rl.loss import grpo_advantages
 from orthon.rl.rollout_manager import RolloutManager
-from orthon.rl.sample import Sample
+from orthon.rl.sample import Sample, sample_from_dict, sample_to_dict
 from orthon.rl.steps import METRICS, PolicyStep
 
 
@@ -105,6 +108,30 @@ class RLTrainer:
     def evaluate(self) -> dict:
         return self.rollout.evaluate()
 
+    # ------------------------------------------------------------ debug modes
+    def rollouts_path(self, iteration: int) -> Path:
+        root = Path(self.cfg.rollouts_dir) if self.cfg.rollouts_dir else self.run_dir / "rollouts"
+        return root / f"iteration_{iteration:06d}.jsonl"
+
+    def save_rollouts(self, iteration: int, groups: list[list[Sample]]) -> None:
+        lines = (json.dumps(sample_to_dict(s)) for g in groups for s in g)
+        self.rollouts_path(iteration).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.rollouts_path(iteration), "".join(line + "\n" for line in lines))
+
+    def load_rollouts(self, iteration: int) -> list[list[Sample]]:
+        path = self.rollouts_path(iteration)
+        if not path.is_file():
+            raise DataError(f"rl.debug train_only: no saved rollouts for iteration {iteration} ({path}); "
+                            "write them with rl.debug=rollout_only")
+        groups: dict[str, list[Sample]] = {}
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            try:
+                sample = sample_from_dict(json.loads(line))
+            except (ValueError, TypeError) as exc:
+                raise DataError(f"{path}:{number}: not a saved sample ({exc})") from None
+            groups.setdefault(sample.instance_id, []).append(sample)
+        return list(groups.values())
+
     # ------------------------------------------------------------ state
     def save_checkpoint(self) -> None:
         self.trainer.save_checkpoint({"iteration": self.iteration, "weight_version": self.weight_version,
@@ -128,11 +155,19 @@ class RLTrainer:
         generation; in the asynchronous one what the producers did not have ready."""
         cfg = self.cfg
         start = time.perf_counter()
-        groups, stats = self.collect_groups()
+        if cfg.debug == "train_only":
+            groups = self.load_rollouts(self.iteration)
+            stats = {"reward_mean": sum(s.reward for g in groups for s in g) / max(1, sum(map(len, groups)))}
+        else:
+            groups, stats = self.collect_groups()
         waited = time.perf_counter()
-        stats.update(self.train_on(groups))
+        if cfg.debug == "rollout_only":
+            self.save_rollouts(self.iteration, groups)
+        else:
+            stats.update(self.train_on(groups))
         trained = time.perf_counter()
-        self.sync_weights()
+        if cfg.debug != "rollout_only":
+            self.sync_weights()
         self.iteration += 1
         stats.update(policy_version=self.weight_version, trained_samples=sum(map(len, groups)),
                      wait_s=waited - start, train_s=trained - waited, sync_s=time.perf_counter() - trained)

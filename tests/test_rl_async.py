@@ -1,8 +1,12 @@
 """The asynchronous loop in one process: producer threads generate while the trainer trains; every
 prompt is trained on once, staleness stays bounded, and a crash + resume loses and repeats nothing."""
+import json
+
 import pytest
+import torch
 import yaml
 
+from orthon.core.errors import DataError
 from orthon.data.tokenizer import load_tokenizer
 from orthon.pretrain.weights import load_config
 from orthon.rl.recipe import load_rl_recipe
@@ -13,6 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _trainer(tmp_path, pre, iterations, **rl):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "rl.yaml"
     path.write_text(yaml.safe_dump({
         "train": {"run_dir": str(tmp_path / "run"), "checkpoint_interval": 2, "progress": False,
@@ -54,7 +59,7 @@ def test_async_trains_every_prompt_once_with_bounded_staleness(tmp_path):
     # ahead of the trainer (async), but no further than max_ahead_groups (2 x 3) allows.
     assert sorted(trained + _left_over(trainer)) == sorted(f"train-{i}" for i in range(drawn))
     assert 12 < drawn <= 12 + 6
-    records = [__import__("json").loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["staleness_max"] <= 3 for r in records if "staleness_max" in r)
     assert [r["policy_version"] for r in records if "policy_version" in r] == [1, 2, 3, 4]
 
@@ -90,3 +95,25 @@ def test_async_crash_and_resume_loses_and_repeats_nothing(tmp_path):
     history = trained_first[:6] + trained_second
     assert len(history) == 12 and len(set(history)) == 12
     assert sorted(history + _left_over(second)) == sorted(f"train-{i}" for i in range(second.rollout.drawn))
+
+
+def test_debug_modes_save_rollouts_then_train_on_them(tmp_path):
+    pre = _pretrain_dir(tmp_path)
+    saver, trained = _trainer(tmp_path / "a", pre, 2, mode="sync", debug="rollout_only",
+                              rollouts_dir=str(tmp_path / "rollouts"))
+    before = [p.clone() for p in saver.model.parameters()]
+    saver.fit()
+    assert trained == [] and all(torch.equal(p, q) for p, q in zip(before, saver.model.parameters()))
+    files = sorted((tmp_path / "rollouts").iterdir())
+    assert [f.name for f in files] == ["iteration_000000.jsonl", "iteration_000001.jsonl"]
+    saved = [json.loads(line) for f in files for line in f.read_text().splitlines()]
+    assert len(saved) == 2 * 3 * 2  # iterations x prompts x G
+    trainer, trained = _trainer(tmp_path / "b", pre, 2, mode="sync", debug="train_only",
+                                rollouts_dir=str(tmp_path / "rollouts"))
+    trainer.fit()
+    assert trained == list(dict.fromkeys(s["instance_id"] for s in saved))
+    assert any(not torch.equal(p, q) for p, q in zip(before, trainer.model.parameters()))
+    # Nothing saved for an iteration: a clear error naming the file.
+    missing, _ = _trainer(tmp_path / "c", pre, 3, mode="sync", debug="train_only", rollouts_dir=str(tmp_path / "rollouts"))
+    with pytest.raises(DataError, match="iteration_000002.jsonl"):
+        missing.fit()
