@@ -17,6 +17,13 @@ def median_time(fn, repeats: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def cpu_kind() -> str:
+    """Which kind of CPU a figure comes from: speed claims must hold on both."""
+    from orthon.optim.newton_schulz import bf16_gemm_is_native
+
+    return "native bf16 GEMM (AMX / AVX512-BF16)" if bf16_gemm_is_native("cpu") else "emulated bf16 GEMM"
+
+
 def report(name: str, figures: dict, ratios: dict) -> None:
     print(json.dumps({"bench": name, "figures": figures, "ratios": ratios}))
 

@@ -83,7 +83,7 @@ class _RolloutActor(RolloutManager):
 class TrainerActor:
     """The policy's process: RLTrainer + the engine fleet."""
 
-    def __init__(self, recipe, tokenizer_path: str):
+    def __init__(self, recipe, tokenizer_path: str, group=None):
         from orthon.engine.client import HTTPEngine
         from orthon.rl.fleet import EngineFleet
         from orthon.rl.weight_sync import WeightSync
@@ -92,7 +92,8 @@ class TrainerActor:
         cluster = recipe.rl.cluster
         run_dir = recipe.train.run_dir
         self.fleet = EngineFleet(cluster, recipe.train.init_from, run_dir, WeightSync(cluster, run_dir),
-                                 lambda url: HTTPEngine(url, timeout_s=cluster.request_timeout_s))
+                                 lambda url: HTTPEngine(url, timeout_s=cluster.request_timeout_s),
+                                 placement=(lambda i: bundle(group, 2 + i)) if group is not None else None)
         self.engine_url = self.fleet.start()
         self.trainer = None
 
@@ -123,42 +124,85 @@ class TrainerActor:
         self.fleet.stop()
 
 
-def run(recipe, tokenizer_path: str, resume: bool = False, log=print) -> dict:
-    """Start (or join) the Ray cluster, place the actors, run the loop; returns RLTrainer.fit's summary."""
-    import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+class RLCluster:
+    """The actors of one RL run: ``start()`` places them, ``fit()`` runs the loop, ``stop()`` ends all.
 
-    cluster = recipe.rl.cluster
-    owns_cluster = not ray.is_initialized()
-    if owns_cluster:
-        needed = cluster.engines * cluster.engine_threads + 2 + cluster.reward_workers
-        kwargs = {} if cluster.address else {"num_cpus": max(needed, os.cpu_count() or 1), "include_dashboard": False}
-        ray.init(address=cluster.address, log_to_driver=False, **kwargs)
-    # One bundle for the trainer (which starts the engines inside the group), one for the rollout manager.
-    group = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="PACK")
-    ray.get(group.ready())
-    in_group = lambda i: PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i,
-                                                          placement_group_capture_child_tasks=False)
-    trainer = rollout = None
-    try:
-        trainer = ray.remote(TrainerActor).options(num_cpus=1, max_concurrency=4, scheduling_strategy=in_group(0)) \
-            .remote(recipe, tokenizer_path)
-        url = ray.get(trainer.url.remote())
-        rl = recipe.rl
+    One placement group holds a bundle for the trainer, one for the rollout manager and one per engine
+    (PACK: on one node when it fits, spread otherwise)."""
+
+    def __init__(self, recipe, tokenizer_path: str, log=print):
+        self.recipe, self.tokenizer_path, self.log = recipe, tokenizer_path, log
+        self.trainer = self.rollout = self.group = None
+        self.owns_ray = False
+
+    def start(self, resume: bool = False) -> "RLCluster":
+        import ray
+        from ray.util.placement_group import placement_group
+
+        cluster = self.recipe.rl.cluster
+        if not ray.is_initialized():
+            needed = cluster.engines * cluster.engine_threads + 2
+            kwargs = {} if cluster.address else {"num_cpus": max(needed, os.cpu_count() or 1), "include_dashboard": False}
+            ray.init(address=cluster.address, log_to_driver=False, **kwargs)
+            self.owns_ray = True
+        self.group = placement_group([{"CPU": 1}, {"CPU": 1}] + [{"CPU": cluster.engine_threads}] * cluster.engines,
+                                     strategy="PACK")
+        ray.get(self.group.ready(), timeout=cluster.startup_timeout_s)
+        rl = self.recipe.rl
+        self.trainer = ray.remote(TrainerActor).options(num_cpus=1, max_concurrency=4, scheduling_strategy=self._bundle(0)) \
+            .remote(self.recipe, self.tokenizer_path, self.group)
+        url = ray.get(self.trainer.url.remote())
         workers = [ray.remote(RewardWorker).options(num_cpus=0).remote(rl.reward, rl.task)
                    for _ in range(cluster.reward_workers)]
-        rollout = ray.remote(_RolloutActor).options(num_cpus=1, max_concurrency=8, scheduling_strategy=in_group(1)) \
-            .remote(rl, tokenizer_path, url, recipe.train.seed, workers)
-        ray.get(trainer.attach.remote(rollout))
-        if resume and not ray.get(trainer.resume.remote()):
-            log(f"no usable RL checkpoint in {recipe.train.run_dir}; starting at iteration 0")
-        return ray.get(trainer.fit.remote())
-    finally:
-        if trainer is not None:
+        self.rollout = ray.remote(_RolloutActor).options(num_cpus=1, max_concurrency=8, scheduling_strategy=self._bundle(1)) \
+            .remote(rl, self.tokenizer_path, url, self.recipe.train.seed, workers)
+        ray.get(self.trainer.attach.remote(self.rollout))
+        if resume and not ray.get(self.trainer.resume.remote()):
+            self.log(f"no usable RL checkpoint in {self.recipe.train.run_dir}; starting at iteration 0")
+        return self
+
+    def _bundle(self, index: int):
+        return bundle(self.group, index)
+
+    def fit(self) -> dict:
+        import ray
+
+        return ray.get(self.trainer.fit.remote())
+
+    def engine_pids(self) -> list[int]:
+        import ray
+
+        return ray.get(self.trainer.engine_pids.remote())
+
+    def stop(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if self.trainer is not None:
             try:
-                ray.get(trainer.stop.remote(), timeout=60)
-            except Exception:
-                pass
-        if owns_cluster:
+                ray.get(self.trainer.stop.remote(), timeout=60)
+            except Exception as exc:  # already gone: its engines die with their supervisors
+                self.log(f"stopping the trainer: {exc}")
+        if self.group is not None:
+            remove_placement_group(self.group)
+        if self.owns_ray:
             ray.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def bundle(group, index: int):
+    """Scheduling into bundle ``index`` of placement group ``group``."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
+
+
+def run(recipe, tokenizer_path: str, resume: bool = False, log=print) -> dict:
+    """Start (or join) the Ray cluster, place the actors, run the loop; returns RLTrainer.fit's summary."""
+    with RLCluster(recipe, tokenizer_path, log) as cluster:
+        return cluster.start(resume).fit()

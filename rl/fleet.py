@@ -25,6 +25,15 @@ from pathlib import Path
 from orthon.core.net import free_port, wait_until_healthy
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when its supervisor dies (Linux), so no server outlives
+    its actor, whatever killed that."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 class EngineServer:
     """Supervises one ``orthon serve`` process (wrapped in ``ray.remote`` by the fleet)."""
 
@@ -45,7 +54,7 @@ class EngineServer:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "orthon.launch.cli", "serve", self.weights_dir, "--host", self.host,
              "--port", str(port), "--max-batch-size", str(self.max_batch_size), "--threads", str(self.threads)],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
         self.starts += 1
         try:
@@ -80,9 +89,11 @@ class EngineServer:
 
 
 class EngineFleet:
-    def __init__(self, cluster, weights_dir: str, run_dir: Path, sync, client_factory, log=print):
+    def __init__(self, cluster, weights_dir: str, run_dir: Path, sync, client_factory, placement=None, log=print):
         """``cluster``: the ClusterConfig; ``weights_dir``: what new engines start from; ``sync``: the
-        WeightSync (push / full); ``client_factory(url) -> Engine`` (an HTTP engine client)."""
+        WeightSync (push / full); ``client_factory(url) -> Engine`` (an HTTP engine client);
+        ``placement(i)``: the Ray scheduling strategy of engine i (a placement-group bundle)."""
+        self.placement = placement
         self.cfg, self.weights_dir, self.run_dir = cluster, weights_dir, Path(run_dir)
         self.sync_path, self.client_factory, self.log = sync, client_factory, log
         self.actors, self.urls, self.router = [], [], None
@@ -100,8 +111,8 @@ class EngineFleet:
         server = ray.remote(num_cpus=self.cfg.engine_threads)(EngineServer)
         args = (self.weights_dir, str(self.run_dir / "engines"), self.cfg.engine_threads,
                 self.cfg.engine_max_batch_size, "127.0.0.1", self.cfg.startup_timeout_s)
-        self._server = lambda: server.remote(*args)
-        self.actors = [self._server() for _ in range(self.cfg.engines)]
+        self._server = lambda i: (server.options(scheduling_strategy=self.placement(i)) if self.placement else server).remote(*args)
+        self.actors = [self._server(i) for i in range(self.cfg.engines)]
         self.urls = ray.get([a.url.remote() for a in self.actors])
         if self.cfg.router:
             from orthon.engine.router import Router
@@ -169,7 +180,7 @@ class EngineFleet:
                 url = ray.get(self.actors[i].restart.remote(), timeout=self.cfg.startup_timeout_s + 30)
             except Exception:  # the supervising actor itself is gone: a new one
                 ray.kill(self.actors[i], no_restart=True)
-                self.actors[i] = self._server()
+                self.actors[i] = self._server(i)
                 url = ray.get(self.actors[i].url.remote(), timeout=self.cfg.startup_timeout_s + 30)
             if self.model is not None:
                 self.sync_path.full(self.model, self.version, self.client_factory(url))

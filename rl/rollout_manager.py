@@ -225,7 +225,8 @@ class RolloutManager:
                  "reward_mean": rewards.mean().item() if len(examined) else math.nan,
                  "groups_all_equal": float((rewards.std(-1) == 0).float().mean()) if len(examined) else math.nan,
                  "response_length": sum(lengths) / max(len(lengths), 1),
-                 "staleness_mean": sum(staleness) / max(len(staleness), 1), "staleness_max": max(staleness, default=0)}
+                 "staleness_mean": sum(staleness) / max(len(staleness), 1), "staleness_max": max(staleness, default=0),
+                 "staleness_counts": {str(k): v for k, v in sorted(collections.Counter(staleness).items())}}
         if cfg.drop_zero_std_groups:
             stats.update(sampling_rounds=rounds, groups_kept=len(kept) - extra, groups_extra_dropped=extra)
         stats.update(self.counters)

@@ -169,10 +169,14 @@ class RLTrainer:
         if cfg.debug != "rollout_only":
             self.sync_weights()
         self.iteration += 1
+        # trained_ids: the audit trail (every prompt trained on once, across restarts and resumes).
         stats.update(policy_version=self.weight_version, trained_samples=sum(map(len, groups)),
+                     trained_ids=[g[0].instance_id for g in groups],
                      wait_s=waited - start, train_s=trained - waited, sync_s=time.perf_counter() - trained)
         if cfg.eval_interval and self.iteration % cfg.eval_interval == 0 or self.iteration == cfg.iterations:
+            evaluated = time.perf_counter()
             stats.update(self.evaluate())
+            stats["eval_s"] = time.perf_counter() - evaluated
         stats["iteration_time_s"] = time.perf_counter() - start
         return stats
 
