@@ -219,9 +219,11 @@ class InProcessEngine:
                         room < params.max_new_tokens)
 
     def generate(self, prompts: Sequence[Sequence[int]],
-                 sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationResult]:
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                 routing_keys: Sequence[str | None] | None = None) -> list[GenerationResult]:
         """Continue every prompt. ``sampling``: one SamplingParams for all, or one per prompt.
-        With one shared SamplingParams that has a seed s, request i uses seed s + i."""
+        With one shared SamplingParams that has a seed s, request i uses seed s + i. ``routing_keys``
+        are for routers; one engine in this process serves every session."""
         sampling = SamplingParams() if sampling is None else sampling
         if isinstance(sampling, SamplingParams):
             if sampling.seed is not None:

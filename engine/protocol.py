@@ -76,9 +76,12 @@ class Engine(Protocol):
     weight_version: int  # changes with every update_weights (an explicit version is taken as given)
 
     def generate(self, prompts: Sequence[Sequence[int]],
-                 sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationResult]:
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                 routing_keys: Sequence[str | None] | None = None) -> list[GenerationResult]:
         """Continue every prompt (token ids); one result per prompt, in order. ``sampling``: one
-        SamplingParams for all, or one per prompt. Bad requests come back "rejected", never raise."""
+        SamplingParams for all, or one per prompt. ``routing_keys``: one per prompt (a session id):
+        behind a router, requests with one key go to one engine, whose prefix cache holds the
+        session. Bad requests come back "rejected", never raise."""
         ...
 
     def update_weights(self, weights: WeightsSource, version: int | None = None) -> int:

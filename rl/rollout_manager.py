@@ -88,7 +88,8 @@ class RolloutManager:
                 end += 1
             seed = self.seed * SEED_STRIDE + items[start].index * self.group_size
             ctx = RolloutContext(self.engine, self.tokenizer, self.reward, self.sampling(seed=seed), self.group_size,
-                                 self.cfg.reward.concurrency if self.cfg.reward else 1)
+                                 self.cfg.reward.concurrency if self.cfg.reward else 1, self.cfg.rollout_args,
+                                 self.counters)
             samples += self.rollout_fn(ctx, [item.prompt for item in items[start:end]])
             start = end
         return samples

@@ -52,6 +52,7 @@ class RLConfig:
     task_args: dict[str, Any] = field(default_factory=lambda: {"difficulty": 2, "eval_size": 200})
     # The rollout plug-in (dotted path): prompts -> scored Samples (orthon.rl.rollout).
     rollout: str = "orthon.rl.rollout.single_turn"
+    rollout_args: dict[str, Any] = field(default_factory=dict)  # the plug-in's own settings (RolloutContext.options)
     # None: the task's own binary reward; else a RewardConfig name ("math", "code", dotted path).
     reward: RewardConfig | None = None
     buffer: BufferConfig = field(default_factory=lambda: BufferConfig(num_repeat_per_sample=8, task_type="arithmetic"))

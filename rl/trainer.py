@@ -26,7 +26,7 @@ from orthon.pretrain.trainer import Trainer
 from orthon.pretrain.weights import load_weights, save_weights
 from orthon.rl.loss import grpo_advantages
 from orthon.rl.rollout_manager import RolloutManager
-from orthon.rl.sample import Sample, sample_from_dict, sample_to_dict
+from orthon.rl.sample import Sample, branches, sample_from_dict, sample_to_dict
 from orthon.rl.steps import METRICS, PolicyStep
 
 
@@ -82,8 +82,8 @@ class RLTrainer:
         share = math.ceil(len(groups) / self.cfg.updates_per_iteration)
         stats, sums, tokens = {}, {}, 0.0
         for k, start in enumerate(range(0, len(groups), share)):
-            batch = [(s, float(a)) for g, adv in zip(groups[start : start + share], advantages[start : start + share])
-                     for s, a in zip(g, adv)]
+            batch = [(b, float(a)) for g, adv in zip(groups[start : start + share], advantages[start : start + share])
+                     for s, a in zip(g, adv) for b in branches(s)]
             trained = sum(s.response_length for s, _ in batch)
             metrics = self.trainer.train_step(batch, tokens=trained)
             if k == 0:
