@@ -148,3 +148,18 @@ class ClusterConfig:
             raise ConfigError(f"reward_workers: must be >= 0, got {self.reward_workers}")
         if self.weight_sync not in ("disk", "distributed", "shared"):
             raise ConfigError(f"weight_sync: must be 'disk', 'distributed' or 'shared', got {self.weight_sync!r}")
+
+
+@dataclass
+class SFTConfig:
+    """The SFT stage (orthon.rl.sft): conversations, loss on the assistant's tokens only."""
+
+    # A JSONL file of {"messages": [...]}, or a dotted path to fn(tokenizer, n, seed) -> conversations.
+    data: str = "orthon.rl.tool_tasks.tool_demonstrations"
+    examples: int = 2000  # conversations a generator makes (a file gives what it has)
+    steps: int = 200
+    batch_size: int = 16
+    clear_thinking: bool = False
+
+    def __post_init__(self):
+        _positive(self, "examples", "steps", "batch_size")
