@@ -6,8 +6,8 @@ OPD form 2 with lambda = 1.0, group size 1 and batch 1024.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from orthon.core.errors import ConfigError
 
@@ -58,6 +58,22 @@ class LossConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """One OPD teacher: its weights (a weights directory, e.g. an earlier stage's final/) and its prompts."""
+
+    name: str = "teacher"
+    weights: str = ""
+    task: str = "orthon.rl.tasks.ArithmeticTask"
+    task_args: dict[str, Any] = field(default_factory=dict)
+    ratio: float = 1.0  # relative share of the prompts
+
+    def __post_init__(self):
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"name: must be non-empty and without '/', got {self.name!r}")
+        _positive(self, "ratio")
+
+
+@dataclass
 class OPDConfig:
     """On-policy distillation (the GLM-5 recipe (README, "The recipe"))."""
 
@@ -69,11 +85,17 @@ class OPDConfig:
     kl_direction: Literal["teacher_student", "student_teacher"] = "teacher_student"
     group_size: int = 1
     batch_size: int = 1024
+    # The teachers, each with its own prompt set; prompts are drawn from the sets by their ratios and
+    # every prompt is scored by the teacher of its set (data-level mixing, never logit averaging).
+    teachers: list[TeacherConfig] = field(default_factory=list)
 
     def __post_init__(self):
         _positive(self, "group_size", "batch_size")
         if not self.coef >= 0.0:
             raise ConfigError(f"coef: must be >= 0, got {self.coef}")
+        names = [t.name for t in self.teachers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"teachers: names must differ, got {names}")
 
 
 @dataclass

@@ -224,7 +224,7 @@ class RolloutManager:
         failed += sum(s.status is SampleStatus.FAILED for g in examined for s in g) if self._workers else 0
         stats = {"rollout_failed": failed, "groups_examined": len(examined),
                  "reward_mean": rewards.mean().item() if len(examined) else math.nan,
-                 "groups_all_equal": float((rewards.std(-1) == 0).float().mean()) if len(examined) else math.nan,
+                 "groups_all_equal": float((rewards.amax(-1) == rewards.amin(-1)).float().mean()) if len(examined) else math.nan,
                  "response_length": sum(lengths) / max(len(lengths), 1),
                  "staleness_mean": sum(staleness) / max(len(staleness), 1), "staleness_max": max(staleness, default=0),
                  "staleness_counts": {str(k): v for k, v in sorted(collections.Counter(staleness).items())}}

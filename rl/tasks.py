@@ -18,6 +18,7 @@ class Prompt:
     text: str
     ids: list[int]
     label: str
+    source: str = ""  # the prompt set it came from (OPD: names its teacher)
 
 
 def arithmetic_reward(response: str, label: str) -> float:

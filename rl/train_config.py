@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from orthon.core.errors import ConfigError
 from orthon.engine.in_process import EngineConfig
-from orthon.rl.config import BufferConfig, ClusterConfig, LossConfig, RewardConfig
+from orthon.rl.config import BufferConfig, ClusterConfig, LossConfig, OPDConfig, RewardConfig
 
 
 @dataclass
@@ -57,6 +57,9 @@ class RLConfig:
     reward: RewardConfig | None = None
     buffer: BufferConfig = field(default_factory=lambda: BufferConfig(num_repeat_per_sample=8, task_type="arithmetic"))
     loss: LossConfig = field(default_factory=LossConfig)
+    # On-policy distillation (orthon.rl.distill): with teachers, each sampled token's advantage is
+    # the teacher's log-ratio (form 2) or the outcome advantage minus the exact KL (form 1).
+    opd: OPDConfig | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
@@ -74,5 +77,12 @@ class RLConfig:
             raise ConfigError(f"debug: must be 'none', 'rollout_only' or 'train_only', got {self.debug!r}")
         if self.stale_groups not in ("drop", "keep"):
             raise ConfigError(f"stale_groups: must be 'drop' or 'keep', got {self.stale_groups!r}")
+        if self.opd is not None and self.opd.teachers:  # distillation: its prompt source, rollout and group size
+            self.task = "orthon.rl.distill.MixedTask"
+            self.task_args = {"sets": [{"name": t.name, "task": t.task, "task_args": dict(t.task_args), "ratio": t.ratio}
+                                       for t in self.opd.teachers], "eval_size": self.task_args.get("eval_size")}
+            self.rollout = "orthon.rl.distill.opd_rollout"
+            self.rollout_args = {**self.rollout_args, "teachers": {t.name: t.weights for t in self.opd.teachers}}
+            self.buffer.num_repeat_per_sample = self.opd.group_size
         if self.max_sampling_rounds > 1 and not self.drop_zero_std_groups:
             raise ConfigError("max_sampling_rounds: refill rounds only make sense with drop_zero_std_groups: true")

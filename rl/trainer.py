@@ -44,7 +44,13 @@ class RLTrainer:
         reference = None
         if self.cfg.loss.kl_coef > 0:
             reference = load_weights(policy).eval().requires_grad_(False)
-        self.trainer = Trainer(recipe, self.run_dir, log, step=PolicyStep(self.cfg.loss, reference), with_data=False)
+        opd, teachers = self.cfg.opd, None
+        if opd is not None and opd.form == "kl_penalty":
+            from orthon.rl.distill import teacher_model
+
+            teachers = {t.name: teacher_model(t.weights) for t in opd.teachers}
+        step = PolicyStep(self.cfg.loss, reference, opd=opd, teachers=teachers)
+        self.trainer = Trainer(recipe, self.run_dir, log, step=step, with_data=False)
         self.model = self.trainer.model
         if reference is not None:
             reference.to(self.trainer.device)
