@@ -5,7 +5,6 @@ import time
 import pytest
 import torch
 
-from orthon.data.tokenizer import CHAT_TOKENS, load_tokenizer, train_sentencepiece
 from orthon.engine.protocol import GenerationResult
 from orthon.engine.sampling import SamplingParams
 from orthon.rl.chat import Message, ParseError, ToolCall, parse_tool_call, render, split_assistant
@@ -15,7 +14,6 @@ from orthon.rl.rollout import RolloutContext
 from orthon.rl.sample import SampleStatus, branches
 from orthon.rl.tasks import Prompt, arithmetic_reward
 from orthon.rl.trajectory import Trajectory
-from test_data_support import corpus_texts
 
 
 # ------------------------------------------------------------------ the chat format
@@ -82,15 +80,6 @@ def test_trajectory_extends_by_ids_and_forks_on_drift():
 
 
 # ------------------------------------------------------------------ the rollout plug-in
-@pytest.fixture(scope="module")
-def chat_tokenizer(tmp_path_factory):
-    lines = [line for t in corpus_texts(seed=0) for line in t.split("\n") if line.strip()]
-    lines += ["Q: 123*456=? A: 56088", "```python tool_name=calculator", "print(123*456)", "```"] * 5
-    path = train_sentencepiece(lines, tmp_path_factory.mktemp("tok") / "chat.model", 600,
-                               special_tokens=CHAT_TOKENS, seed=0, threads=1)
-    return load_tokenizer(path)
-
-
 class ScriptedEngine:
     """Speaks the Engine protocol; answers each session's turns from a script (the rollout's handling of
     tools, masks and forks is what is tested, not a model)."""
