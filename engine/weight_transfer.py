@@ -139,8 +139,9 @@ def flatten_bucket(tensors, out: torch.Tensor | None = None) -> torch.Tensor:
     elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < total:
         raise ValueError(f"flatten_bucket: out must be a 1-D uint8 tensor of >= {total} bytes")
     with torch.no_grad():
-        for (_, tensor), meta, offset in zip(items, metas, offsets):
+        for (_, tensor), meta, offset, end in zip(items, metas, offsets, offsets[1:] + [total]):
             _view(out, meta, offset).copy_(tensor)
+            out[offset + meta.nbytes: end].zero_()  # padding: the same bytes every time
     return out[:total]
 
 
