@@ -37,6 +37,7 @@ from orthon.core.errors import CheckpointError
 ENCODINGS = ("full", "int32_positions", "uint16_gaps", "zstd_diff", "zstd_gaps")
 ESCAPE = 65535  # a uint16 gap token that moves on 65535 elements without marking a change
 INT32_MAX = 2**31 - 1
+CHUNK = 1 << 16  # elements per step of the difference passes (64K: measured fastest of 16K-256K)
 ZSTD_LEVEL = 1
 
 
@@ -48,41 +49,89 @@ def changed_mask(old: np.ndarray, new: np.ndarray) -> np.ndarray:
     return old != new
 
 
+SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
 def zigzag(diff: np.ndarray) -> np.ndarray:
     """Unsigned differences read as signed, mapped 0, -1, 1, -2, ... -> 0, 1, 2, 3, ... (a new array)."""
-    kind = diff.dtype.type
-    sign = diff >> kind(diff.dtype.itemsize * 8 - 1)  # 1 where negative
-    np.negative(sign, out=sign)  # all ones where negative (wrapping)
-    out = diff << kind(1)
-    out ^= sign
+    bits = diff.dtype.itemsize * 8
+    sign = diff.view(SIGNED[diff.dtype.itemsize]) >> (bits - 1)  # arithmetic: all ones where negative
+    out = diff << diff.dtype.type(1)
+    out ^= sign.view(diff.dtype)
     return out
 
 
 def unzigzag(mapped: np.ndarray) -> np.ndarray:
-    kind = mapped.dtype.type
-    low = mapped & kind(1)
-    np.negative(low, out=low)
-    out = mapped >> kind(1)
-    out ^= low
+    bits = mapped.dtype.itemsize * 8
+    low = (mapped << mapped.dtype.type(bits - 1)).view(SIGNED[mapped.dtype.itemsize]) >> (bits - 1)
+    out = mapped >> mapped.dtype.type(1)
+    out ^= low.view(mapped.dtype)
     return out
 
 
 def to_planes(values: np.ndarray) -> np.ndarray:
-    """Byte planes: byte 0 of every element, then byte 1, ... (uint8, width * count)."""
+    """Byte planes: byte 0 of every element, then byte 1, ... (uint8, width * count). One strided copy
+    per plane: about 3 GB/s, against 1 GB/s for numpy's transposing copy."""
     width = values.dtype.itemsize
-    return np.ascontiguousarray(values.view(np.uint8).reshape(-1, width).T).reshape(-1)
+    columns = values.view(np.uint8).reshape(-1, width)
+    planes = np.empty((width, columns.shape[0]), np.uint8)
+    for i in range(width):
+        planes[i] = columns[:, i]
+    return planes.reshape(-1)
 
 
 def from_planes(planes: np.ndarray, kind: type) -> np.ndarray:
     width = np.dtype(kind).itemsize
-    return np.ascontiguousarray(planes.reshape(width, -1).T).view(kind).reshape(-1)
+    rows = planes.reshape(width, -1)
+    columns = np.empty((rows.shape[1], width), np.uint8)
+    for i in range(width):
+        columns[:, i] = rows[i]
+    return columns.view(kind).reshape(-1)
 
 
-def gap_tokens(positions: np.ndarray) -> np.ndarray:
-    """uint16 tokens of increasing positions (see the module docstring)."""
-    if positions.size == 0:
-        return np.zeros(0, np.uint16)
-    gaps = np.diff(positions.astype(np.int64), prepend=-1)
+def diff_planes(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """``to_planes(zigzag(new - old))``, computed in cache-sized steps (twice as fast as whole-array passes,
+    whose temporaries each cost a trip through memory)."""
+    width, count = new.dtype.itemsize, new.size
+    planes = np.empty((width, count), np.uint8)
+    for start in range(0, count, CHUNK):
+        end = min(count, start + CHUNK)
+        columns = zigzag(new[start:end] - old[start:end]).view(np.uint8).reshape(-1, width)
+        for i in range(width):
+            planes[i, start:end] = columns[:, i]
+    return planes.reshape(-1)
+
+
+def add_diff_planes(planes: np.ndarray, target: np.ndarray) -> None:
+    """``target += unzigzag(from_planes(planes))`` in place (wrapping), in cache-sized steps."""
+    width, count = target.dtype.itemsize, target.size
+    rows = planes.reshape(width, count)
+    for start in range(0, count, CHUNK):
+        end = min(count, start + CHUNK)
+        columns = np.empty((end - start, width), np.uint8)
+        for i in range(width):
+            columns[:, i] = rows[i, start:end]
+        target[start:end] += unzigzag(columns.view(target.dtype).reshape(-1))
+
+
+def position_gaps(positions: np.ndarray) -> np.ndarray:
+    """Distance of each position from the previous one (the first from -1), int64."""
+    gaps = np.empty(positions.size, np.int64)
+    if positions.size:
+        gaps[0] = positions[0] + 1
+        np.subtract(positions[1:], positions[:-1], out=gaps[1:])
+    return gaps
+
+
+def gap_token_count(gaps: np.ndarray) -> int:
+    if gaps.size == 0 or gaps.max() < ESCAPE:
+        return gaps.size
+    return gaps.size + int((gaps // ESCAPE).sum())
+
+
+def tokens_of_gaps(gaps: np.ndarray) -> np.ndarray:
+    if gaps.size == 0 or gaps.max() < ESCAPE:  # the common case: no escapes
+        return gaps.astype(np.uint16)
     escapes = gaps // ESCAPE
     ends = np.cumsum(escapes + 1) - 1  # where each change's final token goes
     tokens = np.full(int(ends[-1]) + 1, ESCAPE, np.uint16)
@@ -90,15 +139,16 @@ def gap_tokens(positions: np.ndarray) -> np.ndarray:
     return tokens
 
 
-def gap_token_count(positions: np.ndarray) -> int:
-    if positions.size == 0:
-        return 0
-    return positions.size + int((np.diff(positions.astype(np.int64), prepend=-1) // ESCAPE).sum())
+def gap_tokens(positions: np.ndarray) -> np.ndarray:
+    """uint16 tokens of increasing positions (see the module docstring)."""
+    return tokens_of_gaps(position_gaps(positions))
 
 
 def positions_from_gaps(tokens: np.ndarray) -> np.ndarray:
-    cursor = np.cumsum(tokens, dtype=np.int64) - 1
-    return cursor[tokens != ESCAPE]
+    cursor = np.cumsum(tokens, dtype=np.int64)
+    cursor -= 1
+    marks = tokens != ESCAPE
+    return cursor if marks.all() else cursor[marks]
 
 
 # ------------------------------------------------------------------ encoders
@@ -112,19 +162,19 @@ def encode_int32_positions(positions: np.ndarray, new: np.ndarray) -> bytes:
     return positions.astype("<i4").tobytes() + new[positions].tobytes()
 
 
-def encode_uint16_gaps(positions: np.ndarray, new: np.ndarray) -> bytes:
-    return gap_tokens(positions).astype("<u2").tobytes() + new[positions].tobytes()
+def encode_uint16_gaps(positions: np.ndarray, new: np.ndarray, gaps: np.ndarray | None = None) -> bytes:
+    tokens = tokens_of_gaps(position_gaps(positions) if gaps is None else gaps)
+    return tokens.astype("<u2").tobytes() + new[positions].tobytes()
 
 
 def encode_zstd_diff(old: np.ndarray, new: np.ndarray, compressor: zstandard.ZstdCompressor) -> bytes:
-    return compressor.compress(to_planes(zigzag(new - old)))
+    return compressor.compress(diff_planes(old, new))
 
 
 def encode_zstd_gaps(positions: np.ndarray, old: np.ndarray, new: np.ndarray,
-                     compressor: zstandard.ZstdCompressor) -> bytes:
-    tokens = to_planes(gap_tokens(positions).astype("<u2"))
-    diffs = to_planes(zigzag(new[positions] - old[positions]))
-    return compressor.compress(np.concatenate([tokens, diffs]))
+                     compressor: zstandard.ZstdCompressor, gaps: np.ndarray | None = None) -> bytes:
+    tokens = to_planes(tokens_of_gaps(position_gaps(positions) if gaps is None else gaps).astype("<u2"))
+    return compressor.compress(np.concatenate([tokens, diff_planes(old[positions], new[positions])]))
 
 
 @dataclass
@@ -159,14 +209,17 @@ def encode_tensor(old: np.ndarray, new: np.ndarray, compressor: zstandard.ZstdCo
     only = len(encodings) == 1
     want_int32 = "int32_positions" in encodings and n <= INT32_MAX and (only or changed * (4 + width) < n * width)
     want_gaps = "uint16_gaps" in encodings and (only or changed * (2 + width) < n * width)
-    positions = np.flatnonzero(mask) if (want_int32 or want_gaps or zstd_form == "zstd_gaps") else None
+    positions = gaps = None
+    if want_int32 or want_gaps or zstd_form == "zstd_gaps":
+        positions = np.flatnonzero(mask)
+        gaps = position_gaps(positions)
     if want_int32:
         sizes["int32_positions"] = changed * (4 + width)
     if want_gaps:
-        sizes["uint16_gaps"] = 2 * gap_token_count(positions) + changed * width
+        sizes["uint16_gaps"] = 2 * gap_token_count(gaps) + changed * width
     blobs: dict[str, bytes] = {}
     if zstd_form == "zstd_gaps":
-        blobs[zstd_form] = encode_zstd_gaps(positions, old, new, compressor)
+        blobs[zstd_form] = encode_zstd_gaps(positions, old, new, compressor, gaps)
     elif zstd_form == "zstd_diff":
         blobs[zstd_form] = encode_zstd_diff(old, new, compressor)
     for name, blob in blobs.items():
@@ -177,7 +230,7 @@ def encode_tensor(old: np.ndarray, new: np.ndarray, compressor: zstandard.ZstdCo
     if best not in blobs:
         blobs[best] = {"full": lambda: encode_full(new),
                        "int32_positions": lambda: encode_int32_positions(positions, new),
-                       "uint16_gaps": lambda: encode_uint16_gaps(positions, new)}[best]()
+                       "uint16_gaps": lambda: encode_uint16_gaps(positions, new, gaps)}[best]()
     return Encoded(best, blobs[best], changed)
 
 
@@ -204,16 +257,15 @@ class Prepared:
         elif self.positions is not None:
             target[self.positions] = self.values
         elif self.encoding == "zstd_diff":
-            diff = unzigzag(from_planes(_decompress(self.blob, self.count * target.itemsize), self.kind))
-            np.add(target, diff, out=target)
+            add_diff_planes(_decompress(self.blob, self.count * target.itemsize), target)
         else:  # zstd_gaps
-            width = target.itemsize
             inner = _decompress(self.blob, zstandard.frame_content_size(self.blob))
-            split = inner.size - self.changed * width
+            split = inner.size - self.changed * target.itemsize
             positions = _checked_positions(positions_from_gaps(from_planes(inner[:split], np.uint16)),
                                            self.changed, self.count, self.encoding)
-            diff = unzigzag(from_planes(inner[split:], self.kind))
-            target[positions] += diff
+            values = target[positions]
+            add_diff_planes(inner[split:], values)
+            target[positions] = values
 
 
 def _decompress(blob, size: int) -> np.ndarray:
@@ -226,7 +278,7 @@ def _decompress(blob, size: int) -> np.ndarray:
 def _checked_positions(positions: np.ndarray, changed: int, count: int, encoding: str) -> np.ndarray:
     if positions.size != changed:
         raise CheckpointError(f"{encoding}: {positions.size} positions where {changed} changes are declared")
-    if changed and (positions[0] < 0 or positions[-1] >= count or np.any(np.diff(positions) <= 0)):
+    if changed and (positions[0] < 0 or positions[-1] >= count or np.any(positions[1:] <= positions[:-1])):
         raise CheckpointError(f"{encoding}: positions out of range 0..{count - 1} or not increasing")
     return positions
 
