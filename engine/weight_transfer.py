@@ -7,12 +7,14 @@ Three of the four weight-sync paths (the fourth, delta, combines with each: ``or
               already run one of its own): gloo on CPU, NCCL on GPU. ``broadcast_tensors`` /
               ``receive_tensors`` move the tensors in flattened buckets; the receivers get the
               metadata separately (as SGLang's update_weights_from_distributed takes names, dtypes
-              and shapes in its request) and compute the same ``bucket_plan``.
+              and shapes in its request) and compute the same ``bucket_plan``. ``broadcast_bytes``
+              sends one byte string, e.g. a delta payload.
   colocated   ``SharedBuckets`` writes flattened tensors into a shared-memory file and hands out a
               JSON-able handle; ``read_shared`` maps it and returns views (no copy) for the engine to
               copy from.
   disk        ``write_versioned`` writes root/v{version:08d} in the HF layout (the engine's
-              ``update_weights(path, version)`` reads it), atomically, and prunes old versions.
+              ``update_weights(path, version)`` reads it), atomically, and prunes old versions;
+              ``write_delta`` writes a delta payload beside them.
 
 ``tensor_hashes`` gives one hash per tensor, to check that an engine holds the trainer's bytes.
 Every wait has a finite timeout.
@@ -35,13 +37,14 @@ import torch.distributed as dist
 import xxhash
 
 from orthon.core.errors import CheckpointError, ConfigError
+from orthon.core.files import atomic_write_bytes
 from orthon.engine.tensor_bytes import dtype_name, named_list, parse_dtype, tensor_hash, tensor_hashes
 from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.weights import save_weights
 
 __all__ = ["TensorMeta", "bucket_plan", "bucket_layout", "flatten_bucket", "unflatten_bucket", "UpdateGroup",
-           "open_update_group", "broadcast_tensors", "receive_tensors", "SharedBuckets", "read_shared",
-           "write_versioned", "list_versions", "latest_version", "tensor_hash", "tensor_hashes"]
+           "open_update_group", "broadcast_tensors", "receive_tensors", "broadcast_bytes", "SharedBuckets",
+           "read_shared", "write_versioned", "write_delta", "list_versions", "latest_version", "tensor_hash", "tensor_hashes"]
 
 ALIGN = 64  # bytes: every tensor of a bucket starts on a cache line (and on any element size)
 DEFAULT_BUCKET_BYTES = 64 << 20
@@ -287,6 +290,22 @@ def receive_tensors(group: UpdateGroup, metas: Sequence[TensorMeta], src: int = 
     return out
 
 
+def broadcast_bytes(group: UpdateGroup, data: bytes | None, src: int = 0) -> bytes:
+    """One byte string from ``src`` to every member (the sender passes it, the others None): a delta
+    payload (``orthon.engine.delta``) over the broadcast path. Length first, then the bytes."""
+    if group.rank == src and data is None:
+        raise ValueError("broadcast_bytes: the sender must pass the bytes")
+    length = torch.tensor([len(data) if group.rank == src else -1], dtype=torch.int64, device=group.device)
+    _broadcast(group, length, src)
+    if group.rank == src:
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+        buffer = buffer.to(group.device)
+    else:
+        buffer = torch.empty(int(length), dtype=torch.uint8, device=group.device)
+    _broadcast(group, buffer, src)
+    return data if group.rank == src else buffer.cpu().numpy().tobytes()
+
+
 # ------------------------------------------------------------------ colocated: shared memory
 def _default_shm_dir() -> Path:
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
@@ -445,6 +464,16 @@ def write_versioned(model_or_state, root: str | os.PathLike, version: int, keep:
     for stale in list_versions(root)[:-keep]:
         shutil.rmtree(version_dir(root, stale), ignore_errors=True)
     return final
+
+
+def write_delta(root: str | os.PathLike, payload) -> Path:
+    """A delta payload (``orthon.engine.delta.DeltaPayload``) as root/delta-v{base}-v{version}.bin,
+    written atomically; the engine reads it with ``DeltaPayload.from_bytes(path.read_bytes())``."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / f"delta-v{payload.base_version:08d}-v{payload.version:08d}.bin"
+    atomic_write_bytes(path, payload.to_bytes())
+    return path
 
 
 def _write_state(state: Mapping[str, torch.Tensor], directory: Path) -> None:

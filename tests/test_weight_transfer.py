@@ -17,10 +17,11 @@ import torch.multiprocessing as mp
 from hf_reference import small_config
 from orthon.core.errors import CheckpointError, ConfigError
 from orthon.engine import InProcessEngine
-from orthon.engine.weight_transfer import (SharedBuckets, TensorMeta, broadcast_tensors, bucket_layout, bucket_plan,
-                                           flatten_bucket, latest_version, list_versions, open_update_group,
-                                           read_shared, receive_tensors, tensor_hashes, unflatten_bucket,
-                                           write_versioned)
+from orthon.engine.delta import DeltaEncoder, DeltaPayload
+from orthon.engine.weight_transfer import (SharedBuckets, TensorMeta, broadcast_bytes, broadcast_tensors, bucket_layout,
+                                           bucket_plan, flatten_bucket, latest_version, list_versions,
+                                           open_update_group, read_shared, receive_tensors, tensor_hashes,
+                                           unflatten_bucket, write_delta, write_versioned)
 from orthon.pretrain import GLMForCausalLM
 from pretrain_support import env, free_port
 
@@ -99,6 +100,15 @@ def _broadcast_worker(rank, world, ports, out):
             metas = [TensorMeta.of(n, t).to_json() for n, t in named]  # as an HTTP request carries them
             received = receive_tensors(group, metas, bucket_bytes=bucket_bytes)
             results[round_] = [(n, t.clone()) for n, t in received]
+    # Delta on top of the broadcast: the payload's bytes, applied in place to what round 0 delivered.
+    if rank == 0:
+        encoder = DeltaEncoder()
+        encoder.reset(sample_tensors(1), 0)
+        broadcast_bytes(group, encoder.encode(delta_target(), 1).to_bytes())
+    else:
+        held = {n: t.clone() for n, t in results[0]}
+        DeltaPayload.from_bytes(broadcast_bytes(group, None)).apply_in_place(held)
+        results["delta"] = held
     group.close()
     # A sender that never sends: the receivers' waits end at the timeout.
     group = open_update_group("127.0.0.1", port_b, rank, world, timeout_s=2)
@@ -127,6 +137,13 @@ def _broadcast_worker(rank, world, ports, out):
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
 
 
+def delta_target():
+    named = dict(sample_tensors(1))
+    named["w"] = named["w"] + torch.linspace(0, 1e-3, 1000)
+    named["emb"][5:9] = 0.5
+    return named
+
+
 def test_broadcast_over_gloo_to_two_receivers(tmp_path):
     ports = set()
     while len(ports) < 3:
@@ -138,6 +155,7 @@ def test_broadcast_over_gloo_to_two_receivers(tmp_path):
             expected = sample_tensors(seed)
             assert [n for n, _ in results[round_]] == [n for n, _ in expected]
             assert all(same_bytes(t, e) for (_, t), (_, e) in zip(results[round_], expected))
+        assert all(same_bytes(results["delta"][n], t) for n, t in delta_target().items())
         assert results["silent"] in ("RuntimeError", "TimeoutError")
         assert "differ from the 6 tensors this receiver was told about" in results["mismatch"]
 
@@ -168,6 +186,12 @@ def test_shared_buckets_hand_over_views_of_the_writers_memory(tmp_path):
                 assert base <= view.data_ptr() < base + handle["nbytes"]
                 assert view.untyped_storage().data_ptr() == base  # one mapping, no copies
             assert same_bytes(view, original), name
+        engine = InProcessEngine(_model(0))  # the colocated path end to end: the engine copies from the views
+        model_handle = shared.write(_model(1).state_dict(), version=5)
+        assert engine.update_weights(read_shared(model_handle), version=model_handle["version"]) == 5
+        assert all(same_bytes(a, b) for a, b in zip(engine.model.state_dict().values(), _model(1).state_dict().values()))
+        handle = shared.write(named, version=3)
+        views = read_shared(handle)
         newer = sample_tensors(seed=9)
         shared.write(newer, version=4)  # same layout, same file: the engine's views see the new bytes
         assert all(same_bytes(view, t) for (_, view), (_, t) in zip(views, newer))
@@ -257,6 +281,19 @@ def test_versioned_directories_load_into_the_engine_and_old_ones_are_pruned(tmp_
         write_versioned(state, root, -1)
     with pytest.raises(TypeError, match="GLMForCausalLM"):
         write_versioned([1, 2], root, 7)
+
+
+def test_a_delta_payload_on_disk_beside_the_versions(tmp_path):
+    model = _model(1)
+    engine = InProcessEngine(_model(1))
+    encoder = DeltaEncoder()
+    encoder.reset(model.state_dict(), 0)
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.01)
+    path = write_delta(tmp_path, encoder.encode(model.state_dict(), 1))
+    assert path.name == "delta-v00000000-v00000001.bin"
+    assert engine.update_weights(DeltaPayload.from_bytes(path.read_bytes())) == 1
+    assert all(same_bytes(a, b) for a, b in zip(engine.model.state_dict().values(), model.state_dict().values()))
 
 
 DIE_MID_WRITE = """
