@@ -1,0 +1,161 @@
+"""Continuous batching of concurrent callers onto one engine: requests queue, one worker thread takes
+everything waiting and runs it as one ``generate`` call (a wave; the engine splits it into waves of its
+``max_batch_size``), so sixteen HTTP callers arriving together cost one engine call, not sixteen.
+
+Around the waves: ``pause`` holds new waves (the requests wait; ``mode="abort"`` also returns every
+waiting request aborted), ``resume`` lets them run again, ``abort`` returns waiting requests by rid,
+and ``exclusive()`` gives a weight update the engine between two waves: it waits for the running wave,
+holds new ones while it runs, and updates never run two at a time. A running wave is never cut short:
+the engine has no way to stop one midway, so "abort" reaches only requests that have not started.
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter, deque
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from orthon.engine.protocol import GenerationResult
+from orthon.engine.sampling import SamplingParams
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass
+class Pending:
+    """A request waiting for its wave; ``future`` receives its GenerationResult."""
+
+    prompt: list[int]
+    params: SamplingParams
+    rid: str
+    future: Future = field(default_factory=Future)
+
+
+def aborted(request: Pending, weight_version: int, why: str) -> GenerationResult:
+    """The result of a request stopped before it ran: no tokens (SGLang's finish_reason "abort")."""
+    return GenerationResult(prompt=list(request.prompt), tokens=[], log_probs=torch.zeros(0), finish_reason="abort",
+                            weight_version=weight_version, seed=request.params.seed, error=why)
+
+
+class ContinuousBatcher:
+    def __init__(self, engine):
+        self.engine = engine
+        self._queue: deque[Pending] = deque()
+        self._cond = threading.Condition()
+        self._paused = False
+        self._running = 0  # requests in the wave now on the engine
+        self._updates_waiting = 0
+        self._update_lock = threading.Lock()  # one weight update at a time
+        self._closed = False
+        self.stats = Counter()  # generate_calls, requests, aborted, max_batch
+        self.batch_sizes: Counter = Counter()  # requests per generate call -> how many calls had that many
+        self._worker = threading.Thread(target=self._loop, name="orthon-batcher", daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------ callers
+    def submit(self, requests: list[Pending]) -> None:
+        """Queue ``requests`` (their futures complete when their wave has run)."""
+        with self._cond:
+            if self._closed:
+                for r in requests:
+                    r.future.set_result(aborted(r, self.engine.weight_version, "the server is shutting down"))
+                return
+            self._queue.extend(requests)
+            self.stats["requests"] += len(requests)
+            self._cond.notify_all()
+
+    def abort(self, rid: str | None = None, abort_all: bool = False, why: str = "aborted by request") -> int:
+        """Return the waiting requests with ``rid`` (or all of them) aborted; how many there were."""
+        with self._cond:
+            hit = [r for r in self._queue if abort_all or r.rid == rid]
+            for r in hit:
+                self._queue.remove(r)
+            self.stats["aborted"] += len(hit)
+        for r in hit:
+            r.future.set_result(aborted(r, self.engine.weight_version, why))
+        return len(hit)
+
+    def pause(self, mode: str = "abort", timeout_s: float | None = None) -> bool:
+        """Hold new waves; with mode "abort" the waiting requests are returned aborted. Returns once the
+        running wave (if any) has finished: True, or False when ``timeout_s`` passed first."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode: expected one of {PAUSE_MODES}, got {mode!r}")
+        with self._cond:
+            self._paused = True
+        if mode == "abort":
+            self.abort(abort_all=True, why="aborted by pause_generation")
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._running, timeout_s)
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self):
+        """The engine to the caller alone (a weight update): after the running wave, before the next."""
+        with self._update_lock:
+            with self._cond:
+                self._updates_waiting += 1
+                try:
+                    self._cond.wait_for(lambda: not self._running)
+                except BaseException:
+                    self._updates_waiting -= 1
+                    raise
+            try:
+                yield self.engine
+            finally:
+                with self._cond:
+                    self._updates_waiting -= 1
+                    self._cond.notify_all()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop taking requests, abort the waiting ones, let the running wave finish (up to timeout_s)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self.abort(abort_all=True, why="the server is shutting down")
+        self._worker.join(timeout_s)
+
+    def alive(self) -> bool:
+        return self._worker.is_alive()
+
+    def snapshot(self) -> dict:
+        with self._cond:
+            return {"waiting": len(self._queue), "running": self._running, "paused": self._paused,
+                    "generate_calls": self.stats["generate_calls"], "requests": self.stats["requests"],
+                    "aborted": self.stats["aborted"], "max_batch": self.stats["max_batch"],
+                    "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())}}
+
+    # ------------------------------------------------------------ the worker
+    def _ready(self) -> bool:
+        return self._closed or (bool(self._queue) and not self._paused and not self._updates_waiting)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(self._ready)
+                if self._closed:
+                    return
+                wave = list(self._queue)
+                self._queue.clear()
+                self._running = len(wave)
+                self.stats["generate_calls"] += 1
+                self.stats["max_batch"] = max(self.stats["max_batch"], len(wave))
+                self.batch_sizes[len(wave)] += 1
+            try:
+                results = self.engine.generate([r.prompt for r in wave], [r.params for r in wave])
+                for r, result in zip(wave, results):
+                    r.future.set_result(result)
+            except BaseException as exc:  # an engine bug: every caller of the wave gets it, the loop goes on
+                for r in wave:
+                    if not r.future.done():
+                        r.future.set_exception(exc)
+            finally:
+                with self._cond:
+                    self._running = 0
+                    self._cond.notify_all()

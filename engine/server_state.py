@@ -1,0 +1,100 @@
+"""What an engine server holds (the engine, its batcher, the tokenizer, limits, weight-update groups) and
+the request plumbing its routes share: bodies read under a size limit, JSON parsed with a clear error."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orthon.engine.batcher import ContinuousBatcher
+from orthon.engine.sglang_api import BadRequest
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # /generate and the control routes: a few MB of token ids
+DEFAULT_MAX_DELTA_BYTES = 4 << 30  # a delta payload of a large model
+# Reading past the limit drains the body (so the client sees the 413, not a broken pipe) up to this much.
+_DRAIN_BYTES = 64 << 20
+
+
+@dataclass
+class ServerState:
+    engine: object  # an InProcessEngine
+    batcher: ContinuousBatcher
+    model_path: str
+    tokenizer: object | None = None  # an orthon.data.tokenizer.Tokenizer, or None: text requests get a 400
+    tokenizer_path: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_delta_bytes: int = DEFAULT_MAX_DELTA_BYTES
+    hf_config: dict = field(default_factory=dict)
+    groups: dict = field(default_factory=dict)  # weight-update group name -> orthon.engine.weight_transfer.UpdateGroup
+    weight_updates: int = 0
+    started: float = field(default_factory=time.time)
+
+    def tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise BadRequest("text: this server has no tokenizer (none beside the weights and no --tokenizer); "
+                             "send input_ids")
+        return self.tokenizer.encode(text)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids)
+
+
+async def read_body(request, limit: int) -> bytes:
+    """The request body, or BadRequest(413) when it is longer than ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    too_long = declared is not None and declared.isdigit() and int(declared) > limit
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            too_long = True
+        if too_long:
+            if size > _DRAIN_BYTES:
+                break
+            continue
+        chunks.append(chunk)
+    if too_long:
+        raise BadRequest(f"body: {int(declared) if declared and declared.isdigit() else size} bytes, over this "
+                         f"route's limit of {limit} bytes", status=413)
+    return b"".join(chunks)
+
+
+async def read_json(request, limit: int, empty_ok: bool = False):
+    """The JSON body (a dict); BadRequest names what is wrong with it."""
+    raw = await read_body(request, limit)
+    if not raw.strip():
+        if empty_ok:
+            return {}
+        raise BadRequest("body: empty (expected a JSON object)")
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"body: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise BadRequest(f"body: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def find_tokenizer(weights_dir: Path, explicit: str | None = None):
+    """(tokenizer, its path) for a weights directory: ``explicit`` if given; else a tokenizer.json or
+    tokenizer.model beside the weights (an HF checkpoint's); else the tokenizer the run that wrote them
+    names (RUN/final's RUN/config.yaml, data.tokenizer). (None, None) when there is none."""
+    from orthon.data.tokenizer import load_tokenizer
+
+    if explicit:
+        return load_tokenizer(explicit), str(explicit)
+    for name in ("tokenizer.json", "tokenizer.model"):
+        if (weights_dir / name).is_file():
+            return load_tokenizer(weights_dir / name), str(weights_dir / name)
+    run_config = weights_dir.parent / "config.yaml"
+    if run_config.is_file():
+        import yaml
+
+        try:
+            named = ((yaml.safe_load(run_config.read_text()) or {}).get("data") or {}).get("tokenizer")
+        except (yaml.YAMLError, AttributeError, OSError):
+            named = None
+        if named and Path(named).exists():
+            return load_tokenizer(named), str(named)
+    return None, None

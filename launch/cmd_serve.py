@@ -1,0 +1,37 @@
+"""`orthon serve WEIGHTS_DIR --port P`: the engine server (orthon.engine.server), SGLang's HTTP worker
+API over an in-process engine on the weights, for sglang-router and orthon's HTTP engine client."""
+from __future__ import annotations
+
+
+def register(parser, name):
+    from orthon.engine.server_state import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_DELTA_BYTES
+
+    parser.add_argument("weights_dir", help="a weights directory (HF layout + orthon.json, e.g. RUN_DIR/final)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000, help="0: a free port (printed when ready)")
+    parser.add_argument("--max-batch-size", type=int, default=64, help="rows decoded together")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: as `orthon --threads`)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="for text requests (default: tokenizer.json / .model beside the weights, else the run's)")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="largest /generate (or control) request body")
+    parser.add_argument("--max-delta-bytes", type=int, default=DEFAULT_MAX_DELTA_BYTES,
+                        help="largest delta payload")
+
+
+def run(args, name):
+    from orthon.core.errors import ConfigError
+    from orthon.engine.server import serve
+    from orthon.launch.threads import set_threads
+
+    if not 0 <= args.port < 65536:
+        raise ConfigError(f"--port: {args.port} is not a TCP port")
+    if args.max_batch_size < 1 or args.max_body_bytes < 1 or args.max_delta_bytes < 1:
+        raise ConfigError("--max-batch-size, --max-body-bytes and --max-delta-bytes must be positive")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError(f"--threads: must be >= 1, got {args.threads}")
+        set_threads(args.threads)
+    serve(args.weights_dir, args.host, args.port, args.max_batch_size, args.tokenizer, args.max_body_bytes,
+          args.max_delta_bytes, log=lambda line: print(line, flush=True))
+    return 0
