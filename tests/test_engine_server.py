@@ -1,0 +1,432 @@
+"""`orthon serve` as a real subprocess, driven over HTTP and through HTTPEngine: greedy and seeded
+generation equal the in-process engine's on the same weights, concurrent callers share engine calls,
+pause / abort / continue, every kind of bad input is a 400 (413 over the size limit) after which the
+server still serves, weight updates from disk, delta payloads (a wrong base refused, weights
+unchanged), shared memory and a gloo broadcast, SIGTERM; and the client against servers that hang,
+refuse or answer garbage."""
+import http.client
+import json
+import signal
+import socketserver
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from orthon.core.errors import CheckpointError, EngineUnavailable
+from orthon.core.net import free_port
+from orthon.engine.client import HTTPEngine
+from orthon.engine.in_process import InProcessEngine
+from orthon.engine.sampling import SamplingParams
+from orthon.pretrain.weights import load_weights
+from server_support import ServerProcess, tiny_weights
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = [[5, 9, 14, 3], [7, 7, 30, 41, 2, 19, 100], [60]]
+GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, stop_token_ids=())
+SAMPLED = SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.9, seed=11, stop_token_ids=())
+LIMIT = 64 * 1024  # the servers' --max-body-bytes here
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    root = tmp_path_factory.mktemp("weights")
+    return tiny_weights(root / "base"), tiny_weights(root / "other", seed=123)
+
+
+@pytest.fixture(scope="module")
+def server(weights, tmp_path_factory):
+    """The read-only tests' server: its weights never change."""
+    process = ServerProcess(weights[0], tmp_path_factory.mktemp("logs") / "server.log", "--max-body-bytes", str(LIMIT))
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def mutable(weights, tmp_path_factory):
+    """The weight-update tests' server."""
+    process = ServerProcess(weights[0], tmp_path_factory.mktemp("logs") / "mutable.log")
+    yield process
+    process.stop()
+
+
+def _request(url: str, method: str, path: str, payload=None, raw: bytes | None = None, timeout_s: float = 120.0):
+    """(status, JSON answer) of one plain HTTP call."""
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    body = raw if raw is not None else (None if payload is None else json.dumps(payload).encode())
+    try:
+        connection.request(method, path, body=body, headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read() or b"{}")
+    finally:
+        connection.close()
+
+
+def _info(url: str) -> dict:
+    return _request(url, "GET", "/get_server_info")[1]
+
+
+def _wait_waiting(url: str, count: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _info(url)["batching"]["waiting"] < count:
+        assert time.monotonic() < deadline, f"{count} requests never queued: {_info(url)['batching']}"
+        time.sleep(0.05)
+
+
+def _named(model):
+    return [(name, t.detach()) for name, t in model.state_dict().items()]
+
+
+def _reference(weights_dir, sampling=GREEDY, prompts=PROMPTS):
+    return InProcessEngine(load_weights(weights_dir).eval()).generate(prompts, sampling)
+
+
+# ---------------------------------------------------------------- generation
+def test_greedy_generate_equals_the_in_process_engine(server, weights):
+    reference = _reference(weights[0])
+    status, answers = _request(server.url, "POST", "/generate", {
+        "input_ids": PROMPTS, "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True, "rid": ["a", "b", "c"]})
+    assert status == 200 and len(answers) == 3
+    for ans, ref, prompt, rid in zip(answers, reference, PROMPTS, "abc"):
+        meta = ans["meta_info"]
+        assert ans["output_ids"] == ref.tokens and len(ref.tokens) == 10
+        got = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]])
+        torch.testing.assert_close(got, ref.log_probs, atol=1e-6, rtol=0)
+        assert [t for _, t, _ in meta["output_token_logprobs"]] == ref.tokens
+        assert meta["finish_reason"] == {"type": "length", "length": 10}
+        assert (meta["id"], meta["prompt_tokens"], meta["completion_tokens"], meta["weight_version"]) == (rid, len(prompt), 10, "0")
+    single = _request(server.url, "POST", "/generate", {"input_ids": PROMPTS[1], "return_logprob": False,
+                                                        "sampling_params": {"max_new_tokens": 10, "temperature": 0,
+                                                                            "ignore_eos": True}})[1]
+    assert single["output_ids"] == reference[1].tokens and "output_token_logprobs" not in single["meta_info"]
+
+    client = HTTPEngine(server.url)
+    results = client.generate(PROMPTS, GREEDY)
+    for got, ref in zip(results, reference):
+        assert (got.tokens, got.finish_reason, got.weight_version, got.prompt) == (ref.tokens, "length", 0, ref.prompt)
+        assert got.log_probs.dtype == torch.float32
+        torch.testing.assert_close(got.log_probs, ref.log_probs, atol=1e-6, rtol=0)
+
+
+def test_seeded_sampling_through_the_client_equals_the_in_process_engine(server, weights):
+    # One shared SamplingParams with seed s: request i draws from seed s + i on both engines, whatever
+    # the server's waves hold, so tokens match; log-probs to float round-off of other batch shapes.
+    reference = _reference(weights[0], SAMPLED)
+    results = HTTPEngine(server.url).generate(PROMPTS, SAMPLED, routing_keys=["s1", "s1", "s2"])
+    assert [r.seed for r in results] == [11, 12, 13]
+    for got, ref in zip(results, reference):
+        assert got.tokens == ref.tokens
+        torch.testing.assert_close(got.log_probs, ref.log_probs, atol=1e-5, rtol=0)
+
+
+def test_stop_tokens_keep_their_meaning_over_http(server, weights):
+    ref = _reference(weights[0], GREEDY)[0]
+    stop = ref.tokens[3]
+    first = ref.tokens.index(stop)
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, stop_token_ids=(stop,))
+    got = HTTPEngine(server.url).generate([PROMPTS[0]], params)[0]
+    assert (got.tokens, got.finish_reason) == (ref.tokens[: first + 1], "stop")
+
+
+def _generate_concurrently(url: str, count: int, max_new_tokens: int) -> list[dict]:
+    barrier = threading.Barrier(count)
+
+    def call(i):
+        barrier.wait()
+        return _request(url, "POST", "/generate", {"input_ids": [3 + i, 4, 5], "sampling_params": {
+            "max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}})
+
+    with ThreadPoolExecutor(count) as pool:
+        return list(pool.map(call, range(count)))
+
+
+def test_sixteen_concurrent_callers_share_engine_calls(server):
+    client = HTTPEngine(server.url)
+    # Held while they arrive: the sixteen run as one engine call.
+    client.pause(mode="retract")
+    before = _info(server.url)["batching"]
+    with ThreadPoolExecutor(1) as pool:
+        answers = pool.submit(_generate_concurrently, server.url, 16, 6)
+        _wait_waiting(server.url, 16)
+        client.resume()
+        answers = answers.result()
+    after = _info(server.url)["batching"]
+    assert [status for status, _ in answers] == [200] * 16
+    assert all(len(a["output_ids"]) == 6 for _, a in answers)
+    assert after["generate_calls"] - before["generate_calls"] == 1
+    assert after["batch_sizes"]["16"] == before["batch_sizes"].get("16", 0) + 1
+    assert after["max_batch"] >= 16
+    # Not held: whoever arrives while a call runs joins the next one.
+    before = after
+    answers = _generate_concurrently(server.url, 16, 24)
+    after = _info(server.url)["batching"]
+    assert [status for status, _ in answers] == [200] * 16
+    assert after["requests"] - before["requests"] == 16
+    assert after["generate_calls"] - before["generate_calls"] <= 8
+
+
+def test_pause_abort_and_continue(server):
+    client = HTTPEngine(server.url)
+    client.pause(mode="retract")  # requests wait
+    body = {"input_ids": [4, 5, 6], "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+    aborted_before = _info(server.url)["batching"]["aborted"]
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(_request, server.url, "POST", "/generate", {**body, "rid": "wait-1"})
+        second = pool.submit(_request, server.url, "POST", "/generate", {**body, "rid": "wait-2"})
+        _wait_waiting(server.url, 2)
+        assert _request(server.url, "POST", "/abort_request", {"rid": "wait-1"}) == (200, {"success": True, "aborted": 1})
+        status, answer = first.result(60)
+        assert status == 200 and answer["output_ids"] == [] and answer["meta_info"]["finish_reason"]["type"] == "abort"
+        assert not second.done()
+        # Pausing in "abort" mode returns every waiting request aborted.
+        third = pool.submit(client.generate, [[4, 5, 6]], GREEDY)
+        _wait_waiting(server.url, 2)
+        client.pause(mode="abort")
+        status, answer = second.result(60)
+        assert (status, answer["meta_info"]["finish_reason"]["type"], answer["meta_info"]["id"]) == (200, "abort", "wait-2")
+        result = third.result(60)[0]
+        assert (result.finish_reason, result.tokens, result.log_probs.numel()) == ("abort", [], 0)
+    assert _info(server.url)["batching"]["aborted"] == aborted_before + 3
+    assert _request(server.url, "GET", "/health_generate")[0] == 503  # paused: no generation
+    client.resume()
+    assert len(client.generate([[4, 5, 6]], GREEDY)[0].tokens) == 10
+
+
+# ---------------------------------------------------------------- bad input
+BAD = [
+    ("/generate", b"{not json", 400, "not valid JSON"),
+    ("/generate", {"sampling_params": {"max_new_tokens": 2}}, 400, "missing input_ids"),
+    ("/generate", {"input_ids": [5, 300]}, 400, "token id 300 is outside the vocabulary"),
+    ("/generate", {"input_ids": [[5], [5, 900]]}, 400, r"input_ids[1]: token id 900"),
+    ("/generate", {"input_ids": [5], "sampling_params": {"max_new_tokens": -3}}, 400, "max_new_tokens: must be an int >= 0"),
+    ("/generate", {"input_ids": [5], "sampling_params": {"min_p": 0.2}}, 400, "min_p: not supported"),
+    ("/generate", {"input_ids": [5] * 5000}, 400, "leave no room for a response"),
+    ("/generate", b"[" + b"1," * LIMIT + b"1]", 413, f"over this route's limit of {LIMIT} bytes"),
+    ("/generate", {"text": "hello"}, 400, "no tokenizer"),
+    ("/generate", b"", 400, "empty"),
+    ("/update_weights_from_disk", {"model_path": "/nonexistent/weights"}, 400, "no such weights"),
+    ("/update_weights_from_disk", {"model_path": "/x", "weight_version": "v2"}, 400, "weight_version"),
+    ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]]}, 400, "no such weight-update group"),
+    ("/orthon/update_weights_from_delta", b"not a delta", 400, "delta payload"),
+    ("/orthon/update_weights_from_shared", {"handle": {"path": "/nonexistent"}}, 400, "shared weights handle"),
+    ("/pause_generation", {"mode": "sideways"}, 400, "mode: expected one of"),
+    ("/abort_request", {}, 400, "rid: expected"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,message", BAD, ids=[f"{p}:{m[:24]}" for p, _, _, m in BAD])
+def test_bad_input_is_refused_with_a_message_and_the_server_goes_on(server, path, body, status, message):
+    version = _request(server.url, "GET", "/get_weight_version")[1]
+    got_status, answer = _request(server.url, "POST", path, **({"raw": body} if isinstance(body, bytes) else {"payload": body}))
+    assert got_status == status
+    assert message in answer["error"]
+    assert _request(server.url, "GET", "/get_weight_version")[1] == version  # nothing changed
+    status, good = _request(server.url, "POST", "/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
+    assert status == 200 and len(good["output_ids"]) == 2
+
+
+def test_the_client_maps_refused_requests_to_rejected_results(server, weights):
+    client = HTTPEngine(server.url)
+    results = client.generate([[5, 300], PROMPTS[0], []], GREEDY)
+    assert [r.finish_reason for r in results] == ["rejected", "length", "rejected"]
+    assert "token id 300 is outside the vocabulary" in results[0].error and "input_ids" in results[2].error
+    assert results[1].tokens == _reference(weights[0], GREEDY, [PROMPTS[0]])[0].tokens
+    assert client.stats["rejected"] == 2
+    with pytest.raises(TypeError, match="weights path or a DeltaPayload"):
+        client.update_weights({"lm_head.weight": torch.zeros(1)})
+
+
+def test_health_and_info_routes(server, weights):
+    assert _request(server.url, "GET", "/health") == (200, {})
+    assert _request(server.url, "GET", "/health_generate") == (200, {"ok": True, "weight_version": "0"})
+    info = _info(server.url)
+    assert info["model_path"] == str(weights[0].resolve()) and info["weight_version"] == "0"
+    assert info["max_batch_size"] == 64 and info["max_total_tokens"] == 4096 and info["engine_health"]["ok"] is True
+    assert info["max_body_bytes"] == LIMIT and info["engine"] == "orthon"
+    for path in ("/get_model_info", "/model_info"):
+        model = _request(server.url, "GET", path)[1]
+        assert model["architectures"] == ["GlmMoeDsaForCausalLM"] and model["vocab_size"] == 257
+        assert model["model_path"] == str(weights[0].resolve()) and model["config"]["num_hidden_layers"] == 2
+    assert _request(server.url, "GET", "/server_info")[1]["model_path"] == info["model_path"]
+    assert _request(server.url, "POST", "/flush_cache")[0] == 200
+    health = HTTPEngine(server.url).health()
+    assert (health["ok"], health["weight_version"], health["server"]["model_path"]) == (True, 0, info["model_path"])
+
+
+def test_sigterm_returns_waiting_requests_aborted_and_exits(weights, tmp_path):
+    process = ServerProcess(weights[0], tmp_path / "server.log")
+    client = HTTPEngine(process.url, timeout_s=60)
+    client.pause(mode="retract")
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(client.generate, [[4, 5]], GREEDY)
+        _wait_waiting(process.url, 1)
+        code = process.stop(signal.SIGTERM)
+        result = waiting.result(60)[0]
+    assert code == -signal.SIGTERM  # uvicorn re-raises the signal once it has shut down
+    assert (result.finish_reason, result.error) == ("abort", "the server is shutting down")
+    assert "Traceback" not in (tmp_path / "server.log").read_text()
+
+
+# ---------------------------------------------------------------- weight updates
+def test_update_weights_from_disk_changes_outputs_and_version(mutable, weights, tmp_path):
+    client = HTTPEngine(mutable.url)
+    before = client.generate(PROMPTS, GREEDY)
+    assert client.update_weights(str(weights[1]), version=7) == 7
+    after = client.generate(PROMPTS, GREEDY)
+    assert [r.tokens for r in after] == [r.tokens for r in _reference(weights[1])]
+    assert [r.tokens for r in after] != [r.tokens for r in before]
+    assert {r.weight_version for r in after} == {7}
+    assert client.update_weights(str(weights[0])) == 8  # no version named: the old one + 1
+    assert [r.tokens for r in client.generate(PROMPTS, GREEDY)] == [r.tokens for r in before]
+    with pytest.raises(CheckpointError, match="no such weights directory or file"):
+        client.update_weights(str(tmp_path / "missing"), version=9)
+    assert client.get_weight_version() == 8 and _info(mutable.url)["weight_updates"] >= 2
+
+
+def test_delta_payloads_apply_in_place_and_a_wrong_base_changes_nothing(mutable, weights, tmp_path):
+    from orthon.engine.delta import DeltaEncoder
+    from orthon.engine.tensor_bytes import tensor_hashes
+    from orthon.engine.weight_transfer import write_delta
+
+    base, other = load_weights(weights[0]), load_weights(weights[1])
+    client = HTTPEngine(mutable.url)
+    client.update_weights(str(weights[0]), version=20)
+    encoder = DeltaEncoder()
+    encoder.reset(_named(base), 20)
+    payload = encoder.encode(_named(other), 21)
+
+    stale = DeltaEncoder()
+    stale.reset(_named(base), 19)
+    with pytest.raises(CheckpointError, match="from weight version 19, the engine holds 20"):
+        client.update_weights(stale.encode(_named(other), 21))
+    wrong_bytes = DeltaEncoder()  # the right version number on other bytes: the base hashes refuse it
+    wrong_bytes.reset(_named(other), 20)
+    with pytest.raises(CheckpointError, match=r"\(409\).*not this delta's base"):
+        client.update_weights(wrong_bytes.encode(_named(base), 21))
+    damaged = bytearray(payload.to_bytes())
+    damaged[-1] ^= 0xFF
+    status, answer = _request(mutable.url, "POST", "/orthon/update_weights_from_delta", raw=bytes(damaged))
+    assert status == 400 and "checksum mismatch" in answer["error"]
+    assert client.weight_hashes() == tensor_hashes(_named(base)) and client.get_weight_version() == 20
+
+    assert client.update_weights(payload) == 21
+    assert client.weight_hashes() == tensor_hashes(_named(other))
+    assert [r.tokens for r in client.generate(PROMPTS, GREEDY)] == [r.tokens for r in _reference(weights[1])]
+    back = write_delta(tmp_path, encoder.encode(_named(base), 22))
+    assert client.update_weights_from_delta_file(back) == 22
+    assert client.weight_hashes() == tensor_hashes(_named(base))
+
+
+def test_shared_memory_and_broadcast_updates(mutable, weights, tmp_path):
+    from orthon.engine.delta import DeltaEncoder
+    from orthon.engine.server_weights import DELTA_TENSOR
+    from orthon.engine.tensor_bytes import tensor_hashes
+    from orthon.engine.weight_transfer import SharedBuckets, TensorMeta, broadcast_tensors, open_update_group
+
+    base, other = load_weights(weights[0]), load_weights(weights[1])
+    client = HTTPEngine(mutable.url)
+    with SharedBuckets(tmp_path) as shared:
+        assert client.update_weights_from_shared(shared.write(_named(other), 30)) == 30
+    assert client.weight_hashes() == tensor_hashes(_named(other))
+
+    port = free_port()
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(client.init_weights_update_group, "127.0.0.1", port, 1, 2, timeout_s=60)
+        group = open_update_group("127.0.0.1", port, 0, 2, timeout_s=60)
+        joined.result(90)
+        try:
+            assert _info(mutable.url)["weight_update_groups"] == ["weight_update_group"]
+            metas = [TensorMeta.of(name, t) for name, t in _named(base)]
+            received = pool.submit(client.update_weights_from_distributed, metas, 31)
+            broadcast_tensors(group, _named(base))
+            assert received.result(90) == 31
+            assert client.weight_hashes() == tensor_hashes(_named(base))
+            # A delta over the same group: its bytes as one uint8 tensor.
+            encoder = DeltaEncoder()
+            encoder.reset(_named(base), 31)
+            blob = torch.frombuffer(bytearray(encoder.encode(_named(other), 32).to_bytes()), dtype=torch.uint8)
+            received = pool.submit(client.update_weights_from_distributed, [TensorMeta.of(DELTA_TENSOR, blob)])
+            broadcast_tensors(group, [(DELTA_TENSOR, blob)])
+            assert received.result(90) == 32
+            assert client.weight_hashes() == tensor_hashes(_named(other))
+        finally:
+            group.close()
+    assert [r.tokens for r in client.generate(PROMPTS, GREEDY)] == [r.tokens for r in _reference(weights[1])]
+
+
+# ---------------------------------------------------------------- the client against broken servers
+class _CannedServer(socketserver.ThreadingTCPServer):
+    """Answers every connection with ``reply`` bytes (None: accepts and never answers)."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, reply: bytes | None):
+        self.reply, self.release = reply, threading.Event()
+        super().__init__(("127.0.0.1", 0), _CannedHandler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+    def close(self):
+        self.release.set()
+        self.shutdown()
+        self.server_close()
+
+
+class _CannedHandler(socketserver.BaseRequestHandler):
+    def handle(self):
+        self.request.recv(65536)
+        if self.server.reply is None:  # hold the connection open, silent
+            self.server.release.wait(60)
+            return
+        self.request.sendall(self.server.reply)
+
+
+def _http(status: str, body: bytes) -> bytes:
+    return (f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"Connection: close\r\n\r\n").encode() + body
+
+
+def test_the_client_times_out_on_a_server_that_never_answers():
+    hung = _CannedServer(None)
+    try:
+        client = HTTPEngine(hung.url, timeout_s=0.3, retries=1, retry_backoff_s=0.01)
+        with pytest.raises(EngineUnavailable, match=r"POST /generate: no answer within 0.3 s"):
+            client.generate([[1, 2]], GREEDY)
+        assert (client.stats["calls"], client.stats["failures"], client.stats["retries"]) == (2, 2, 1)
+        health = client.health()
+        assert health["ok"] is False and "no answer" in health["error"]
+    finally:
+        hung.close()
+
+
+@pytest.mark.parametrize("reply,match", [
+    (b"SSH-2.0-OpenSSH_9.6\r\n\r\n", "BadStatusLine"),
+    (_http("200 OK", b'{"hello": 1}'), "answered garbage: not a /generate answer"),
+    (_http("200 OK", b"<html>hi</html>"), "answered garbage \\(not JSON\\)"),
+    (_http("200 OK", b'[{"output_ids": [1]}]'), "answered garbage"),
+    (_http("503 Service Unavailable", b'{"error": "overloaded"}'), "answered 503: overloaded"),
+    (b"", "RemoteDisconnected"),
+])
+def test_the_client_raises_on_garbage(reply, match):
+    canned = _CannedServer(reply)
+    try:
+        client = HTTPEngine(canned.url, timeout_s=5, retries=0)
+        with pytest.raises(EngineUnavailable, match=match):
+            client.generate([[1, 2]], GREEDY)
+        assert client.stats["failures"] >= 1
+    finally:
+        canned.close()
+
+
+def test_the_client_on_a_refused_connection():
+    client = HTTPEngine(f"http://127.0.0.1:{free_port()}", timeout_s=5, retries=2, retry_backoff_s=0.01)
+    with pytest.raises(EngineUnavailable, match="ConnectionRefusedError"):
+        client.generate([[1]], GREEDY)
+    assert client.stats["retries"] == 2
+    assert client.health()["ok"] is False
