@@ -31,18 +31,21 @@ def tiny_weights(directory: Path, seed: int = 0) -> Path:
 class ServerProcess:
     """`orthon serve WEIGHTS --port 0 ...` in a subprocess (one OpenMP thread); ``url`` once it is ready."""
 
-    def __init__(self, weights: Path, log: Path, *args: str, timeout_s: float = 120.0):
+    def __init__(self, weights: Path, log: Path, *args: str):
+        """Starts the server; ``wait()`` for it to listen (start several, then wait for each)."""
         self.log = Path(log)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "orthon.launch.cli", "serve", str(weights), "--port", "0",
                                           *args], stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    def wait(self, timeout_s: float = 180.0) -> "ServerProcess":
         deadline = time.monotonic() + timeout_s
         while True:
             match = READY.search(self.log.read_text(errors="replace"))
             if match:
                 self.url = match.group(1)
-                return
+                return self
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"orthon serve did not start:\n{self.log.read_text(errors='replace')[-3000:]}")

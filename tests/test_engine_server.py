@@ -40,7 +40,7 @@ def weights(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(weights, tmp_path_factory):
     """The read-only tests' server: its weights never change."""
-    process = ServerProcess(weights[0], tmp_path_factory.mktemp("logs") / "server.log", "--max-body-bytes", str(LIMIT))
+    process = ServerProcess(weights[0], tmp_path_factory.mktemp("logs") / "server.log", "--max-body-bytes", str(LIMIT)).wait()
     yield process
     process.stop()
 
@@ -48,7 +48,7 @@ def server(weights, tmp_path_factory):
 @pytest.fixture(scope="module")
 def mutable(weights, tmp_path_factory):
     """The weight-update tests' server."""
-    process = ServerProcess(weights[0], tmp_path_factory.mktemp("logs") / "mutable.log")
+    process = ServerProcess(weights[0], tmp_path_factory.mktemp("logs") / "mutable.log").wait()
     yield process
     process.stop()
 
@@ -259,7 +259,7 @@ def test_health_and_info_routes(server, weights):
 
 
 def test_sigterm_returns_waiting_requests_aborted_and_exits(weights, tmp_path):
-    process = ServerProcess(weights[0], tmp_path / "server.log")
+    process = ServerProcess(weights[0], tmp_path / "server.log").wait()
     client = HTTPEngine(process.url, timeout_s=60)
     client.pause(mode="retract")
     with ThreadPoolExecutor(1) as pool:
