@@ -11,6 +11,7 @@ the engine has no way to stop one midway, so "abort" reaches only requests that 
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter, deque
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -40,9 +41,17 @@ def aborted(request: Pending, weight_version: int, why: str) -> GenerationResult
                             weight_version=weight_version, seed=request.params.seed, error=why)
 
 
+DEFAULT_WINDOW_S = 0.003
+
+
 class ContinuousBatcher:
-    def __init__(self, engine):
+    def __init__(self, engine, window_s: float = DEFAULT_WINDOW_S):
+        """``window_s``: after the first request reaches an idle engine, the worker waits while more keep
+        arriving (each within window_s of the last, at most 20 windows, until a full batch), so a burst
+        of concurrent callers lands in one wave instead of its first request running alone."""
         self.engine = engine
+        self.window_s = window_s
+        self._full = getattr(getattr(engine, "config", None), "max_batch_size", 64)
         self._queue: deque[Pending] = deque()
         self._cond = threading.Condition()
         self._paused = False
@@ -135,12 +144,25 @@ class ContinuousBatcher:
     def _ready(self) -> bool:
         return self._closed or (bool(self._queue) and not self._paused and not self._updates_waiting)
 
+    def _gather(self) -> None:
+        """Wait while the burst that woke the worker keeps growing (the condition's wait lets callers in)."""
+        deadline = time.monotonic() + 20 * self.window_s
+        while self.window_s > 0 and len(self._queue) < self._full and not self._closed:
+            seen = len(self._queue)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._cond.wait_for(lambda: len(self._queue) != seen or self._closed,
+                                                        min(self.window_s, remaining)):
+                return
+
     def _loop(self) -> None:
         while True:
             with self._cond:
                 self._cond.wait_for(self._ready)
                 if self._closed:
                     return
+                self._gather()
+                if not self._ready():  # paused, aborted or an update came in meanwhile
+                    continue
                 wave = list(self._queue)
                 self._queue.clear()
                 self._running = len(wave)

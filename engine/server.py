@@ -34,7 +34,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from orthon.engine.batcher import PAUSE_MODES, ContinuousBatcher, Pending
+from orthon.engine.batcher import DEFAULT_WINDOW_S, PAUSE_MODES, ContinuousBatcher, Pending
 from orthon.engine.sampling import SamplingParams
 from orthon.engine.server_state import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_DELTA_BYTES, ServerState, find_tokenizer, read_json
 from orthon.engine.server_weights import add_weight_routes
@@ -52,7 +52,8 @@ def _version() -> str:
 
 
 def build_state(weights_dir, max_batch_size: int = 64, tokenizer: str | None = None,
-                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_delta_bytes: int = DEFAULT_MAX_DELTA_BYTES) -> ServerState:
+                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_delta_bytes: int = DEFAULT_MAX_DELTA_BYTES,
+                batch_window_s: float = DEFAULT_WINDOW_S) -> ServerState:
     """The engine of a weights directory (orthon.pretrain.weights.load_weights) and what serves it."""
     from orthon.engine.in_process import EngineConfig, InProcessEngine
     from orthon.pretrain.hf_io import read_hf_config
@@ -61,7 +62,8 @@ def build_state(weights_dir, max_batch_size: int = 64, tokenizer: str | None = N
     weights_dir = Path(weights_dir).resolve()
     engine = InProcessEngine(load_weights(weights_dir).eval(), EngineConfig(max_batch_size=max_batch_size))
     found, tokenizer_path = find_tokenizer(weights_dir, tokenizer)
-    return ServerState(engine=engine, batcher=ContinuousBatcher(engine), model_path=str(weights_dir), tokenizer=found,
+    return ServerState(engine=engine, batcher=ContinuousBatcher(engine, batch_window_s), model_path=str(weights_dir),
+                       tokenizer=found,
                        tokenizer_path=tokenizer_path, max_body_bytes=max_body_bytes, max_delta_bytes=max_delta_bytes,
                        hf_config=read_hf_config(weights_dir))
 
@@ -138,7 +140,8 @@ def create_app(state: ServerState) -> FastAPI:
                 "max_batch_size": engine.config.max_batch_size, "max_total_tokens": engine.max_length,
                 "batching": state.batcher.snapshot(), "weight_updates": state.weight_updates,
                 "weight_update_groups": sorted(state.groups), "engine_health": engine.health(),
-                "max_body_bytes": state.max_body_bytes, "max_delta_bytes": state.max_delta_bytes}
+                "max_body_bytes": state.max_body_bytes, "max_delta_bytes": state.max_delta_bytes,
+                "batch_window_ms": state.batcher.window_s * 1000}
 
     def model_info():
         return {"model_path": state.model_path, "tokenizer_path": state.tokenizer_path, "is_generation": True,
@@ -194,13 +197,14 @@ def create_app(state: ServerState) -> FastAPI:
 
 def serve(weights_dir, host: str = "127.0.0.1", port: int = 30000, max_batch_size: int = 64,
           tokenizer: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-          max_delta_bytes: int = DEFAULT_MAX_DELTA_BYTES, log=lambda line: print(line, flush=True)) -> None:
+          max_delta_bytes: int = DEFAULT_MAX_DELTA_BYTES, batch_window_s: float = DEFAULT_WINDOW_S,
+          log=lambda line: print(line, flush=True)) -> None:
     """Serve until SIGTERM / SIGINT. Once listening, ``log`` gets one line: "serving WEIGHTS on
     http://host:port" (the port the OS gave when ``port`` is 0). On a signal: no new connections,
     waiting requests come back aborted, the running wave finishes (up to 10 s), then the process ends."""
     import uvicorn
 
-    state = build_state(weights_dir, max_batch_size, tokenizer, max_body_bytes, max_delta_bytes)
+    state = build_state(weights_dir, max_batch_size, tokenizer, max_body_bytes, max_delta_bytes, batch_window_s)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None):

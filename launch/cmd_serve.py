@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 def register(parser, name):
+    from orthon.engine.batcher import DEFAULT_WINDOW_S
     from orthon.engine.server_state import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_DELTA_BYTES
 
     parser.add_argument("weights_dir", help="a weights directory (HF layout + orthon.json, e.g. RUN_DIR/final)")
@@ -17,6 +18,8 @@ def register(parser, name):
                         help="largest /generate (or control) request body")
     parser.add_argument("--max-delta-bytes", type=int, default=DEFAULT_MAX_DELTA_BYTES,
                         help="largest delta payload")
+    parser.add_argument("--batch-window-ms", type=float, default=DEFAULT_WINDOW_S * 1000,
+                        help="how long an idle engine waits for a burst of requests to finish arriving (0: not at all)")
 
 
 def run(args, name):
@@ -28,10 +31,12 @@ def run(args, name):
         raise ConfigError(f"--port: {args.port} is not a TCP port")
     if args.max_batch_size < 1 or args.max_body_bytes < 1 or args.max_delta_bytes < 1:
         raise ConfigError("--max-batch-size, --max-body-bytes and --max-delta-bytes must be positive")
+    if not 0 <= args.batch_window_ms <= 1000:
+        raise ConfigError(f"--batch-window-ms: must be in 0..1000, got {args.batch_window_ms}")
     if args.threads is not None:
         if args.threads < 1:
             raise ConfigError(f"--threads: must be >= 1, got {args.threads}")
         set_threads(args.threads)
     serve(args.weights_dir, args.host, args.port, args.max_batch_size, args.tokenizer, args.max_body_bytes,
-          args.max_delta_bytes, log=lambda line: print(line, flush=True))
+          args.max_delta_bytes, args.batch_window_ms / 1000, log=lambda line: print(line, flush=True))
     return 0

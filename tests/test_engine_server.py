@@ -19,6 +19,7 @@ from orthon.core.errors import CheckpointError, EngineUnavailable
 from orthon.core.net import free_port
 from orthon.engine.client import HTTPEngine
 from orthon.engine.in_process import InProcessEngine
+from orthon.engine.protocol import Engine
 from orthon.engine.sampling import SamplingParams
 from orthon.pretrain.weights import load_weights
 from server_support import ServerProcess, tiny_weights
@@ -254,6 +255,7 @@ def test_health_and_info_routes(server, weights):
         assert model["model_path"] == str(weights[0].resolve()) and model["config"]["num_hidden_layers"] == 2
     assert _request(server.url, "GET", "/server_info")[1]["model_path"] == info["model_path"]
     assert _request(server.url, "POST", "/flush_cache")[0] == 200
+    assert isinstance(HTTPEngine(server.url), Engine)
     health = HTTPEngine(server.url).health()
     assert (health["ok"], health["weight_version"], health["server"]["model_path"]) == (True, 0, info["model_path"])
 
@@ -286,6 +288,24 @@ def test_update_weights_from_disk_changes_outputs_and_version(mutable, weights, 
     with pytest.raises(CheckpointError, match="no such weights directory or file"):
         client.update_weights(str(tmp_path / "missing"), version=9)
     assert client.get_weight_version() == 8 and _info(mutable.url)["weight_updates"] >= 2
+
+
+def test_a_weight_update_waits_for_the_running_wave(mutable, weights):
+    client = HTTPEngine(mutable.url)
+    client.update_weights(str(weights[0]), version=10)
+    long = SamplingParams(max_new_tokens=150, temperature=0.0, stop_token_ids=())
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(client.generate, [PROMPTS[0]], long)
+        deadline = time.monotonic() + 60
+        while _info(mutable.url)["batching"]["running"] == 0:
+            assert time.monotonic() < deadline and not running.done(), "the long request never ran"
+            time.sleep(0.01)
+        assert client.update_weights(str(weights[1]), version=11) == 11  # returns after the wave
+        result = running.result(120)[0]
+    # The whole wave ran on the old weights: an update in the middle would have changed its tokens.
+    assert result.weight_version == 10
+    assert result.tokens == _reference(weights[0], long, [PROMPTS[0]])[0].tokens
+    assert client.generate([PROMPTS[0]], GREEDY)[0].weight_version == 11
 
 
 def test_delta_payloads_apply_in_place_and_a_wrong_base_changes_nothing(mutable, weights, tmp_path):
