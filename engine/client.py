@@ -31,22 +31,8 @@ import torch
 
 from orthon.core.errors import CheckpointError, ConfigError, EngineUnavailable
 from orthon.engine.protocol import GenerationResult
-from orthon.engine.sampling import SamplingParams
+from orthon.engine.sampling import SamplingParams, per_request_params
 from orthon.engine.sglang_api import ROUTING_KEY_HEADER, error_message, result_from_answer, sampling_to_sglang
-
-
-def per_request_params(sampling: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
-    """One SamplingParams per request, as InProcessEngine reads ``sampling``: one shared SamplingParams
-    with seed s gives request i the seed s + i."""
-    sampling = SamplingParams() if sampling is None else sampling
-    if isinstance(sampling, SamplingParams):
-        if sampling.seed is None:
-            return [sampling] * n
-        return [SamplingParams(**{**vars(sampling), "seed": sampling.seed + i}) for i in range(n)]
-    out = list(sampling)
-    if len(out) != n:
-        raise ValueError(f"generate: {len(out)} SamplingParams for {n} prompts")
-    return out
 
 
 def _rejected(prompt, params: SamplingParams, version: int, message: str) -> GenerationResult:
@@ -72,10 +58,14 @@ class HTTPEngine:
         self.weight_version = 0  # the version of the last answer or update; generate results carry their own
         self.stats: Counter = Counter()
         self._pool: ThreadPoolExecutor | None = None
-        self._pool_lock = threading.Lock()
+        self._lock = threading.Lock()  # the stats and the pool, shared by generate's threads
 
     def __repr__(self) -> str:
         return f"HTTPEngine({self.url!r})"
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self.stats[key] += 1
 
     # ------------------------------------------------------------ transport
     def _once(self, method: str, path: str, body: bytes | None, headers: Mapping[str, str], timeout_s: float):
@@ -108,14 +98,14 @@ class HTTPEngine:
         sent = {"Content-Type": "application/octet-stream" if raw is not None else "application/json", **(headers or {})}
         attempts = 1 + (self.retries if retry else 0)
         for attempt in range(attempts):
-            self.stats["calls"] += 1
+            self._count("calls")
             try:
                 return self._once(method, path, body, sent, timeout_s or self.timeout_s)
             except EngineUnavailable:
-                self.stats["failures"] += 1
+                self._count("failures")
                 if attempt + 1 == attempts:
                     raise
-                self.stats["retries"] += 1
+                self._count("retries")
                 time.sleep(self.retry_backoff_s * 2**attempt)
 
     def _ok(self, method: str, path: str, payload: Any = None, **kw) -> Any:
@@ -128,7 +118,7 @@ class HTTPEngine:
     def _map(self, fn, items: list) -> list:
         if len(items) == 1:
             return [fn(items[0])]
-        with self._pool_lock:
+        with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="http-engine")
         return list(self._pool.map(fn, items))
@@ -165,7 +155,7 @@ class HTTPEngine:
         if status >= 400:
             if batched:  # a batch is refused whole: ask one by one, so only the bad requests are rejected
                 return [r for i in indices for r in self._generate_group(prompts, params, key, [i])]
-            self.stats["rejected"] += 1
+            self._count("rejected")
             return [_rejected(prompts[indices[0]], params[indices[0]], self.weight_version, error_message(data))]
         answers = data if batched else [data]
         if not isinstance(answers, list) or len(answers) != len(indices):
@@ -173,7 +163,7 @@ class HTTPEngine:
         try:
             out = [result_from_answer(a, prompts[i], params[i], self.weight_version) for a, i in zip(answers, indices)]
         except ValueError as exc:
-            self.stats["failures"] += 1
+            self._count("failures")
             raise EngineUnavailable(f"engine {self.url}: /generate answered garbage: {exc}") from None
         return out
 

@@ -35,7 +35,7 @@ import torch
 from orthon.core.errors import CheckpointError, ConfigError
 from orthon.engine.fused_decode import DecodeWeights
 from orthon.engine.protocol import GenerationResult, WeightDelta, WeightsSource
-from orthon.engine.sampling import SamplingParams, request_uniforms, sample_step, stop_table
+from orthon.engine.sampling import SamplingParams, per_request_params, request_uniforms, sample_step, stop_table
 from orthon.pretrain.hf_io import check_state, experts_from_hf, load_hf_state
 from orthon.pretrain.logprobs import gather_log_probs, sequence_log_probs
 from orthon.pretrain.model import GLMForCausalLM
@@ -250,16 +250,7 @@ class InProcessEngine:
         """Continue every prompt. ``sampling``: one SamplingParams for all, or one per prompt.
         With one shared SamplingParams that has a seed s, request i uses seed s + i. ``routing_keys``
         are for routers; one engine in this process serves every session."""
-        sampling = SamplingParams() if sampling is None else sampling
-        if isinstance(sampling, SamplingParams):
-            if sampling.seed is not None:
-                per = [SamplingParams(**{**vars(sampling), "seed": sampling.seed + i}) for i in range(len(prompts))]
-            else:
-                per = [sampling] * len(prompts)
-        else:
-            per = list(sampling)
-            if len(per) != len(prompts):
-                raise ValueError(f"generate: {len(per)} SamplingParams for {len(prompts)} prompts")
+        per = per_request_params(sampling, len(prompts))
         with self._lock:
             results: list[GenerationResult | None] = [None] * len(prompts)
             requests = []

@@ -66,6 +66,21 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def per_request_params(sampling: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    """One SamplingParams per request of an engine's ``generate(prompts, sampling)``: ``sampling`` is
+    one for all (None: the defaults) or one per request. One shared SamplingParams with seed s gives
+    request i the seed s + i, so the requests draw differently and reproducibly."""
+    sampling = SamplingParams() if sampling is None else sampling
+    if isinstance(sampling, SamplingParams):
+        if sampling.seed is None:
+            return [sampling] * n
+        return [SamplingParams(**{**vars(sampling), "seed": sampling.seed + i}) for i in range(n)]
+    out = list(sampling)
+    if len(out) != n:
+        raise ValueError(f"generate: {len(out)} SamplingParams for {n} prompts")
+    return out
+
+
 # ---------------------------------------------------------------- pure functions
 def apply_temperature(logits: Tensor, temperature: Tensor | float) -> Tensor:
     """logits / temperature per row (temperature (B,) or a number, all > 0); float32 out."""

@@ -18,11 +18,12 @@ READY = re.compile(r"serving .* on (http://\S+)")
 
 
 def tiny_weights(directory: Path, seed: int = 0) -> Path:
-    """A 2-layer MoE model of hf_reference's small config (vocab 257) saved as a weights directory."""
+    """A 2-layer MoE model of hf_reference's small config (vocab 320: room for the test tokenizer's 300
+    ids) saved as a weights directory."""
     from orthon.pretrain.weights import save_weights
 
     torch.manual_seed(0)
-    model = small_model("moe", num_hidden_layers=2)
+    model = small_model("moe", num_hidden_layers=2, vocab_size=320)
     if seed:
         model.reset_parameters(seed=seed)
     return save_weights(model, directory)

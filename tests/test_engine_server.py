@@ -6,6 +6,7 @@ unchanged), shared memory and a gloo broadcast, SIGTERM; and the client against 
 refuse or answer garbage."""
 import http.client
 import json
+import shutil
 import signal
 import socketserver
 import threading
@@ -23,6 +24,7 @@ from orthon.engine.protocol import Engine
 from orthon.engine.sampling import SamplingParams
 from orthon.pretrain.weights import load_weights
 from server_support import ServerProcess, tiny_weights
+from test_data_support import hf_tokenizer_json
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,9 +41,18 @@ def weights(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(weights, tmp_path_factory):
-    """The read-only tests' server: its weights never change."""
-    process = ServerProcess(weights[0], tmp_path_factory.mktemp("logs") / "server.log", "--max-body-bytes", str(LIMIT)).wait()
+def served(weights, tmp_path_factory):
+    """The base weights with a tokenizer.json beside them, as an HF checkpoint keeps it."""
+    directory = tmp_path_factory.mktemp("served") / "weights"
+    shutil.copytree(weights[0], directory)
+    hf_tokenizer_json(directory / "tokenizer.json")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def server(served, tmp_path_factory):
+    """The read-only tests' server (the base weights, a tokenizer): its weights never change."""
+    process = ServerProcess(served, tmp_path_factory.mktemp("logs") / "server.log", "--max-body-bytes", str(LIMIT)).wait()
     yield process
     process.stop()
 
@@ -202,13 +213,13 @@ def test_pause_abort_and_continue(server):
 BAD = [
     ("/generate", b"{not json", 400, "not valid JSON"),
     ("/generate", {"sampling_params": {"max_new_tokens": 2}}, 400, "missing input_ids"),
-    ("/generate", {"input_ids": [5, 300]}, 400, "token id 300 is outside the vocabulary"),
+    ("/generate", {"input_ids": [5, 320]}, 400, "token id 320 is outside the vocabulary (0..319)"),
     ("/generate", {"input_ids": [[5], [5, 900]]}, 400, r"input_ids[1]: token id 900"),
     ("/generate", {"input_ids": [5], "sampling_params": {"max_new_tokens": -3}}, 400, "max_new_tokens: must be an int >= 0"),
     ("/generate", {"input_ids": [5], "sampling_params": {"min_p": 0.2}}, 400, "min_p: not supported"),
     ("/generate", {"input_ids": [5] * 5000}, 400, "leave no room for a response"),
     ("/generate", b"[" + b"1," * LIMIT + b"1]", 413, f"over this route's limit of {LIMIT} bytes"),
-    ("/generate", {"text": "hello"}, 400, "no tokenizer"),
+    ("/generate", {"text": ["hello", 5]}, 400, "text: expected a string or a non-empty list of strings"),
     ("/generate", b"", 400, "empty"),
     ("/update_weights_from_disk", {"model_path": "/nonexistent/weights"}, 400, "no such weights"),
     ("/update_weights_from_disk", {"model_path": "/x", "weight_version": "v2"}, 400, "weight_version"),
@@ -233,26 +244,44 @@ def test_bad_input_is_refused_with_a_message_and_the_server_goes_on(server, path
 
 def test_the_client_maps_refused_requests_to_rejected_results(server, weights):
     client = HTTPEngine(server.url)
-    results = client.generate([[5, 300], PROMPTS[0], []], GREEDY)
+    results = client.generate([[5, 320], PROMPTS[0], []], GREEDY)
     assert [r.finish_reason for r in results] == ["rejected", "length", "rejected"]
-    assert "token id 300 is outside the vocabulary" in results[0].error and "input_ids" in results[2].error
+    assert "token id 320 is outside the vocabulary" in results[0].error and "input_ids" in results[2].error
     assert results[1].tokens == _reference(weights[0], GREEDY, [PROMPTS[0]])[0].tokens
     assert client.stats["rejected"] == 2
     with pytest.raises(TypeError, match="weights path or a DeltaPayload"):
         client.update_weights({"lm_head.weight": torch.zeros(1)})
 
 
-def test_health_and_info_routes(server, weights):
+def test_text_requests_use_the_tokenizer_beside_the_weights(server, served, weights, mutable):
+    from orthon.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(served / "tokenizer.json")
+    text = "def f(x): return x"
+    status, answers = _request(server.url, "POST", "/generate", {
+        "text": [text, "hello world"], "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}})
+    assert status == 200
+    prompts = [tokenizer.encode(text), tokenizer.encode("hello world")]
+    reference = _reference(weights[0], SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=()), prompts)
+    for answer, prompt, ref in zip(answers, prompts, reference):
+        assert answer["meta_info"]["prompt_tokens"] == len(prompt) and answer["output_ids"] == ref.tokens
+        assert answer["text"] == tokenizer.decode(ref.tokens)
+    assert _info(server.url)["tokenizer_path"] == str(served.resolve() / "tokenizer.json")
+    status, answer = _request(mutable.url, "POST", "/generate", {"text": "hello"})  # weights without a tokenizer
+    assert status == 400 and "no tokenizer" in answer["error"]
+
+
+def test_health_and_info_routes(server, served):
     assert _request(server.url, "GET", "/health") == (200, {})
     assert _request(server.url, "GET", "/health_generate") == (200, {"ok": True, "weight_version": "0"})
     info = _info(server.url)
-    assert info["model_path"] == str(weights[0].resolve()) and info["weight_version"] == "0"
+    assert info["model_path"] == str(served.resolve()) and info["weight_version"] == "0"
     assert info["max_batch_size"] == 64 and info["max_total_tokens"] == 4096 and info["engine_health"]["ok"] is True
     assert info["max_body_bytes"] == LIMIT and info["engine"] == "orthon"
     for path in ("/get_model_info", "/model_info"):
         model = _request(server.url, "GET", path)[1]
-        assert model["architectures"] == ["GlmMoeDsaForCausalLM"] and model["vocab_size"] == 257
-        assert model["model_path"] == str(weights[0].resolve()) and model["config"]["num_hidden_layers"] == 2
+        assert model["architectures"] == ["GlmMoeDsaForCausalLM"] and model["vocab_size"] == 320
+        assert model["model_path"] == str(served.resolve()) and model["config"]["num_hidden_layers"] == 2
     assert _request(server.url, "GET", "/server_info")[1]["model_path"] == info["model_path"]
     assert _request(server.url, "POST", "/flush_cache")[0] == 200
     assert isinstance(HTTPEngine(server.url), Engine)

@@ -72,8 +72,10 @@ def test_parse_generate_single_batch_and_text():
     assert [i.rid for i in items] == ["r-0", "r-1"]  # one rid for a batch: still one per request
     items, batched = parse_generate({"text": ["hi", "yo"]}, EOS)
     assert batched and [i.text for i in items] == ["hi", "yo"] and items[0].prompt is None
-    # Keys sglang-router adds when it forwards a request are accepted.
-    parse_generate({"input_ids": [1], "model": None, "stream": False, "return_text_in_logprobs": False}, EOS)
+    # Keys sglang-router adds when it forwards a request, and orthon's routing_key, are accepted.
+    items, _ = parse_generate({"input_ids": [1], "model": None, "stream": False, "return_text_in_logprobs": False,
+                               "routing_key": "session-3"}, EOS)
+    assert items[0].prompt == [1]
 
 
 @pytest.mark.parametrize("body,match", [

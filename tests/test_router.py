@@ -79,8 +79,8 @@ def test_different_keys_spread_and_each_stays_put(servers, router):
 
 
 def test_a_refused_request_comes_back_rejected_through_the_router(router):
-    result = HTTPEngine(router.url).generate([[5, 300]], SEEDED, routing_keys=["bad"])[0]
-    assert result.finish_reason == "rejected" and "300" in result.error
+    result = HTTPEngine(router.url).generate([[5, 320]], SEEDED, routing_keys=["bad"])[0]
+    assert result.finish_reason == "rejected" and "token id 320 is outside the vocabulary" in result.error
 
 
 def test_remove_and_add_workers(servers, router):
