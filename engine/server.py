@@ -63,9 +63,8 @@ def build_state(weights_dir, max_batch_size: int = 64, tokenizer: str | None = N
     engine = InProcessEngine(load_weights(weights_dir).eval(), EngineConfig(max_batch_size=max_batch_size))
     found, tokenizer_path = find_tokenizer(weights_dir, tokenizer)
     return ServerState(engine=engine, batcher=ContinuousBatcher(engine, batch_window_s), model_path=str(weights_dir),
-                       tokenizer=found,
-                       tokenizer_path=tokenizer_path, max_body_bytes=max_body_bytes, max_delta_bytes=max_delta_bytes,
-                       hf_config=read_hf_config(weights_dir))
+                       tokenizer=found, tokenizer_path=tokenizer_path, max_body_bytes=max_body_bytes,
+                       max_delta_bytes=max_delta_bytes, hf_config=read_hf_config(weights_dir))
 
 
 def _rejections(results, batched: bool) -> list[str]:

@@ -63,7 +63,7 @@ def _apply_delta(state: ServerState, data) -> None:
             raise BadRequest(f"{exc}; weights unchanged", status=409) from None
 
 
-async def _run(state: ServerState, work, *args) -> JSONResponse | None:
+async def _run(work, *args) -> JSONResponse | None:
     """``work(*args)`` off the event loop; the errors a bad update raises as a refusal."""
     try:
         await asyncio.to_thread(work, *args)
@@ -92,8 +92,11 @@ def add_weight_routes(app, state: ServerState) -> None:
         version = parse_weight_version(body.get("weight_version"))
         if body.get("abort_all_requests"):
             state.batcher.abort(abort_all=True, why="aborted for a weight update")
-        refused = await _run(state, _update, state, path, version, bool(body.get("flush_cache", False)))
-        return refused or _done(state, f"weights loaded from {path}")
+        refused = await _run(_update, state, path, version, bool(body.get("flush_cache", False)))
+        if refused is not None:
+            return refused
+        state.model_path = path  # as SGLang reports the checkpoint it last loaded
+        return _done(state, f"weights loaded from {path}")
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request):
@@ -116,7 +119,7 @@ def add_weight_routes(app, state: ServerState) -> None:
         def join():
             holder["group"] = open_update_group(address, port, rank, world, backend, timeout_s)
 
-        refused = await _run(state, join)
+        refused = await _run(join)
         if refused is not None:
             return refused
         state.groups[name] = holder["group"]
@@ -158,13 +161,13 @@ def add_weight_routes(app, state: ServerState) -> None:
             else:
                 _update(state, pairs, version, flush)
 
-        refused = await _run(state, receive_and_apply)
+        refused = await _run(receive_and_apply)
         return refused or _done(state, f"{len(metas)} tensors received over {name}")
 
     @app.post("/orthon/update_weights_from_delta")
     async def update_weights_from_delta(request: Request):
         data = await read_body(request, state.max_delta_bytes)
-        refused = await _run(state, _apply_delta, state, data)
+        refused = await _run(_apply_delta, state, data)
         return refused or _done(state, f"delta of {len(data)} bytes applied")
 
     @app.post("/orthon/update_weights_from_delta_file")
@@ -176,7 +179,7 @@ def add_weight_routes(app, state: ServerState) -> None:
         size = Path(path).stat().st_size
         if size > state.max_delta_bytes:
             raise BadRequest(f"{path}: {size} bytes, over the delta limit of {state.max_delta_bytes}", status=413)
-        refused = await _run(state, lambda: _apply_delta(state, Path(path).read_bytes()))
+        refused = await _run(lambda: _apply_delta(state, Path(path).read_bytes()))
         return refused or _done(state, f"delta from {path} applied")
 
     @app.post("/orthon/update_weights_from_shared")
@@ -197,7 +200,7 @@ def add_weight_routes(app, state: ServerState) -> None:
             else:
                 _update(state, pairs, version)
 
-        refused = await _run(state, read_and_apply)
+        refused = await _run(read_and_apply)
         return refused or _done(state, "weights read from shared memory")
 
     @app.get("/orthon/weight_hashes")

@@ -312,6 +312,7 @@ def test_update_weights_from_disk_changes_outputs_and_version(mutable, weights, 
     assert [r.tokens for r in after] == [r.tokens for r in _reference(weights[1])]
     assert [r.tokens for r in after] != [r.tokens for r in before]
     assert {r.weight_version for r in after} == {7}
+    assert _info(mutable.url)["model_path"] == str(weights[1])
     assert client.update_weights(str(weights[0])) == 8  # no version named: the old one + 1
     assert [r.tokens for r in client.generate(PROMPTS, GREEDY)] == [r.tokens for r in before]
     with pytest.raises(CheckpointError, match="no such weights directory or file"):
