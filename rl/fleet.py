@@ -53,7 +53,7 @@ class EngineServer:
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "orthon.launch.cli", "serve", self.weights_dir, "--host", self.host,
-             "--port", str(port), "--max-batch-size", str(self.max_batch_size), "--threads", str(self.threads)],
+             "--port", str(port), "--max-batch-size", str(self.max_batch_size)],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
         self.starts += 1
