@@ -1,10 +1,10 @@
 """``HTTPEngine``: the Engine protocol over SGLang's HTTP API (orthon serve, SGLang, or the router).
 
-``generate`` sends one batched /generate per routing key (requests with one key go together, with the
-key in the ``X-SMG-Routing-Key`` header, so sglang-router's manual policy keeps a session on one
-engine), concurrently, and maps the answers back onto GenerationResults with fp32 log-probs. A batch
-the server refuses (a bad prompt in it) is retried prompt by prompt, so good prompts still run and
-the bad one comes back "rejected" with the server's message. Every call has a finite timeout; a
+``generate`` sends one /generate per prompt, up to ``concurrency`` at once (the server's continuous
+batching puts concurrent requests into one batch; the router routes each by its own key, sent as the
+``X-SMG-Routing-Key`` header so sglang-router's manual policy keeps a session on one engine), and maps
+the answers onto GenerationResults with fp32 log-probs. A prompt the server refuses comes back
+"rejected" with the server's message. Every call has a finite timeout; a
 refused connection, a timeout, a 5xx or an answer that is not the API's raises ``EngineUnavailable``
 (callers retry elsewhere), never hangs.
 
@@ -39,11 +39,15 @@ def sampling_json(p: SamplingParams) -> dict:
 
 
 class HTTPEngine:
-    def __init__(self, url: str, timeout_s: float = 120.0, update_timeout_s: float = 600.0):
+    def __init__(self, url: str, timeout_s: float = 120.0, update_timeout_s: float = 600.0, concurrency: int = 64):
         self.url = url.rstrip("/")
+        self.concurrency = concurrency  # requests in flight at once from one generate call
         self.timeout_s, self.update_timeout_s = timeout_s, update_timeout_s
         self.weight_version = 0  # the last version an answer or an update reported
         self._session = requests.Session()
+        adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=max(concurrency, 10))
+        self._session.mount("http://", adapter)
+        self._session.mount("https://", adapter)
 
     # ------------------------------------------------------------ transport
     def _call(self, method: str, path: str, timeout: float | None = None, headers=None, **kwargs):
@@ -79,36 +83,20 @@ class HTTPEngine:
         if not len(per) == len(keys) == len(prompts):
             raise ValueError(f"generate: {len(prompts)} prompts, {len(per)} SamplingParams, {len(keys)} routing keys")
         prompts = [[int(t) for t in p] for p in prompts]
-        by_key: dict = {}
-        for i, key in enumerate(keys):
-            by_key.setdefault(key, []).append(i)
-        results: list[GenerationResult | None] = [None] * len(prompts)
+        if len(prompts) <= 1:
+            return [self._one(*args) for args in zip(prompts, per, keys)]
+        with ThreadPoolExecutor(min(self.concurrency, len(prompts))) as pool:
+            return list(pool.map(self._one, prompts, per, keys))
 
-        def run(indices):
-            for i, result in zip(indices, self._batch([prompts[i] for i in indices], [per[i] for i in indices], keys[indices[0]])):
-                results[i] = result
-
-        groups = list(by_key.values())
-        if len(groups) == 1:
-            run(groups[0])
-        else:
-            with ThreadPoolExecutor(min(16, len(groups))) as pool:
-                list(pool.map(run, groups))
-        return results
-
-    def _batch(self, prompts, params, key) -> list[GenerationResult]:
+    def _one(self, prompt: list[int], params: SamplingParams, key: str | None) -> GenerationResult:
+        """One request (the server batches concurrent ones; the router routes each by its key)."""
         headers = {"X-SMG-Routing-Key": key} if key else None
-        body = {"input_ids": prompts, "sampling_params": [sampling_json(p) for p in params], "return_logprob": True}
+        body = {"input_ids": prompt, "sampling_params": sampling_json(params), "return_logprob": True}
         try:
-            answers = self._call("POST", "/generate", headers=headers, json=body)
-        except ValueError as exc:
-            if len(prompts) == 1:
-                return [GenerationResult(prompts[0], [], torch.zeros(0), "rejected", self.weight_version, params[0].seed,
-                                         error=str(exc))]
-            return [r for p, q in zip(prompts, params) for r in self._batch([p], [q], key)]  # isolate the bad prompt
-        if not isinstance(answers, list) or len(answers) != len(prompts):
-            raise EngineUnavailable(f"{self.url}/generate: expected {len(prompts)} answers, got {str(answers)[:200]}")
-        return [self._result(prompt, answer, p.seed) for prompt, answer, p in zip(prompts, answers, params)]
+            answer = self._call("POST", "/generate", headers=headers, json=body)
+        except ValueError as exc:  # the server refused this prompt
+            return GenerationResult(prompt, [], torch.zeros(0), "rejected", self.weight_version, params.seed, error=str(exc))
+        return self._result(prompt, answer, params.seed)
 
     def _result(self, prompt, answer, seed) -> GenerationResult:
         try:

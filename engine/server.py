@@ -32,7 +32,6 @@ from orthon.engine.protocol import GenerationResult
 from orthon.engine.sampling import SamplingParams
 
 FINISH_TYPES = {"stop": "stop", "length": "length", "context": "length", "abort": "abort"}
-DELTA_NAME = "__orthon_delta__"  # a delta payload moved as one uint8 tensor (distributed / shared paths)
 
 
 class BadRequest(ValueError):
@@ -229,14 +228,14 @@ class EngineServer:
         return self.update_weights(receive_tensors(self.group, metas), version)
 
     def update_from_shared(self, body: dict) -> int:
-        from orthon.engine.delta import DeltaPayload
+        from orthon.engine.delta import DELTA_TENSOR_NAME, DeltaPayload
         from orthon.engine.weight_transfer import read_shared
 
         handle = body.get("handle")
         if not isinstance(handle, dict):
             raise BadRequest("update_weights_from_shared: 'handle' must be the object SharedBuckets.write returned")
         pairs = read_shared(handle)
-        if len(pairs) == 1 and pairs[0][0] == DELTA_NAME:
+        if len(pairs) == 1 and pairs[0][0] == DELTA_TENSOR_NAME:
             return self.update_weights(DeltaPayload.from_bytes(pairs[0][1].numpy().tobytes()))
         return self.update_weights(pairs, _version(handle.get("version")))
 
