@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from fastapi import Request  # at module level: route signatures are resolved from this module's globals
 
-from orthon.core.errors import CheckpointError
+from orthon.core.errors import CheckpointError, WrongBaseVersion
 from orthon.engine.protocol import GenerationResult
 from orthon.engine.sampling import SamplingParams
 
@@ -287,9 +287,10 @@ def build_app(server: EngineServer):
                 return await fn(request)
             except BadRequest as exc:
                 return error(str(exc), exc.status)
-            except CheckpointError as exc:  # a delta for another base, a damaged payload: nothing changed
-                status = 409 if "base" in str(exc) else 400
-                return error(str(exc), status)
+            except WrongBaseVersion as exc:  # a delta for another base: nothing changed
+                return error(str(exc), 409)
+            except CheckpointError as exc:  # a damaged payload, a weights directory that does not fit
+                return error(str(exc), 400)
             except (KeyError, TypeError, ValueError, FileNotFoundError) as exc:
                 return error(f"{type(exc).__name__}: {exc}")
         route.__name__ = fn.__name__
