@@ -19,23 +19,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import cpu_kind, report  # noqa: E402
 
 from orthon.rl.sandbox import SandboxPool, sandbox_problem  # noqa: E402
-from orthon.rl.sandbox.hostile import check_limits, corpus_limits, run_corpus  # noqa: E402
+from orthon.rl.sandbox.hostile import check_limits, corpus_limits, processes_with, run_corpus  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def processes_with(marker: str) -> list[int]:
-    """Host processes whose command line carries ``marker``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if marker.encode() in f.read():
-                        found.append(int(entry))
-            except OSError:
-                pass
-    return found
 
 
 def main() -> None:
