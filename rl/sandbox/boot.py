@@ -11,10 +11,15 @@ that it started at all) before any of the job's output can follow. Then on stdin
 decimal and a newline, the header (JSON: kind, source, limits), then the job's own stdin until EOF.
 Without a job (EOF first) it exits 0.
 """
+# Everything a job needs from here is imported before READY: part of the warm-up, not of the job.
+import builtins
 import json
+import linecache
 import os
 import resource
 import sys
+import traceback
+import types
 
 WORKSPACE = "/sandbox"
 MAIN = "main.py"  # the name tracebacks give the job's source
@@ -55,11 +60,6 @@ def set_limits(limits):
 
 
 def run_python(source):
-    import builtins
-    import linecache
-    import traceback
-    import types
-
     # Tracebacks show the job's lines without a file on disk; an entry without mtime is never invalidated.
     linecache.cache[MAIN] = (len(source), None, source.splitlines(True), MAIN)
     main = types.ModuleType("__main__")

@@ -153,7 +153,8 @@ class SandboxProcess:
         kwargs = {}
         if runtime.run_as is not None:
             os.chown(self.workspace, *runtime.run_as)
-            kwargs = {"user": runtime.run_as[0], "group": runtime.run_as[1], "extra_groups": []}
+            if not runtime.setpriv:
+                kwargs = {"user": runtime.run_as[0], "group": runtime.run_as[1], "extra_groups": []}
         try:
             self.proc = subprocess.Popen(bwrap_argv(runtime, self.workspace), stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={},
