@@ -20,7 +20,7 @@ def register(parser, name):
     p.add_argument("file")
     p.add_argument("--timeout", type=float, default=10.0, help="wall-clock seconds (also the CPU-time limit)")
     p.add_argument("--memory", type=int, default=512, help="address space of each process, MB")
-    p.add_argument("--nproc", type=int, default=32, help="processes and threads inside the sandbox")
+    p.add_argument("--nproc", type=int, default=16, help="processes and threads inside the sandbox")
     p.add_argument("--output-bytes", type=int, default=1 << 20, help="kept of stdout and of stderr each")
     p.add_argument("--stdin", help="a file fed to the job's stdin")
     p.add_argument("--shell", action="store_true", help="run FILE with /bin/sh instead of Python")

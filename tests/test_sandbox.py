@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from orthon.core.errors import ConfigError, DataError
+from orthon.core.errors import ConfigError, DataError, OrthonError
 from orthon.rl.sandbox import Job, SandboxLimits, SandboxPool, run_code, run_shell, sandbox_problem
 from orthon.rl.sandbox.check import require_runtime
 from orthon.rl.sandbox.hostile import CORPUS, PROBE_NPROC, check_limits, corpus_limits, processes_with
 from orthon.rl.sandbox.process import SandboxProcess
-from orthon.rl.sandbox.result import classify
+from orthon.rl.sandbox.result import SandboxResult, classify, observation
 from pretrain_support import ROOT, orthon
 
 pytestmark = pytest.mark.skipif(sandbox_problem() is not None, reason=f"no sandbox here: {sandbox_problem()}")
@@ -60,6 +60,18 @@ def test_limits_are_checked_and_sent_to_the_boot():
 ])
 def test_classify(exit_code, timed_out, status, sig):
     assert classify(exit_code, timed_out) == (status, sig)
+
+
+def test_observation_keeps_head_and_tail_within_its_budget():
+    failed = SandboxResult("error", 1, "a" * 10, "Traceback\nZeroDivisionError\n", 0.1, False)
+    assert observation(failed, 1000) == ("aaaaaaaaaa\nTraceback\nZeroDivisionError\n[exit code 1]", False)
+    assert observation(SandboxResult("ok", 0, "hi\n", "", 0.1, False), 100) == ("hi\n", False)
+    assert observation(SandboxResult("killed", 139, "", "", 0.1, False, "SIGSEGV"), 100) == ("[killed by SIGSEGV]", False)
+    # 120 = 8 head + 42 note + 9 tail + 61 for the two end lines; cut by the sandbox as well, so counted.
+    long = SandboxResult("timeout", None, "0123456789" * 10, "", 10.0, True)
+    assert observation(long, 120) == ("01234567\n[... 100 characters, the middle cut ...]\n123456789\n"
+                                      "[output cut at the sandbox's limit]\n[timed out after 10.0 s]", True)
+    assert observation(SandboxResult("ok", 0, "x" * 50, "", 0.1, False), 10) == ("", True)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -279,6 +291,30 @@ def test_pool_from_many_threads_and_short_lived_callers():
         assert pool.wait_ready(60)
         assert pool.run(Job("shell", "echo warm"), SandboxLimits()).stdout == "warm\n"
         assert pool.warm_calls >= 1 and pool.warm_calls + pool.cold_calls == 7
+
+
+def test_a_forked_child_never_uses_or_ends_the_parents_pool():
+    import orthon.rl.sandbox.run as run_module
+
+    shared = run_module.shared_pool()
+    with SandboxPool(1) as pool:
+        assert pool.wait_ready(60)
+        pid = os.fork()
+        if pid == 0:  # the child: the parent's pool refuses, closing it is a no-op, the shared pool is forgotten
+            code = 1
+            try:
+                try:
+                    pool.run(Job("python", "pass"), SandboxLimits())
+                except OrthonError as exc:
+                    code = 0 if "belongs to the parent" in str(exc) and run_module._shared is None else 2
+                pool.close()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert pool.run(Job("python", "print(1)"), SandboxLimits()).stdout == "1\n"  # still the parent's, warm
+        assert (pool.warm_calls, pool.cold_calls) == (1, 0)
+    assert run_module.shared_pool() is shared
 
 
 # ---------------------------------------------------------------- CLI

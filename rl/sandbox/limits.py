@@ -11,8 +11,8 @@ from orthon.core.errors import ConfigError
 class SandboxLimits:
     timeout_s: float = 10.0  # wall clock, from the job's start to its last process's end
     cpu_s: float | None = None  # CPU seconds of each process (RLIMIT_CPU); None: the wall timeout, rounded up
-    memory_mb: int = 512  # address space of each process (RLIMIT_AS)
-    nproc: int = 32  # processes and threads inside the sandbox, the first one included (RLIMIT_NPROC)
+    memory_mb: int = 512  # address space of each process (RLIMIT_AS); a job's total is at most nproc times it
+    nproc: int = 16  # processes and threads inside the sandbox, its init and the job included (RLIMIT_NPROC)
     output_bytes: int = 1 << 20  # kept of stdout and of stderr each; the rest is read and discarded
     file_mb: int = 64  # largest file the job may write (RLIMIT_FSIZE)
     nofile: int = 256  # open file descriptors (RLIMIT_NOFILE)

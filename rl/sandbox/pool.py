@@ -10,6 +10,7 @@ a short-lived thread would be killed with it.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -36,6 +37,7 @@ class SandboxPool:
         self._idle: deque[SandboxProcess] = deque()
         self._cond = threading.Condition()
         self._closed = False
+        self._owner = os.getpid()  # a forked child inherits this object, not the sandboxes behind it
         self._starter = threading.Thread(target=self._keep_filled, name="sandbox-pool", daemon=True)
         self._starter.start()
 
@@ -71,8 +73,8 @@ class SandboxPool:
         return None
 
     def run(self, job: Job, limits: SandboxLimits) -> SandboxResult:
-        if self._closed:
-            raise OrthonError("sandbox pool: closed")
+        if self._closed or os.getpid() != self._owner:
+            raise OrthonError("sandbox pool: closed" if self._closed else "sandbox pool: belongs to the parent process")
         sandbox = self._take()
         with self._cond:
             if sandbox is None:
@@ -95,6 +97,8 @@ class SandboxPool:
         return False
 
     def close(self) -> None:
+        if os.getpid() != self._owner:  # an inherited copy: the parent's sandboxes are the parent's to end
+            return
         with self._cond:
             self._closed = True
             idle, self._idle = list(self._idle), deque()

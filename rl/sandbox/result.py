@@ -44,3 +44,32 @@ def classify(exit_code: int | None, wall_timeout: bool) -> tuple[str, str | None
         name = signal_name(exit_code - 128)
         return ("timeout" if name == "SIGXCPU" else "killed"), name
     return "error", None
+
+
+def _ending(result: SandboxResult) -> str:
+    if result.status == "timeout":
+        return f"[timed out after {result.wall_s:.1f} s]" if result.signal is None else "[CPU time limit reached]"
+    if result.status == "killed":
+        return f"[killed by {result.signal}]"
+    if result.status == "error":
+        return f"[exit code {result.exit_code}]"
+    return ""
+
+
+def observation(result: SandboxResult, max_chars: int) -> tuple[str, bool]:
+    """What a model is shown of a tool call: stdout, stderr, then a line for any end but a clean exit, in at
+    most ``max_chars`` characters. A longer output keeps its head and its tail (where a traceback's last
+    line is) around a note of how much was cut. Returns (text, whether anything was cut here or by the
+    sandbox's output cap), so the caller can count truncations."""
+    body = result.stdout
+    if result.stderr:
+        body += ("\n" if body and not body.endswith("\n") else "") + result.stderr
+    notes = "\n".join(n for n in ("[output cut at the sandbox's limit]" if result.truncated else "", _ending(result)) if n)
+    tail = ("\n" if body and notes and not body.endswith("\n") else "") + notes
+    room = max_chars - len(tail)
+    cut = len(body) > room
+    if cut:
+        marker = f"\n[... {len(body)} characters, the middle cut ...]\n"
+        keep = max(0, room - len(marker))
+        body = body[:keep // 2] + marker + body[len(body) - (keep - keep // 2):] if keep else ""
+    return (body + tail)[:max_chars], cut or result.truncated

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 
 from orthon.rl.sandbox.check import require_runtime
@@ -14,9 +15,18 @@ _shared: SandboxPool | None = None
 _shared_lock = threading.Lock()
 
 
+def _forget_in_child() -> None:
+    # A forked child gets a pool of its own: the parent's sandboxes and starter thread are not its to use.
+    global _shared, _shared_lock
+    _shared, _shared_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def shared_pool(size: int = 2) -> SandboxPool:
     """The process's pool of warm sandboxes (started on first use, closed at exit); ``size`` counts on
-    first use only."""
+    first use only; a forked child starts its own."""
     global _shared
     with _shared_lock:
         if _shared is None:
