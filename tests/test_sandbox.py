@@ -100,6 +100,7 @@ def test_python_job_output_exit_code_traceback_and_stdin():
                                                '  File "main.py", line 2, in f']
     assert result.stderr.rstrip().endswith("ZeroDivisionError: division by zero") and "boot" not in result.stderr
     assert run_code("raise SystemExit(7)").exit_code == 7
+    assert run_code("print(1)", stdin=b"y" * (4 << 20)).stdout == "1\n"  # stdin it never reads: no hang
     result = run_code("x = (")
     assert result.status == "error" and "SyntaxError" in result.stderr
 
@@ -236,12 +237,19 @@ def test_hostile_snippet_is_contained(item, host, request):
         assert result.stdout == "left it\n" and _gone(context["marker"])
 
 
-def test_killing_the_host_kills_its_sandboxes(tmp_path):
+def test_killing_the_host_kills_its_sandboxes():
     # A host that dies without cleaning up (SIGKILL) still takes its sandboxes along: --die-with-parent.
-    marker = _marker()
-    script = ("from orthon.rl.sandbox import run_shell\n"
-              f"run_shell('sleep {marker}', timeout_s=120)\n")
-    host = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # Only its workspace stays behind (nobody is left to remove it): here in a directory of the test's own,
+    # one the sandbox's user can reach as it can /tmp.
+    import shutil
+    import tempfile
+
+    marker = _marker()  # through the environment: the host's own command line must not carry it
+    workspaces = tempfile.mkdtemp(prefix="orthon_test_host_")
+    os.chmod(workspaces, 0o755)
+    script = "import os\nfrom orthon.rl.sandbox import run_shell\nrun_shell('sleep ' + os.environ['MARKER'], timeout_s=120)\n"
+    host = subprocess.Popen([sys.executable, "-c", script],
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "MARKER": marker, "TMPDIR": workspaces})
     try:
         deadline = time.monotonic() + 60
         while not processes_with(marker) and time.monotonic() < deadline and host.poll() is None:
@@ -250,7 +258,9 @@ def test_killing_the_host_kills_its_sandboxes(tmp_path):
     finally:
         host.kill()
         host.wait()
-    assert _gone(marker, within_s=10)
+        gone = _gone(marker, within_s=10)
+        shutil.rmtree(workspaces, ignore_errors=True)
+    assert gone
 
 
 # ---------------------------------------------------------------- warm pool
