@@ -35,6 +35,7 @@ COMMANDS = {
     "optim-plan": ("orthon.launch.cmd_optim_plan", "which optimizer updates each parameter, with Muon Split blocks and totals"),
     "data": ("orthon.launch.cmd_data", "tokenise text into token stores, build the built-in corpus, dedup, inspect"),
     "tokenizer": ("orthon.launch.cmd_tokenizer", "train a sentencepiece tokenizer; encode text"),
+    "sandbox": ("orthon.launch.cmd_sandbox", "run a file in the sandbox for model-written code; prints one JSON object"),
 }
 
 INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
