@@ -2,7 +2,6 @@
 batching across concurrent callers, weight updates with versions, bad input answered with 400s while
 the server keeps serving, clients that time out instead of hanging, and the real sglang-router
 keeping a routing key on one engine."""
-import json
 import os
 import socket
 import subprocess
