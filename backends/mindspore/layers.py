@@ -17,9 +17,8 @@ def zeros_param(*shape: int, requires_grad: bool = True):
 
 def linear(x, weight):
     """x (..., in) @ weight (out, in)^T, as torch's F.linear."""
-    lead = x.shape[:-1]
     y = ops.matmul(x.reshape(-1, x.shape[-1]), weight.T)
-    return y.reshape(*lead, weight.shape[0])
+    return y.reshape(x.shape[:-1] + (weight.shape[0],))
 
 
 class Linear(nn.Cell):

@@ -13,7 +13,7 @@ import numpy as np
 
 from orthon.backends.mindspore.attention import Indexer, MLAttention
 from orthon.backends.mindspore.layers import MLP, Embedding, Linear, RMSNorm, linear, rope_cos_sin
-from orthon.backends.mindspore.moe import MoE
+from orthon.backends.mindspore.moe import Experts, MoE
 from orthon.backends.mindspore.runtime import ms
 from orthon.optim.param_spec import ParamSpec
 from orthon.pretrain.config import ModelConfig, RuntimeOptions
@@ -87,9 +87,9 @@ class GLMForCausalLM(nn.Cell):
 
     def set_grouped_experts(self, grouped: bool) -> None:
         """Grouped experts (dynamic shapes, PyNative) or dense ones (static shapes, graph mode)."""
-        for cell in self.cells_and_names():
-            if hasattr(cell[1], "grouped"):
-                cell[1].grouped = grouped
+        for _, cell in self.cells_and_names():
+            if isinstance(cell, Experts):
+                cell.grouped = grouped
 
     # ------------------------------------------------------------ forward
     def rope(self, seq_len: int):
@@ -110,11 +110,16 @@ class GLMForCausalLM(nn.Cell):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return linear(hidden, weight)
 
-    def construct(self, input_ids, doc_ids=None):
+    def __call__(self, input_ids, doc_ids=None):
         """int32 token ids (B, T) -> float32 logits (B, T, V); doc_ids (B, T) keep attention inside
-        each document of a packed sequence."""
+        each document of a packed sequence. The ids are checked and the RoPE table made here, on the
+        host; ``construct`` is what graph mode compiles."""
         input_ids = self.check_ids(input_ids)
+        self.set_grouped_experts(ms.get_context("mode") == ms.PYNATIVE_MODE)
         cos, sin = self.rope(input_ids.shape[1])
+        return super().__call__(input_ids, cos, sin, doc_ids)
+
+    def construct(self, input_ids, cos, sin, doc_ids=None):
         return self.head(self.hidden_states(input_ids, cos, sin, doc_ids)[0])
 
     def loss_and_loads(self, input_ids, labels, cos, sin, doc_ids=None):

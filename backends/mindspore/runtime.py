@@ -63,11 +63,14 @@ def place(cfg: MindSporeConfig | None = None) -> None:
         ms.set_device(cfg.device_target, cfg.device_id)
     ms.set_context(mode=ms.GRAPH_MODE if cfg.mode == "graph" else ms.PYNATIVE_MODE)
     if cfg.device_target == "CPU":
-        # The CPU kernels' threads: as many as torch was given (the CLI's --threads / OMP_NUM_THREADS).
+        # The CPU kernels' threads: as many as torch was given (the CLI's --threads / OMP_NUM_THREADS);
+        # MindSpore's default is 25 whatever the machine has. Settable once per process.
         import torch
 
-        ms.set_context(runtime_num_threads=max(1, torch.get_num_threads()))
+        global _threads_set
+        if not _threads_set:
+            ms.device_context.cpu.op_tuning.threads_num(max(1, torch.get_num_threads()))
+            _threads_set = True
 
 
-def set_seed(seed: int) -> None:
-    ms.set_seed(seed)
+_threads_set = False

@@ -151,7 +151,8 @@ class MindSporeTrainer:
                 ratios.append(float(load.max() / load.mean()))
                 bias = torch.from_numpy(router.e_score_correction_bias.asnumpy())
                 new = update_expert_bias(bias, torch.from_numpy(load), self.cfg.moe_bias_rate)
-                router.e_score_correction_bias.set_data(ms.Tensor(new.numpy().astype(np.float32)))
+                # In place: a compiled step reads the parameter's storage (set_data would swap it).
+                ops.assign(router.e_score_correction_bias, ms.Tensor(new.numpy().astype(np.float32)))
         return sum(ratios) / len(ratios) if ratios else None
 
     def evaluate(self) -> float | None:
