@@ -9,7 +9,7 @@ from pathlib import Path
 
 from setuptools import setup
 
-SUBPACKAGES = ["core", "data", "optim", "pretrain", "engine", "midtrain", "rl", "launch"]
+SUBPACKAGES = ["core", "data", "optim", "pretrain", "engine", "midtrain", "rl", "backends", "launch"]
 
 
 def package_dirs() -> dict[str, str]:
