@@ -6,9 +6,14 @@ orthogonalised matrix. ``TensorParallelOrthogonaliser`` gathers each sharded upd
 dimension within its tensor-parallel group (the experts' group for expert weights), orthogonalises the
 full matrix and keeps this rank's part, so every rank applies exactly the update one device would. Two
 cases need no gathering: a matrix that is not sharded, and Muon Split's per-head blocks of the MLA
-up-projections, whose heads are whole on each rank (column-parallel by heads). A gathered fused
-``linear_fc1`` arrives as [gate_0; up_0; gate_1; up_1; ...], a row permutation of [gate; up], and
-Newton-Schulz commutes with row permutations, so the result is the same.
+up-projections, whose heads are whole on each rank (column-parallel by heads).
+
+orthon's torch model keeps a dense MLP's (and the shared expert's) gate and up projections as two
+matrices, each orthogonalised on its own, where megatron fuses them into one ``linear_fc1``; that tensor
+is Muon Split into its two halves here (tagged ``orthon_gate_up``), and under TP its gathered shards
+[gate_0; up_0; gate_1; up_1; ...] are put back in [gate; up] order first. A routed expert's fused
+[gate; up] is one matrix in orthon too; gathered across the experts' TP ranks it arrives as a row
+permutation of [gate; up], and Newton-Schulz commutes with row permutations, so the result is the same.
 
 Muon scales an update by its block's shape (``orthon.optim.muon.update_scale``), and it sees the local
 shard's; the orthogonaliser returns its slice pre-multiplied by full-scale / shard-scale, so the step
@@ -28,6 +33,8 @@ from orthon.optim.param_spec import ParamSpec
 from orthon.pretrain.config import ModelConfig
 
 _SPLIT_BY_HEAD = ("linear_q_up_proj.weight", "linear_kv_up_proj.weight")
+# megatron's fused [gate; up] of a dense MLP or a shared expert: two matrices in orthon's model
+_GATE_UP = ("mlp.linear_fc1.weight", "shared_experts.linear_fc1.weight")
 
 
 def param_specs(named_parameters, model: ModelConfig, tp: int) -> dict[str, ParamSpec]:
@@ -45,6 +52,8 @@ def param_specs(named_parameters, model: ModelConfig, tp: int) -> dict[str, Para
             specs[name] = ParamSpec("norm")
         elif name.endswith(_SPLIT_BY_HEAD):
             specs[name] = ParamSpec("matrix", split_rows=heads_here)
+        elif name.endswith(_GATE_UP):
+            specs[name] = ParamSpec("matrix", split_rows=2)
         elif p.ndim == 3:
             specs[name] = ParamSpec("expert_stack")
         else:
@@ -76,9 +85,10 @@ class TensorParallelOrthogonaliser:
         group = self.expert_group if is_expert(param) else self.tp_group
         if group is None or dist.get_world_size(group) == 1:
             return None
+        if getattr(param, "orthon_gate_up", False):
+            return group
         if item.split_rows > 1 and getattr(param, "partition_dim", 0) == 0:
-            if item.global_shape[-2] % item.split_rows == 0:
-                return None  # per-head blocks, whole on this rank
+            return None  # Muon Split by head: the heads are whole on this rank
         return group
 
     def __call__(self, work: list[MatrixWork], ns: Callable[[Tensor, MatrixWork], Tensor]) -> list[Tensor]:
@@ -99,10 +109,19 @@ class TensorParallelOrthogonaliser:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         pieces = [torch.empty_like(item.update) for _ in range(world)]
         dist.all_gather(pieces, item.update.contiguous(), group=group)
-        full = torch.cat(pieces, dim=dim)
+        gate_up = getattr(item.param, "orthon_gate_up", False)
+        if gate_up:  # [gate_r; up_r] per rank -> [gate; up]
+            halves = [piece.chunk(2, dim=0) for piece in pieces]
+            full = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+        else:
+            full = torch.cat(pieces, dim=dim)
         whole = dataclasses.replace(item, update=full, global_shape=tuple(full.shape))
         out = orthogonalise_local([whole], ns)[0]
-        mine = out.narrow(dim, rank * item.update.shape[dim], item.update.shape[dim])
+        if gate_up:
+            gate, up = out.chunk(2, dim=0)
+            mine = torch.cat([gate.chunk(world, dim=0)[rank], up.chunk(world, dim=0)[rank]])
+        else:
+            mine = out.narrow(dim, rank * item.update.shape[dim], item.update.shape[dim])
         ratio = update_scale(*whole.block_shape) / update_scale(*item.block_shape)
         return mine * ratio
 
@@ -116,6 +135,9 @@ def build_optimizer(gpt, model: ModelConfig, optim_cfg, schedule, tp: int = 1):
     from orthon.optim.routing import route_parameters
 
     named = list(gpt.named_parameters())
+    for name, p in named:
+        if name.endswith(_GATE_UP):
+            p.orthon_gate_up = True
     plan = route_parameters(named, param_specs(named, model, tp), head_to_muon=optim_cfg.head_to_muon,
                             muon_split=optim_cfg.muon_split, extra_splits=optim_cfg.extra_splits,
                             adamw_only=optim_cfg.algorithm == "adamw")
