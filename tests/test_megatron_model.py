@@ -7,7 +7,6 @@ so the logits, the loss and one step of orthon's Muon + Split must agree with th
 GPU, bench/gpu_check.sh runs the same comparison with megatron's CUDA paths."""
 from __future__ import annotations
 
-import socket
 import sys
 
 import pytest
@@ -18,6 +17,7 @@ from orthon.backends.megatron.model import MegatronOptions, build_model, transfo
 from orthon.core.errors import ConfigError, OrthonError
 from orthon.pretrain import GLMForCausalLM
 from orthon.pretrain.recipe import load_recipe
+from megatron_support import megatron_on_cpu
 from pretrain_support import ROOT
 
 pytest.importorskip("megatron.core")
@@ -39,23 +39,14 @@ def tiny():
 @pytest.fixture(scope="module")
 def cpu_megatron(tiny):
     """The megatron model of the tiny config on the CPU, loaded with the tiny model's converted weights."""
-    from megatron.core import parallel_state
-
     from orthon.backends.megatron.model import _build, load_megatron_state
 
     config, model = tiny
-    patch = pytest.MonkeyPatch()
-    patch.setattr(torch.cuda, "current_device", lambda: "cpu")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        patch.setenv("MASTER_PORT", str(s.getsockname()[1]))
-    gpt = _build(config, OPTIONS)
-    full = orthon_to_megatron(model.state_dict(), config, gpt.orthon_layout)
-    load_megatron_state(gpt, full, config, OPTIONS)
-    yield gpt, full
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
-    patch.undo()
+    with megatron_on_cpu():
+        gpt = _build(config, OPTIONS)
+        full = orthon_to_megatron(model.state_dict(), config, gpt.orthon_layout)
+        load_megatron_state(gpt, full, config, OPTIONS)
+        yield gpt, full
 
 
 def test_transformer_config_of_the_tiny_model(tiny):

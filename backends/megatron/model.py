@@ -167,6 +167,7 @@ def build_model(model: ModelConfig, options: MegatronOptions | None = None):
 
 
 def _build(model: ModelConfig, options: MegatronOptions):
+    require_megatron()
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
