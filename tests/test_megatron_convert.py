@@ -164,6 +164,21 @@ def test_what_each_rank_holds_at_tp2_pp2_ep2(tiny):
     assert torch.equal(last["decoder.layers.1.mlp.experts.linear_fc1.weight1"], torch.cat([gate_up[128:256], gate_up[384:]]))
     assert torch.equal(last["decoder.layers.1.mlp.experts.linear_fc2.weight1"], s["model.layers.3.mlp.experts.down_proj"][5][:, 128:])
     assert not any(k.endswith("weight4") for k in last)
+    only = shard(full, config, ParallelSizes(tp=2, pp=2, ep=2), only=(1, 1, 1))
+    assert list(only) == [(1, 1, 1)]
+    _same(only[(1, 1, 1)], last)
+
+
+def test_a_tied_embedding_has_its_copy_on_the_last_stage(tiny):
+    config, model = tiny
+    config = config.replace(tie_word_embeddings=True)
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    full = orthon_to_megatron(state, config)
+    assert "output_layer.weight" not in full
+    sizes = ParallelSizes(tp=2, pp=2)
+    shards = shard(full, config, sizes)
+    assert torch.equal(shards[(1, 1, 0)]["output_layer.weight"], state["model.embed_tokens.weight"][2048:])
+    _same(merge(shards, config, sizes), full)
 
 
 def test_tp_shards_compute_the_whole_layer(tiny):

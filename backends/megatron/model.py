@@ -196,7 +196,7 @@ def load_megatron_state(gpt, full_state: dict[str, torch.Tensor], model: ModelCo
     ``weights.load_as_megatron``) into ``gpt``; a parameter the shard does not give is a CheckpointError."""
     from orthon.core.errors import CheckpointError
 
-    mine = shard(full_state, model, options.sizes, gpt.orthon_layout)[rank_key()]
+    mine = shard(full_state, model, options.sizes, gpt.orthon_layout, only=rank_key())[rank_key()]
     expected = {k for k in gpt.state_dict() if not k.endswith("._extra_state")}
     missing = sorted(expected - set(mine))
     if missing:

@@ -105,15 +105,36 @@ def _is_fc(name: str, fc: str) -> bool:
 
 
 def split(tensor: torch.Tensor, rule: str, parts: int) -> list[torch.Tensor]:
-    """``tensor`` cut into ``parts`` by ``rule`` (contiguous copies)."""
+    """``tensor`` cut into ``parts`` by ``rule``."""
+    return [_own(piece) for piece in _parts(tensor, rule, parts)]
+
+
+def _parts(tensor: torch.Tensor, rule: str, parts: int) -> list:
+    """``split``'s parts before any copy: slices, and gated parts not yet assembled (``shard`` builds only
+    the ones it returns)."""
     if parts == 1 or rule == REPLICATED:
         return [tensor] * parts
     if rule == COLUMN:
-        return [t.contiguous() for t in tensor.chunk(parts, dim=0)]
+        return list(tensor.chunk(parts, dim=0))
     if rule == ROW:
-        return [t.contiguous() for t in tensor.chunk(parts, dim=1)]
+        return list(tensor.chunk(parts, dim=1))
     gate, up = tensor.chunk(2, dim=0)
-    return [torch.cat([g, u]) for g, u in zip(gate.chunk(parts, dim=0), up.chunk(parts, dim=0))]
+    return [_Gated(g, u) for g, u in zip(gate.chunk(parts, dim=0), up.chunk(parts, dim=0))]
+
+
+class _Gated:
+    """A gated part not yet built: [gate_r; up_r] is assembled only for the shards returned."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor):
+        self.gate, self.up = gate, up
+
+    def build(self) -> torch.Tensor:
+        return torch.cat([self.gate, self.up])
+
+
+def _own(piece) -> torch.Tensor:
+    """A shard's tensor: a gated part assembled, a column slice as the view it is, a row slice copied."""
+    return piece.build() if isinstance(piece, _Gated) else piece.contiguous()
 
 
 def join(pieces: list[torch.Tensor], rule: str, name: str) -> torch.Tensor:
@@ -157,13 +178,20 @@ def _stage_name(name: str, layers_per_stage: int) -> tuple[int | None, str]:
 
 
 def shard(state: dict[str, torch.Tensor], config: ModelConfig, sizes: ParallelSizes,
-          layout: MegatronLayout = MegatronLayout()) -> dict[tuple[int, int, int], dict[str, torch.Tensor]]:
-    """Megatron's full state dict -> {(pp, tp, ep): the state dict of that rank's model}."""
+          layout: MegatronLayout = MegatronLayout(),
+          only: tuple[int, int, int] | None = None) -> dict[tuple[int, int, int], dict[str, torch.Tensor]]:
+    """Megatron's full state dict -> {(pp, tp, ep): the state dict of that rank's model}; ``only``: just that
+    rank's (what a process loads: nothing of the other ranks is copied)."""
     check_parallel(config, sizes, layout)
     tp, pp, ep, etp = sizes.tp, sizes.pp, sizes.ep, sizes.expert_tp
     per_stage = config.num_hidden_layers // pp
     per_ep = config.n_routed_experts // ep if config.has_moe else 0
-    shards = {(s, t, e): {} for s in range(pp) for t in range(tp) for e in range(ep)}
+    keys = [(s, t, e) for s in range(pp) for t in range(tp) for e in range(ep)]
+    if only is not None:
+        if only not in keys:
+            raise ConfigError(f"rank (pp, tp, ep) = {only} is outside PP {pp} x TP {tp} x EP {ep}")
+        keys = [only]
+    shards = {key: {} for key in keys}
     for name, tensor in state.items():
         if name.endswith("._extra_state"):
             continue
@@ -173,21 +201,22 @@ def shard(state: dict[str, torch.Tensor], config: ModelConfig, sizes: ParallelSi
         if expert is not None:
             prefix, fc, index = expert
             owner, local_index = divmod(index, per_ep)
-            pieces = split(tensor, split_rule(local, layout), etp)
+            pieces = _parts(tensor, split_rule(local, layout), etp)
             local = _expert_name(prefix, fc, local_index, layout)
             for s in stages:
                 for t in range(tp):
-                    shards[(s, t, owner)][local] = pieces[t % etp]
+                    if (s, t, owner) in shards:
+                        shards[(s, t, owner)][local] = _own(pieces[t % etp])
             continue
-        pieces = split(tensor, split_rule(local, layout), tp)
+        pieces = _parts(tensor, split_rule(local, layout), tp)
+        targets = [(s, local) for s in stages]
         if name == "embedding.word_embeddings.weight" and config.tie_word_embeddings and pp > 1:
+            targets.append((pp - 1, "output_layer.weight"))  # the last stage's copy of the tied embedding
+        for s, target in targets:
             for t in range(tp):
                 for e in range(ep):
-                    shards[(pp - 1, t, e)]["output_layer.weight"] = pieces[t]
-        for s in stages:
-            for t in range(tp):
-                for e in range(ep):
-                    shards[(s, t, e)][local] = pieces[t]
+                    if (s, t, e) in shards:
+                        shards[(s, t, e)][target] = _own(pieces[t])
     return shards
 
 
