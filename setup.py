@@ -46,7 +46,7 @@ setup(
     extras_require={
         "test": ["pytest", "transformers>=5.20"],
         "data": ["datasets", "sentencepiece", "tokenizers", "datasketch", "pyarrow"],
-        "rl": ["ray", "zstandard", "math-verify"],
+        "rl": ["ray", "zstandard", "xxhash", "math-verify"],
         "mindspore": ["mindspore"],
         "megatron": ["megatron-core>=0.16"],
         "sglang": ["sglang"],

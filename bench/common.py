@@ -18,10 +18,20 @@ def median_time(fn, repeats: int, warmup: int = 1) -> float:
 
 
 def cpu_kind() -> str:
-    """Which kind of CPU a figure comes from: speed claims must hold on both."""
+    """The CPU model, its core count and whether bf16 GEMM is native or emulated on it: figures from
+    different machines are not comparable."""
+    import os
+
     from orthon.optim.newton_schulz import bf16_gemm_is_native
 
-    return "native bf16 GEMM (AMX / AVX512-BF16)" if bf16_gemm_is_native("cpu") else "emulated bf16 GEMM"
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    bf16 = "native" if bf16_gemm_is_native("cpu") else "emulated on fp32"
+    return f"{model} ({os.cpu_count()} cores), bf16 GEMM {bf16}"
 
 
 def report(name: str, figures: dict, ratios: dict) -> None:

@@ -32,7 +32,7 @@ from typing import Literal, Mapping, Sequence
 import numpy as np
 import torch
 
-from orthon.core.errors import CheckpointError, ConfigError
+from orthon.core.errors import CheckpointError, ConfigError, WrongBaseVersion
 from orthon.engine.fused_decode import DecodeWeights
 from orthon.engine.protocol import GenerationResult, WeightDelta, WeightsSource
 from orthon.engine.sampling import SamplingParams, request_uniforms, sample_step, stop_table
@@ -120,15 +120,20 @@ class InProcessEngine:
         update, e.g. one bucket), a path to a weights directory (HF layout, config.json + safetensors
         shards as ``orthon.pretrain.weights.save_weights`` writes them) or
         to one .safetensors file, or a ``WeightDelta`` (its ``apply_to(current state dict)`` returns
-        the new tensors). Every name and shape is checked before anything is copied, so a bad update
-        changes nothing. ``strict``: every tensor of the model must be given (a path always must: it
+        the new tensors; one with ``apply_in_place``, ``orthon.engine.delta.DeltaPayload``, writes them
+        into the parameters itself, and the engine takes its ``version``; a delta whose
+        ``base_version`` is not the engine's is refused). Every name and shape is checked before
+        anything is copied, so a bad update changes nothing. ``strict``: every tensor of the model must be given (a path always must: it
         is a whole checkpoint, tied lm_head weights excepted). Returns the new weight version:
         ``version`` if given (taken as given), else the old one + 1."""
         version = None if version is None else _check_version(version)
         targets = self.model.state_dict(keep_vars=True)
         if isinstance(weights, (str, os.PathLike)):
             items = list(self._read_weights(Path(weights)).items())
+        elif isinstance(weights, WeightDelta) and hasattr(weights, "apply_in_place"):
+            return self._apply_delta_in_place(weights, version, targets)
         elif isinstance(weights, WeightDelta):
+            self._check_delta_base(weights)
             with self._lock:
                 produced = weights.apply_to({k: v.detach() for k, v in targets.items()})
             items = list(produced.items() if isinstance(produced, Mapping) else produced)
@@ -149,6 +154,27 @@ class InProcessEngine:
                 targets[name].data.copy_(value)
             self._fused = None  # .data writes bump no version counter: rebuild the fused weights
             self.weight_version = self.weight_version + 1 if version is None else version
+        return self.weight_version
+
+    def _check_delta_base(self, delta) -> None:
+        base = getattr(delta, "base_version", None)
+        if base is not None and base != self.weight_version:
+            raise WrongBaseVersion(f"update_weights: the delta is from weight version {base}, the engine holds "
+                                  f"{self.weight_version}; weights unchanged")
+
+    def _apply_delta_in_place(self, delta, version: int | None, targets) -> int:
+        """A delta that writes its bytes into the parameters' own storage (``orthon.engine.delta``): its
+        base must be the engine's version; it checks itself (checksum, names, shapes, base hashes) before
+        writing. The engine then holds ``delta.version``."""
+        target_version = getattr(delta, "version", None)
+        if version is not None and target_version is not None and version != target_version:
+            raise ValueError(f"update_weights: version {version} given for a delta to version {target_version}")
+        with self._lock:
+            self._check_delta_base(delta)
+            delta.apply_in_place({k: v.detach() for k, v in targets.items()})
+            self._fused = None
+            new = version if version is not None else target_version
+            self.weight_version = self.weight_version + 1 if new is None else _check_version(new)
         return self.weight_version
 
     def _read_weights(self, path: Path) -> dict[str, torch.Tensor]:
@@ -219,9 +245,11 @@ class InProcessEngine:
                         room < params.max_new_tokens)
 
     def generate(self, prompts: Sequence[Sequence[int]],
-                 sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationResult]:
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                 routing_keys: Sequence[str | None] | None = None) -> list[GenerationResult]:
         """Continue every prompt. ``sampling``: one SamplingParams for all, or one per prompt.
-        With one shared SamplingParams that has a seed s, request i uses seed s + i."""
+        With one shared SamplingParams that has a seed s, request i uses seed s + i. ``routing_keys``
+        are for routers; one engine in this process serves every session."""
         sampling = SamplingParams() if sampling is None else sampling
         if isinstance(sampling, SamplingParams):
             if sampling.seed is not None:

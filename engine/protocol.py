@@ -52,12 +52,17 @@ class GenerationResult:
 
 @runtime_checkable
 class WeightDelta(Protocol):
-    """Extension point for delta weight payloads (a later change defines the concrete formats).
+    """A delta weight payload (``orthon.engine.delta.DeltaPayload`` is orthon's).
 
     ``apply_to(state_dict)`` is handed the engine's current weights, a mapping from the model's
     state_dict names to tensors (read them, do not modify them), and returns the new values of the
     tensors the delta changes: a ``{name: tensor}`` mapping or (name, tensor) pairs. The engine then
-    checks and copies them in exactly like a state-dict update, so a bad delta changes nothing."""
+    checks and copies them in exactly like a state-dict update, so a bad delta changes nothing.
+
+    Optional members an engine honours: ``base_version`` (int; the delta applies only to an engine
+    holding that weight version, any other refuses it unchanged), ``version`` (int; the version the
+    engine holds afterwards) and ``apply_in_place(state_dict)`` (writes the new bytes straight into
+    the given tensors' storage after checking everything, instead of ``apply_to``)."""
 
     def apply_to(self, state_dict: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]:
         ...
@@ -76,9 +81,12 @@ class Engine(Protocol):
     weight_version: int  # changes with every update_weights (an explicit version is taken as given)
 
     def generate(self, prompts: Sequence[Sequence[int]],
-                 sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationResult]:
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                 routing_keys: Sequence[str | None] | None = None) -> list[GenerationResult]:
         """Continue every prompt (token ids); one result per prompt, in order. ``sampling``: one
-        SamplingParams for all, or one per prompt. Bad requests come back "rejected", never raise."""
+        SamplingParams for all, or one per prompt. ``routing_keys``: one per prompt (a session id):
+        behind a router, requests with one key go to one engine, whose prefix cache holds the
+        session. Bad requests come back "rejected", never raise."""
         ...
 
     def update_weights(self, weights: WeightsSource, version: int | None = None) -> int:

@@ -20,7 +20,7 @@ def resume_command(args, name) -> str | None:
 
     if not getattr(args, "started", False):
         return None
-    words = ["orthon", "rl"] + (["-c", args.config] if args.config else []) + list(args.overrides) + ["--resume"]
+    words = ["orthon", name] + (["-c", args.config] if args.config else []) + list(args.overrides) + ["--resume"]
     return "resume with: " + " ".join(shlex.quote(str(w)) for w in words)
 
 
@@ -34,6 +34,10 @@ def run(args, name):
     from orthon.rl.trainer import RLTrainer
 
     recipe = load_rl_recipe(args.config, args.overrides)
+    if name == "distill" and (recipe.rl.opd is None or not recipe.rl.opd.teachers):
+        from orthon.core.errors import ConfigError
+
+        raise ConfigError("rl.opd.teachers: orthon distill needs at least one teacher (name, weights, task)")
     run_dir = Path(recipe.train.run_dir)
     source = Path(args.source) if args.source else None
     if source is None:

@@ -39,6 +39,7 @@ class ResponseLogProbs:
     log_probs: torch.Tensor  # (B, R) fp32, log pi(token) per response position; 0 past each response
     mask: torch.Tensor  # (B, R) bool, True on the positions of a response token
     entropy: torch.Tensor | None = None  # (B, R) fp32 entropy of the next-token distribution, when asked
+    logits: torch.Tensor | None = None  # (B, R, V) the logits each response token was predicted from, when asked
 
 
 def response_positions(prompt_lengths: torch.Tensor, response_lengths: torch.Tensor):
@@ -58,6 +59,7 @@ def sequence_log_probs(
     response_lengths: Sequence[int],
     with_entropy: bool = False,
     pad_id: int = 0,
+    with_logits: bool = False,
 ) -> ResponseLogProbs:
     """Log-probs of the last ``response_lengths[b]`` tokens of each ``sequences[b]`` (prompt +
     response token ids) under ``model``, batched with right padding. Every prompt must be non-empty
@@ -88,4 +90,4 @@ def sequence_log_probs(
     targets = ids.gather(1, torch.minimum(index + 1, (totals.to(device) - 1)[:, None]))
     log_probs = gather_log_probs(logits, targets).masked_fill(~mask, 0.0)
     entropy = token_entropy(logits).masked_fill(~mask, 0.0) if with_entropy else None
-    return ResponseLogProbs(log_probs, mask, entropy)
+    return ResponseLogProbs(log_probs, mask, entropy, logits if with_logits else None)

@@ -6,8 +6,8 @@ OPD form 2 with lambda = 1.0, group size 1 and batch 1024.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from orthon.core.errors import ConfigError
 
@@ -58,6 +58,22 @@ class LossConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """One OPD teacher: its weights (a weights directory, e.g. an earlier stage's final/) and its prompts."""
+
+    name: str = "teacher"
+    weights: str = ""
+    task: str = "orthon.rl.tasks.ArithmeticTask"
+    task_args: dict[str, Any] = field(default_factory=dict)
+    ratio: float = 1.0  # relative share of the prompts
+
+    def __post_init__(self):
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"name: must be non-empty and without '/', got {self.name!r}")
+        _positive(self, "ratio")
+
+
+@dataclass
 class OPDConfig:
     """On-policy distillation (the GLM-5 recipe (README, "The recipe"))."""
 
@@ -69,11 +85,17 @@ class OPDConfig:
     kl_direction: Literal["teacher_student", "student_teacher"] = "teacher_student"
     group_size: int = 1
     batch_size: int = 1024
+    # The teachers, each with its own prompt set; prompts are drawn from the sets by their ratios and
+    # every prompt is scored by the teacher of its set (data-level mixing, never logit averaging).
+    teachers: list[TeacherConfig] = field(default_factory=list)
 
     def __post_init__(self):
         _positive(self, "group_size", "batch_size")
         if not self.coef >= 0.0:
             raise ConfigError(f"coef: must be >= 0, got {self.coef}")
+        names = [t.name for t in self.teachers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"teachers: names must differ, got {names}")
 
 
 @dataclass
@@ -83,8 +105,8 @@ class RewardConfig:
     name: str = "math"
     timeout_s: float = 30.0  # per call; a reward that runs longer gives 0 and is counted
     binary: bool = True  # a value other than 0 or 1 is invalid (0, counted)
-    code_timeout_s: float = 10.0  # CPU and wall limit of one code-test subprocess
-    code_memory_mb: int = 1024  # address-space limit of that subprocess
+    code_timeout_s: float = 10.0  # CPU and wall limit of one code-test run in the sandbox (orthon.rl.sandbox)
+    code_memory_mb: int = 1024  # address-space limit of each of its processes
     latency_s: float = 0.0  # added to every call (benchmarks: the cost of a sandboxed check)
     concurrency: int = 8  # rewards of one rollout batch scored at once (threads; workers with cluster.reward_workers)
 
@@ -148,3 +170,18 @@ class ClusterConfig:
             raise ConfigError(f"reward_workers: must be >= 0, got {self.reward_workers}")
         if self.weight_sync not in ("disk", "distributed", "shared"):
             raise ConfigError(f"weight_sync: must be 'disk', 'distributed' or 'shared', got {self.weight_sync!r}")
+
+
+@dataclass
+class SFTConfig:
+    """The SFT stage (orthon.rl.sft): conversations, loss on the assistant's tokens only."""
+
+    # A JSONL file of {"messages": [...]}, or a dotted path to fn(tokenizer, n, seed) -> conversations.
+    data: str = "orthon.rl.tool_tasks.tool_demonstrations"
+    examples: int = 2000  # conversations a generator makes (a file gives what it has)
+    steps: int = 200
+    batch_size: int = 16
+    clear_thinking: bool = False
+
+    def __post_init__(self):
+        _positive(self, "examples", "steps", "batch_size")

@@ -9,6 +9,8 @@ from orthon.pretrain.logprobs import ResponseLogProbs, sequence_log_probs
 from orthon.pretrain.model import GLMForCausalLM
 
 
-def sample_log_probs(model: GLMForCausalLM, samples, with_entropy: bool = False) -> ResponseLogProbs:
+def sample_log_probs(model: GLMForCausalLM, samples, with_entropy: bool = False,
+                     with_logits: bool = False) -> ResponseLogProbs:
     """``sequence_log_probs`` of ``orthon.rl.sample.Sample`` objects (tokens, response_length)."""
-    return sequence_log_probs(model, [s.tokens for s in samples], [s.response_length for s in samples], with_entropy)
+    return sequence_log_probs(model, [s.tokens for s in samples], [s.response_length for s in samples], with_entropy,
+                              with_logits=with_logits)

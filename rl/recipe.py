@@ -13,6 +13,7 @@ from orthon.core.errors import ConfigError
 from orthon.optim.config import OptimConfig, ScheduleConfig
 from orthon.pretrain.recipe import Recipe
 from orthon.pretrain.train_config import TrainConfig
+from orthon.rl.config import SFTConfig
 from orthon.rl.train_config import RLConfig
 
 
@@ -35,6 +36,7 @@ class RLRecipe(Recipe):
     schedule: ScheduleConfig = field(default_factory=_schedule)
     train: TrainConfig = field(default_factory=_train)
     rl: RLConfig = field(default_factory=RLConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
     def __post_init__(self):
         steps = self.rl.iterations * self.rl.updates_per_iteration

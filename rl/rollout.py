@@ -8,7 +8,8 @@ finished and scored; it talks to the engine only through the Engine protocol (``
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Callable
 
 from orthon.rl.sample import Sample, SampleStatus, to_sample
@@ -22,6 +23,8 @@ class RolloutContext:
     sampling: object  # the SamplingParams of this round (its seed makes the round reproducible)
     group_size: int
     reward_concurrency: int = 1
+    options: dict = field(default_factory=dict)  # rl.rollout_args: the plug-in's own settings
+    stats: Counter | None = None  # the plug-in's counters (truncations, parse errors, ...) go here
 
 
 def single_turn(ctx: RolloutContext, prompts) -> list[Sample]:

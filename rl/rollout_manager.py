@@ -88,7 +88,8 @@ class RolloutManager:
                 end += 1
             seed = self.seed * SEED_STRIDE + items[start].index * self.group_size
             ctx = RolloutContext(self.engine, self.tokenizer, self.reward, self.sampling(seed=seed), self.group_size,
-                                 self.cfg.reward.concurrency if self.cfg.reward else 1)
+                                 self.cfg.reward.concurrency if self.cfg.reward else 1, self.cfg.rollout_args,
+                                 self.counters)
             samples += self.rollout_fn(ctx, [item.prompt for item in items[start:end]])
             start = end
         return samples
@@ -217,13 +218,16 @@ class RolloutManager:
                 rewards = [s.reward for s in group]
                 if not cfg.drop_zero_std_groups or min(rewards) != max(rewards):
                     kept.append(group)
+        if self._workers and not kept and timeout is not None and time.monotonic() >= deadline:
+            raise EngineUnavailable(f"rollout: no group ready after {timeout:.0f}s (counters: {dict(self.counters)}); "
+                                    "are the engines up?")
         extra = max(0, len(kept) - want) if cfg.drop_zero_std_groups else 0
         rewards = torch.tensor([[s.reward for s in g] for g in examined], dtype=torch.float32).reshape(-1, self.group_size)
         lengths = [s.response_length for g in examined for s in g]
         failed += sum(s.status is SampleStatus.FAILED for g in examined for s in g) if self._workers else 0
         stats = {"rollout_failed": failed, "groups_examined": len(examined),
                  "reward_mean": rewards.mean().item() if len(examined) else math.nan,
-                 "groups_all_equal": float((rewards.std(-1) == 0).float().mean()) if len(examined) else math.nan,
+                 "groups_all_equal": float((rewards.amax(-1) == rewards.amin(-1)).float().mean()) if len(examined) else math.nan,
                  "response_length": sum(lengths) / max(len(lengths), 1),
                  "staleness_mean": sum(staleness) / max(len(staleness), 1), "staleness_max": max(staleness, default=0),
                  "staleness_counts": {str(k): v for k, v in sorted(collections.Counter(staleness).items())}}

@@ -193,3 +193,14 @@ def to_sample(result: "GenerationResult", sample: Sample) -> Sample:
                       status=SampleStatus.FAILED, policy_version=result.weight_version,
                       metadata={**sample.metadata, "error": result.error})
     return sample.with_response(result.tokens, result.log_probs, status=status, policy_version=result.weight_version)
+
+
+def branches(sample: Sample) -> list[Sample]:
+    """The sample and the extra training branches of its session, if it forked (orthon.rl.trajectory):
+    each branch trains on the tokens generated in it, with the sample's reward (one outcome per session)."""
+    forks = [Sample(sample.instance_id, f["tokens"], response_length=f["response_length"], loss_mask=f["loss_mask"],
+                    rollout_log_probs=torch.tensor(f["rollout_log_probs"], dtype=torch.float32), reward=sample.reward,
+                    session_id=sample.session_id, policy_version=sample.policy_version, status=sample.status,
+                    metadata={"fork_of": sample.session_id})
+             for f in sample.metadata.get("forks", ())]
+    return [sample, *forks]

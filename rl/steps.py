@@ -13,9 +13,10 @@ import torch
 from orthon.core import distributed
 from orthon.pretrain.steps import TrainStep
 from orthon.rl.logprobs import sample_log_probs
-from orthon.rl.loss import aggregate_loss, icepop_token_loss
+from orthon.rl.loss import aggregate_loss, icepop_token_loss, opd_kl_penalty_advantages, opd_sampled_advantages
 
-METRICS = ("masked_fraction", "logp_abs_diff", "clip_fraction", "entropy")
+LOSS_METRICS = ("masked_fraction", "logp_abs_diff", "clip_fraction", "entropy")  # per trained token
+METRICS = (*LOSS_METRICS, "opd_reverse_kl")
 
 
 def response_tensors(samples, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,10 +33,14 @@ def response_tensors(samples, width: int) -> tuple[torch.Tensor, torch.Tensor]:
 class PolicyStep(TrainStep):
     update_moe_bias = False  # RL leaves the routers' balancing biases as pretraining left them
 
-    def __init__(self, loss_cfg, reference: torch.nn.Module | None = None):
+    def __init__(self, loss_cfg, reference: torch.nn.Module | None = None, opd=None, teachers=None):
+        """``opd``: the OPDConfig when distilling; form 2 reads each sample's teacher_log_probs, form 1
+        needs ``teachers`` ({set name: frozen model}) for the teachers' full distributions."""
         if loss_cfg.kl_coef > 0 and reference is None:
             raise ValueError("PolicyStep: kl_coef > 0 needs a reference model")
-        self.cfg, self.reference = loss_cfg, reference
+        if opd is not None and opd.form == "kl_penalty" and not teachers:
+            raise ValueError("PolicyStep: OPD form kl_penalty needs the teacher models")
+        self.cfg, self.reference, self.opd, self.teachers = loss_cfg, reference, opd, teachers or {}
         self.denominator, self.world, self.mismatch_max = 1.0, 1, 0.0
 
     def begin(self, trainer, batch) -> None:
@@ -52,9 +57,11 @@ class PolicyStep(TrainStep):
     def loss(self, model, micro):
         samples = [s for s, _ in micro]
         advantages = torch.tensor([float(a) for _, a in micro])
-        out = sample_log_probs(model, samples, with_entropy=True)
+        form1 = self.opd is not None and self.opd.form == "kl_penalty"
+        out = sample_log_probs(model, samples, with_entropy=True, with_logits=form1)
         device = out.log_probs.device
         rollout, mask = (t.to(device) for t in response_tensors(samples, out.mask.shape[1]))
+        advantages, opd_sums = self._opd_advantages(samples, advantages.to(device), out, mask)
         reference = None
         if self.cfg.kl_coef > 0:
             with torch.no_grad():
@@ -66,10 +73,34 @@ class PolicyStep(TrainStep):
         # DDP averages gradients over ranks: multiply back by the world size (the normaliser is global).
         objective = aggregate_loss(token_loss, mask, self.cfg.aggregation, denominator=self.denominator) * self.world
         n = float(mask.sum())
-        sums = {key: float(metrics[key]) * n for key in METRICS}
+        sums = {key: float(metrics[key]) * n for key in LOSS_METRICS}
         sums["trained_tokens"] = n
+        sums.update(opd_sums)
         self.mismatch_max = max(self.mismatch_max, float(((out.log_probs.detach() - rollout).abs() * mask).max()))
         return objective, sums
+
+    def _opd_advantages(self, samples, advantages, out, mask):
+        """Per-token OPD advantages ([B, T]) and the summed reverse-KL estimate log pi_S - log pi_T over
+        trained tokens; the outcome advantages unchanged when not distilling."""
+        if self.opd is None:
+            return advantages, {}
+        student = out.log_probs.detach()
+        teacher = torch.zeros_like(student)
+        for b, s in enumerate(samples):
+            if s.teacher_log_probs is None:
+                raise ValueError(f"sample {s.instance_id!r}: OPD needs teacher_log_probs (rl.rollout: orthon.rl.distill.opd_rollout)")
+            teacher[b, : s.response_length] = s.teacher_log_probs.to(teacher.device)
+        sums = {"opd_reverse_kl": float(((student - teacher) * mask).sum())}
+        if self.opd.form == "sampled":
+            return opd_sampled_advantages(teacher, student, mask, coef=self.opd.coef, advantages=advantages), sums
+        teacher_logits = torch.zeros_like(out.logits)
+        with torch.no_grad():
+            for name in {s.metadata.get("teacher") for s in samples}:
+                rows = [b for b, s in enumerate(samples) if s.metadata.get("teacher") == name]
+                logits = sample_log_probs(self.teachers[name], [samples[b] for b in rows], with_logits=True).logits
+                teacher_logits[rows, : logits.shape[1]] = logits.to(teacher_logits.dtype)
+        return opd_kl_penalty_advantages(advantages, teacher_logits, out.logits.detach(), mask, coef=self.opd.coef,
+                                         direction=self.opd.kl_direction), sums
 
     def end(self, trainer, sums):
         n = max(sums.get("trained_tokens", 0.0), 1.0)

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from orthon.core.errors import ConfigError
 from orthon.engine.in_process import EngineConfig
-from orthon.rl.config import BufferConfig, ClusterConfig, LossConfig, RewardConfig
+from orthon.rl.config import BufferConfig, ClusterConfig, LossConfig, OPDConfig, RewardConfig
 
 
 @dataclass
@@ -44,6 +44,9 @@ class RLConfig:
     # without training; "train_only" trains on groups saved so, without generating.
     debug: Literal["none", "rollout_only", "train_only"] = "none"
     rollouts_dir: str = ""  # "": <run_dir>/rollouts
+    # The longest the trainer waits for an iteration's groups (async) before it stops with an error
+    # naming the rollout counters (every engine down, say), instead of waiting forever.
+    collect_timeout_s: float = 1800.0
     max_retries: int = 3  # a prompt's rollout errors before it is abandoned (engine failures always retry)
     # Held-out evaluation: eval_reward is the policy's mean reward over eval_samples draws per prompt at
     # the rollout temperature (what RL maximises); eval_greedy the reward of the greedy answer.
@@ -52,10 +55,14 @@ class RLConfig:
     task_args: dict[str, Any] = field(default_factory=lambda: {"difficulty": 2, "eval_size": 200})
     # The rollout plug-in (dotted path): prompts -> scored Samples (orthon.rl.rollout).
     rollout: str = "orthon.rl.rollout.single_turn"
+    rollout_args: dict[str, Any] = field(default_factory=dict)  # the plug-in's own settings (RolloutContext.options)
     # None: the task's own binary reward; else a RewardConfig name ("math", "code", dotted path).
     reward: RewardConfig | None = None
     buffer: BufferConfig = field(default_factory=lambda: BufferConfig(num_repeat_per_sample=8, task_type="arithmetic"))
     loss: LossConfig = field(default_factory=LossConfig)
+    # On-policy distillation (orthon.rl.distill): with teachers, each sampled token's advantage is
+    # the teacher's log-ratio (form 2) or the outcome advantage minus the exact KL (form 1).
+    opd: OPDConfig | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
@@ -64,6 +71,8 @@ class RLConfig:
                      "max_sampling_rounds", "rollout_workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if not self.collect_timeout_s > 0:
+            raise ConfigError(f"collect_timeout_s: must be positive, got {self.collect_timeout_s}")
         for name in ("max_ahead_groups", "max_staleness", "max_retries"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
@@ -73,5 +82,12 @@ class RLConfig:
             raise ConfigError(f"debug: must be 'none', 'rollout_only' or 'train_only', got {self.debug!r}")
         if self.stale_groups not in ("drop", "keep"):
             raise ConfigError(f"stale_groups: must be 'drop' or 'keep', got {self.stale_groups!r}")
+        if self.opd is not None and self.opd.teachers:  # distillation: its prompt source, rollout and group size
+            self.task = "orthon.rl.distill.MixedTask"
+            self.task_args = {"sets": [{"name": t.name, "task": t.task, "task_args": dict(t.task_args), "ratio": t.ratio}
+                                       for t in self.opd.teachers], "eval_size": self.task_args.get("eval_size")}
+            self.rollout = "orthon.rl.distill.opd_rollout"
+            self.rollout_args = {**self.rollout_args, "teachers": {t.name: t.weights for t in self.opd.teachers}}
+            self.buffer.num_repeat_per_sample = self.opd.group_size
         if self.max_sampling_rounds > 1 and not self.drop_zero_std_groups:
             raise ConfigError("max_sampling_rounds: refill rounds only make sense with drop_zero_std_groups: true")

@@ -26,7 +26,7 @@ from orthon.pretrain.trainer import Trainer
 from orthon.pretrain.weights import load_weights, save_weights
 from orthon.rl.loss import grpo_advantages
 from orthon.rl.rollout_manager import RolloutManager
-from orthon.rl.sample import Sample, sample_from_dict, sample_to_dict
+from orthon.rl.sample import Sample, branches, sample_from_dict, sample_to_dict
 from orthon.rl.steps import METRICS, PolicyStep
 
 
@@ -44,7 +44,13 @@ class RLTrainer:
         reference = None
         if self.cfg.loss.kl_coef > 0:
             reference = load_weights(policy).eval().requires_grad_(False)
-        self.trainer = Trainer(recipe, self.run_dir, log, step=PolicyStep(self.cfg.loss, reference), with_data=False)
+        opd, teachers = self.cfg.opd, None
+        if opd is not None and opd.form == "kl_penalty":
+            from orthon.rl.distill import teacher_model
+
+            teachers = {t.name: teacher_model(t.weights) for t in opd.teachers}
+        step = PolicyStep(self.cfg.loss, reference, opd=opd, teachers=teachers)
+        self.trainer = Trainer(recipe, self.run_dir, log, step=step, with_data=False)
         self.model = self.trainer.model
         if reference is not None:
             reference.to(self.trainer.device)
@@ -67,7 +73,7 @@ class RLTrainer:
     # ------------------------------------------------------------ parts
     def collect_groups(self) -> tuple[list[list[Sample]], dict]:
         """The iteration's groups (see RolloutManager.collect_groups)."""
-        return self.rollout.collect_groups(self.weight_version)
+        return self.rollout.collect_groups(self.weight_version, timeout=self.cfg.collect_timeout_s)
 
     def train_on(self, groups: list[list[Sample]]) -> dict:
         """The iteration's optimizer steps on its groups: GRPO advantages per group, then
@@ -82,8 +88,8 @@ class RLTrainer:
         share = math.ceil(len(groups) / self.cfg.updates_per_iteration)
         stats, sums, tokens = {}, {}, 0.0
         for k, start in enumerate(range(0, len(groups), share)):
-            batch = [(s, float(a)) for g, adv in zip(groups[start : start + share], advantages[start : start + share])
-                     for s, a in zip(g, adv)]
+            batch = [(b, float(a)) for g, adv in zip(groups[start : start + share], advantages[start : start + share])
+                     for s, a in zip(g, adv) for b in branches(s)]
             trained = sum(s.response_length for s, _ in batch)
             metrics = self.trainer.train_step(batch, tokens=trained)
             if k == 0:

@@ -23,3 +23,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer(tmp_path_factory):
+    """A small sentencepiece tokenizer with the chat format's role and thinking tokens."""
+    from orthon.data.tokenizer import CHAT_TOKENS, load_tokenizer, train_sentencepiece
+    from test_data_support import corpus_texts
+
+    lines = [line for t in corpus_texts(seed=0) for line in t.split("\n") if line.strip()]
+    lines += ["Q: 123*456=? A: 56088", "```python tool_name=calculator", "print(123*456)", "```"] * 5
+    path = train_sentencepiece(lines, tmp_path_factory.mktemp("tok") / "chat.model", 600,
+                               special_tokens=CHAT_TOKENS, seed=0, threads=1)
+    return load_tokenizer(path)

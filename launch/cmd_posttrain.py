@@ -1,0 +1,37 @@
+"""`orthon posttrain -c configs/posttrain_tiny.yaml --from RUN_DIR`: SFT -> reasoning RL -> agentic RL
+-> general RL -> cross-stage OPD as one plan (orthon.rl.posttrain); running it again resumes."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def register(parser, name):
+    parser.add_argument("-c", "--config", required=True, help="the post-training plan (YAML)")
+    parser.add_argument("--from", dest="source", required=True, help="pretraining run directory (final/ weights, tokenizer)")
+
+
+def resume_command(args, name) -> str | None:
+    return f"resume with: orthon posttrain -c {args.config} --from {args.source}"
+
+
+def run(args, name):
+    from orthon.core.errors import CheckpointError
+    from orthon.data.tokenizer import load_tokenizer
+    from orthon.pretrain.recipe import load_recipe
+    from orthon.rl.posttrain import load_plan, run_posttrain
+
+    source = Path(args.source)
+    if not (source / "final" / "config.json").is_file():
+        raise CheckpointError(f"{source}: no final/ weights (is it a finished pretraining run directory?)")
+    plan = load_plan(args.config)
+    tokenizer = load_tokenizer(load_recipe(source / "config.yaml").data.tokenizer)
+    summary = run_posttrain(plan, Path(args.config), source, tokenizer)
+    for stage in summary["stages"]:
+        print(f"{stage['name']:>14} ({stage['kind']}): {stage['time_s']:.0f} s")
+    tasks = list(next(iter(summary["evaluation"].values())))
+    print("held-out reward of each stage's model on each RL stage's task:")
+    print(" " * 15 + "".join(f"{t:>14}" for t in tasks))
+    for model, row in summary["evaluation"].items():
+        print(f"{model:>14} " + "".join(f"{row[t]:>14.3f}" for t in tasks))
+    print(f"{plan.run_dir}/stages.json")
+    return 0
