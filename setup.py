@@ -48,7 +48,7 @@ setup(
         "data": ["datasets", "sentencepiece", "tokenizers", "datasketch", "pyarrow"],
         "rl": ["ray", "zstandard", "xxhash", "math-verify"],
         "mindspore": ["mindspore"],
-        "megatron": ["megatron-core"],
+        "megatron": ["megatron-core>=0.16"],
         "sglang": ["sglang"],
         "te": ["transformer-engine"],
     },

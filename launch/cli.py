@@ -36,6 +36,7 @@ COMMANDS = {
     "data": ("orthon.launch.cmd_data", "tokenise text into token stores, build the built-in corpus, dedup, inspect"),
     "tokenizer": ("orthon.launch.cmd_tokenizer", "train a sentencepiece tokenizer; encode text"),
     "sandbox": ("orthon.launch.cmd_sandbox", "run a file in the sandbox for model-written code; prints one JSON object"),
+    "launch": ("orthon.launch.cmd_launch", "the msrun / torchrun / sbatch / Ray command lines that start a command on many processes (--run starts them)"),
 }
 
 INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
@@ -88,7 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     module.register(cmd_parser, name)
     args = cmd_parser.parse_args(argv[1:])
     try:
-        set_threads(threads)
+        if getattr(module, "STARTS_PROCESSES", False):
+            # A launcher's processes choose their own threads; --threads reaches them through the environment.
+            if threads:
+                os.environ["OMP_NUM_THREADS"] = str(threads)
+        else:
+            set_threads(threads)
         code = int(module.run(args, name) or 0)
     except KeyboardInterrupt:
         _quiet_interrupts()
