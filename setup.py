@@ -9,7 +9,7 @@ from pathlib import Path
 
 from setuptools import setup
 
-SUBPACKAGES = ["core", "data", "optim", "pretrain", "engine", "midtrain", "rl", "launch"]
+SUBPACKAGES = ["core", "data", "optim", "pretrain", "engine", "midtrain", "rl", "backends", "launch"]
 
 
 def package_dirs() -> dict[str, str]:
@@ -48,7 +48,7 @@ setup(
         "data": ["datasets", "sentencepiece", "tokenizers", "datasketch", "pyarrow"],
         "rl": ["ray", "zstandard", "xxhash", "math-verify", "sglang-router", "fastapi", "uvicorn"],
         "mindspore": ["mindspore"],
-        "megatron": ["megatron-core"],
+        "megatron": ["megatron-core>=0.16"],
         "sglang": ["sglang"],
         "te": ["transformer-engine"],
     },

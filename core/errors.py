@@ -22,3 +22,8 @@ class CheckpointError(OrthonError, ValueError):
 class EngineUnavailable(OrthonError, ConnectionError):
     """A generation engine did not answer (refused, timed out, died, answered garbage): callers retry
     the request on another engine; the message names the engine and what happened."""
+
+
+class WrongBaseVersion(CheckpointError):
+    """A weight delta made against another version than the one the engine holds: refused, nothing
+    changed; the sender needs to send a full copy (or the delta of the right base)."""

@@ -217,10 +217,15 @@ class HTTPEngine:
                   "world_size": int(world_size), "group_name": group_name, "backend": backend, "timeout_s": timeout_s},
                  timeout_s=max(self.timeout_s, timeout_s + 10))
 
-    def update_weights_from_distributed(self, metas, version: int | None = None,
+    def update_weights_from_distributed(self, metas, version: int | None = None, delta: bool = False,
                                         group_name: str = "weight_update_group", flush_cache: bool = True) -> int:
         """The server receives the tensors ``metas`` describes (``TensorMeta``s, or (name, dtype, shape))
-        from the group's rank 0, which broadcasts them concurrently (``weight_transfer.broadcast_tensors``)."""
+        from the group's rank 0, which broadcasts them concurrently (``weight_transfer.broadcast_tensors``).
+        ``delta``: rank 0 broadcasts a delta payload's bytes instead (``weight_transfer.broadcast_bytes``;
+        ``metas`` is ignored, the payload names its version)."""
+        if delta:
+            payload = {"names": [], "dtypes": [], "shapes": [], "group_name": group_name, "load_format": "orthon_delta"}
+            return self._took(self._ok("POST", "/update_weights_from_distributed", payload), None)
         names, dtypes, shapes = [], [], []
         for meta in metas:
             name, dtype, shape = (meta.name, meta.dtype, meta.shape) if hasattr(meta, "name") else meta

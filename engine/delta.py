@@ -48,6 +48,9 @@ _ENTRY_FIELDS = {"name": str, "dtype": str, "shape": list, "encoding": str, "cha
 
 Named = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
+# A payload moved as one uint8 tensor, where a path carries tensors (broadcast, shared memory).
+DELTA_TENSOR_NAME = "__orthon_delta__"
+
 
 @dataclass
 class DeltaEntry:

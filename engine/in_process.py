@@ -32,7 +32,7 @@ from typing import Literal, Mapping, Sequence
 import numpy as np
 import torch
 
-from orthon.core.errors import CheckpointError, ConfigError
+from orthon.core.errors import CheckpointError, ConfigError, WrongBaseVersion
 from orthon.engine.fused_decode import DecodeWeights
 from orthon.engine.protocol import GenerationResult, WeightDelta, WeightsSource
 from orthon.engine.sampling import SamplingParams, per_request_params, request_uniforms, sample_step, stop_table
@@ -159,7 +159,7 @@ class InProcessEngine:
     def _check_delta_base(self, delta) -> None:
         base = getattr(delta, "base_version", None)
         if base is not None and base != self.weight_version:
-            raise CheckpointError(f"update_weights: the delta is from weight version {base}, the engine holds "
+            raise WrongBaseVersion(f"update_weights: the delta is from weight version {base}, the engine holds "
                                   f"{self.weight_version}; weights unchanged")
 
     def _apply_delta_in_place(self, delta, version: int | None, targets) -> int:

@@ -53,14 +53,15 @@ def _version() -> str:
 
 def build_state(weights_dir, max_batch_size: int = 64, tokenizer: str | None = None,
                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_delta_bytes: int = DEFAULT_MAX_DELTA_BYTES,
-                batch_window_s: float = DEFAULT_WINDOW_S) -> ServerState:
+                batch_window_s: float = DEFAULT_WINDOW_S, max_length: int | None = None) -> ServerState:
     """The engine of a weights directory (orthon.pretrain.weights.load_weights) and what serves it."""
     from orthon.engine.in_process import EngineConfig, InProcessEngine
     from orthon.pretrain.hf_io import read_hf_config
     from orthon.pretrain.weights import load_weights
 
     weights_dir = Path(weights_dir).resolve()
-    engine = InProcessEngine(load_weights(weights_dir).eval(), EngineConfig(max_batch_size=max_batch_size))
+    engine = InProcessEngine(load_weights(weights_dir).eval(), EngineConfig(max_batch_size=max_batch_size,
+                                                                            max_length=max_length))
     found, tokenizer_path = find_tokenizer(weights_dir, tokenizer)
     return ServerState(engine=engine, batcher=ContinuousBatcher(engine, batch_window_s), model_path=str(weights_dir),
                        tokenizer=found, tokenizer_path=tokenizer_path, max_body_bytes=max_body_bytes,
@@ -197,13 +198,14 @@ def create_app(state: ServerState) -> FastAPI:
 def serve(weights_dir, host: str = "127.0.0.1", port: int = 30000, max_batch_size: int = 64,
           tokenizer: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           max_delta_bytes: int = DEFAULT_MAX_DELTA_BYTES, batch_window_s: float = DEFAULT_WINDOW_S,
-          log=lambda line: print(line, flush=True)) -> None:
+          max_length: int | None = None, log=lambda line: print(line, flush=True)) -> None:
     """Serve until SIGTERM / SIGINT. Once listening, ``log`` gets one line: "serving WEIGHTS on
     http://host:port" (the port the OS gave when ``port`` is 0). On a signal: no new connections,
     waiting requests come back aborted, the running wave finishes (up to 10 s), then the process ends."""
     import uvicorn
 
-    state = build_state(weights_dir, max_batch_size, tokenizer, max_body_bytes, max_delta_bytes, batch_window_s)
+    state = build_state(weights_dir, max_batch_size, tokenizer, max_body_bytes, max_delta_bytes, batch_window_s,
+                        max_length)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None):

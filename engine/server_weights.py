@@ -8,8 +8,9 @@ reports: the one the request names, else the old one + 1 (a delta names its own)
 changes nothing and answers 400 ({"success": false, "message": ..., "error": ...}); a delta whose base
 is not what the engine holds answers 409.
 
-A delta may also travel by the broadcast or shared-memory path, as one uint8 tensor named
-``DELTA_TENSOR`` holding its bytes (orthon.rl.weight_sync sends it so).
+A delta may also travel by the broadcast path (``load_format: "orthon_delta"``: its bytes by
+``weight_transfer.broadcast_bytes``, no tensor metadata) or as one uint8 tensor named
+``orthon.engine.delta.DELTA_TENSOR_NAME`` holding its bytes, by either tensor path.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from orthon.core.errors import CheckpointError
 from orthon.engine.server_state import ServerState, read_body, read_json
 from orthon.engine.sglang_api import BadRequest, parse_weight_version
 
-DELTA_TENSOR = "__orthon_delta__"
+DELTA_FORMAT = "orthon_delta"  # load_format of a delta payload broadcast as bytes
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 GROUP_TIMEOUT_S = 60.0  # how long a group waits for its members and a broadcast for its sender
 
@@ -76,8 +77,10 @@ async def _run(work, *args) -> JSONResponse | None:
 
 
 def _tensor_bytes(pairs) -> bytes | None:
-    """The delta payload a (DELTA_TENSOR, uint8 tensor) bucket carries, else None."""
-    if len(pairs) == 1 and pairs[0][0] == DELTA_TENSOR:
+    """The delta payload a (DELTA_TENSOR_NAME, uint8 tensor) bucket carries, else None."""
+    from orthon.engine.delta import DELTA_TENSOR_NAME
+
+    if len(pairs) == 1 and pairs[0][0] == DELTA_TENSOR_NAME:
         return pairs[0][1].contiguous().cpu().numpy().tobytes()
     return None
 
@@ -135,13 +138,16 @@ def add_weight_routes(app, state: ServerState) -> None:
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request):
-        from orthon.engine.weight_transfer import TensorMeta, receive_tensors
+        from orthon.engine.weight_transfer import TensorMeta, broadcast_bytes, receive_tensors
 
         body = await read_json(request, state.max_body_bytes)
         name = str(body.get("group_name") or DEFAULT_GROUP)
         group = state.groups.get(name)
         if group is None:
             raise BadRequest(f"group_name {name!r}: no such weight-update group (call /init_weights_update_group first)")
+        if body.get("load_format") == DELTA_FORMAT:
+            refused = await _run(lambda: _apply_delta(state, broadcast_bytes(group, None, src=0)))
+            return refused or _done(state, f"delta received over {name}")
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
                 and len(names) == len(dtypes) == len(shapes) and names):

@@ -29,12 +29,14 @@ COMMANDS = {
     "ablate": ("orthon.launch.cmd_ablate", "optimizer ablation: AdamW vs Muon vs Muon + Split on one recipe"),
     "midtrain": ("orthon.launch.cmd_midtrain", "long-context mid-training + DSA adaptation (--from a pretraining run); --eval: passkey heat map, perplexity by position"),
     "rl": ("orthon.launch.cmd_rl", "GRPO + IcePop from a pretraining run (--from RUN_DIR)"),
-    "serve": ("orthon.launch.cmd_serve", "serve a weights directory over SGLang's HTTP worker API (for sglang-router, RL engines)"),
+    "serve": ("orthon.launch.cmd_serve", "serve a weights directory over SGLang's HTTP API (continuous batching)"),
     "distill": ("orthon.launch.cmd_rl", "on-policy distillation from rl.opd.teachers (--from RUN_DIR)"),
     "posttrain": ("orthon.launch.cmd_posttrain", "SFT -> reasoning RL -> agentic RL -> general RL -> OPD as one plan"),
     "optim-plan": ("orthon.launch.cmd_optim_plan", "which optimizer updates each parameter, with Muon Split blocks and totals"),
     "data": ("orthon.launch.cmd_data", "tokenise text into token stores, build the built-in corpus, dedup, inspect"),
     "tokenizer": ("orthon.launch.cmd_tokenizer", "train a sentencepiece tokenizer; encode text"),
+    "sandbox": ("orthon.launch.cmd_sandbox", "run a file in the sandbox for model-written code; prints one JSON object"),
+    "launch": ("orthon.launch.cmd_launch", "the msrun / torchrun / sbatch / Ray command lines that start a command on many processes (--run starts them)"),
 }
 
 INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
@@ -87,7 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     module.register(cmd_parser, name)
     args = cmd_parser.parse_args(argv[1:])
     try:
-        set_threads(threads)
+        if getattr(module, "STARTS_PROCESSES", False):
+            # A launcher's processes choose their own threads; --threads reaches them through the environment.
+            if threads:
+                os.environ["OMP_NUM_THREADS"] = str(threads)
+        else:
+            set_threads(threads)
         code = int(module.run(args, name) or 0)
     except KeyboardInterrupt:
         _quiet_interrupts()

@@ -51,8 +51,20 @@ def resume_command(args, name) -> str:
     return f"resume with: orthon pretrain --resume {run_dir} ({where})"
 
 
+def make_trainer(recipe, run_dir):
+    """The trainer of the recipe's backend: the torch Trainer, or the MindSpore loop
+    (``backend=mindspore``; the same data, schedule, routing and outputs)."""
+    if recipe.backend == "mindspore":
+        from orthon.backends.mindspore.trainer import MindSporeTrainer
+
+        return MindSporeTrainer(recipe, run_dir)
+    from orthon.pretrain.trainer import Trainer
+
+    return Trainer(recipe, run_dir)
+
+
 def run(args, name):
-    from orthon.pretrain.trainer import CONFIG_NAME, Trainer, write_run_config
+    from orthon.pretrain.trainer import CONFIG_NAME, write_run_config
 
     if args.resume:
         run_dir = Path(args.resume)
@@ -72,7 +84,7 @@ def run(args, name):
             raise SystemExit(f"orthon pretrain: {run_dir} already holds checkpoints; use --resume {run_dir} "
                              f"or another train.run_dir")
     start = time.perf_counter()
-    trainer = Trainer(recipe, run_dir)
+    trainer = make_trainer(recipe, run_dir)
     if trainer.rank == 0 and not args.resume:
         write_run_config(run_dir, replace(recipe, train=replace(recipe.train, run_dir=str(run_dir))))
     args.started_run_dir = str(run_dir)

@@ -11,6 +11,7 @@ def register(parser, name):
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000, help="0: a free port (printed when ready)")
     parser.add_argument("--max-batch-size", type=int, default=64, help="rows decoded together")
+    parser.add_argument("--max-length", type=int, default=None, help="longest prompt + response (default: the model's)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: as `orthon --threads`)")
     parser.add_argument("--tokenizer", default=None,
                         help="for text requests (default: tokenizer.json / .model beside the weights, else the run's)")
@@ -38,5 +39,6 @@ def run(args, name):
             raise ConfigError(f"--threads: must be >= 1, got {args.threads}")
         set_threads(args.threads)
     serve(args.weights_dir, args.host, args.port, args.max_batch_size, args.tokenizer, args.max_body_bytes,
-          args.max_delta_bytes, args.batch_window_ms / 1000, log=lambda line: print(line, flush=True))
+          args.max_delta_bytes, args.batch_window_ms / 1000, max_length=args.max_length,
+          log=lambda line: print(line, flush=True))
     return 0

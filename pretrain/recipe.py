@@ -3,6 +3,7 @@ its stages' recipes from it, and RL extends it with its own section (``orthon.rl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from orthon.data.config import BuiltinConfig, DataConfig
 from orthon.core import config as config_io
@@ -25,6 +26,15 @@ class SmokeConfig:
 
 
 @dataclass
+class MindSporeConfig:
+    """Where the MindSpore backend runs (``backend: mindspore``; orthon.backends.mindspore)."""
+
+    device_target: Literal["CPU", "Ascend", "GPU"] = "CPU"  # Ascend: 910B NPUs (mindspore.set_device)
+    device_id: int = 0
+    mode: Literal["pynative", "graph"] = "pynative"  # graph: the training step compiled (static shapes)
+
+
+@dataclass
 class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
@@ -36,6 +46,10 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     smoke: SmokeConfig = field(default_factory=SmokeConfig)
     ablation: AblationConfig = field(default_factory=AblationConfig)
+    # Which framework trains the model: "torch" (orthon.pretrain.trainer) or "mindspore"
+    # (orthon.backends.mindspore.trainer, placed by the ``mindspore`` section).
+    backend: Literal["torch", "mindspore"] = "torch"
+    mindspore: MindSporeConfig = field(default_factory=MindSporeConfig)
 
 
 def load_recipe(path=None, overrides=()) -> Recipe:

@@ -18,16 +18,17 @@ from orthon.rl.rollout_manager import RolloutManager
 
 
 class ActorProxy:
-    """A Ray actor called like the object it holds: ``proxy.method(*args)`` blocks for the result."""
+    """A Ray actor called like the object it holds: ``proxy.method(*args)`` blocks for the result, at
+    most ``timeout_s`` (a dead or hung actor raises instead of stalling the loop)."""
 
-    def __init__(self, handle):
-        self._handle = handle
+    def __init__(self, handle, timeout_s: float | None = None):
+        self._handle, self._timeout_s = handle, timeout_s
 
     def __getattr__(self, name):
         import ray
 
         method = getattr(self._handle, name)
-        return lambda *args, **kwargs: ray.get(method.remote(*args, **kwargs))
+        return lambda *args, **kwargs: ray.get(method.remote(*args, **kwargs), timeout=self._timeout_s)
 
 
 class RewardWorker:
@@ -103,7 +104,11 @@ class TrainerActor:
     def attach(self, rollout_handle) -> None:
         from orthon.rl.trainer import RLTrainer
 
-        self.trainer = RLTrainer(self.recipe, None, rollout=ActorProxy(rollout_handle), weight_sync=self.fleet.sync)
+        # A rollout call returns within its own timeouts (collect_timeout_s, the engines' request timeout):
+        # past those and a margin, the rollout actor is dead or hung.
+        timeout = self.recipe.rl.collect_timeout_s + 4 * self.recipe.rl.cluster.request_timeout_s
+        self.trainer = RLTrainer(self.recipe, None, rollout=ActorProxy(rollout_handle, timeout),
+                                 weight_sync=self.fleet.sync)
         self.trainer.weight_sync(self.trainer.model, 0)  # every engine holds the policy's exact bytes
 
     def resume(self) -> bool:

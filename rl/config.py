@@ -105,8 +105,8 @@ class RewardConfig:
     name: str = "math"
     timeout_s: float = 30.0  # per call; a reward that runs longer gives 0 and is counted
     binary: bool = True  # a value other than 0 or 1 is invalid (0, counted)
-    code_timeout_s: float = 10.0  # CPU and wall limit of one code-test subprocess
-    code_memory_mb: int = 1024  # address-space limit of that subprocess
+    code_timeout_s: float = 10.0  # CPU and wall limit of one code-test run in the sandbox (orthon.rl.sandbox)
+    code_memory_mb: int = 1024  # address-space limit of each of its processes
     latency_s: float = 0.0  # added to every call (benchmarks: the cost of a sandboxed check)
     concurrency: int = 8  # rewards of one rollout batch scored at once (threads; workers with cluster.reward_workers)
 

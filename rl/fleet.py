@@ -53,7 +53,7 @@ class EngineServer:
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "orthon.launch.cli", "serve", self.weights_dir, "--host", self.host,
-             "--port", str(port), "--max-batch-size", str(self.max_batch_size), "--threads", str(self.threads)],
+             "--port", str(port), "--max-batch-size", str(self.max_batch_size)],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
         self.starts += 1
@@ -143,9 +143,12 @@ class EngineFleet:
         return [self.client_factory(url) for url in self.urls]
 
     def sync(self, model, version: int) -> None:
+        """The weights to every engine; an engine that could not take them is restarted with them."""
         with self._lock:
-            self.sync_path.push(model, version, self.clients())
             self.version, self.model = version, model
+            for url in self.sync_path.push(model, version, self.clients()):
+                self.counters["failed_syncs"] += 1
+                self.replace(self.urls.index(url), url)
 
     # ------------------------------------------------------------ health
     def _healthy(self, url: str) -> bool:
@@ -164,15 +167,17 @@ class EngineFleet:
                 failures[i] += 1
                 self.counters["failed_polls"] += 1
                 if failures[i] >= self.cfg.health_failures and not self._stop.is_set():
-                    self.replace(i)
+                    self.replace(i, url)
                     failures[i] = 0
 
-    def replace(self, i: int) -> str:
-        """Take engine ``i`` out, restart it, bring it to the current weights, put it back."""
+    def replace(self, i: int, old: str) -> str:
+        """Take engine ``i`` (at ``old``) out, restart it, bring it to the current weights, put it back.
+        Nothing to do when it was replaced already (the monitor and a failed sync both saw it die)."""
         import ray
 
         with self._lock:
-            old = self.urls[i]
+            if self.urls[i] != old:
+                return self.urls[i]
             self.log(f"engine {old} is not answering: restarting it")
             if self.router is not None:
                 self.router.remove_worker(old)

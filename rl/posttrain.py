@@ -6,8 +6,9 @@ stage's final weights (the first from RUN/final) and writes its run under ``run_
 OPD stage's teachers are earlier stages (``teachers: {teacher name: stage name}``), each scoring the
 prompts of its own set. A finished stage (its final/ exists) is skipped and an interrupted one
 resumes from its checkpoints, so the whole plan resumes by running the command again. At the end,
-every stage's final model (and the starting one) is evaluated on every RL stage's held-out task,
-so what a stage taught and what it made the model forget stand side by side (stages.json).
+every stage's final model (and the starting one) is evaluated on every RL stage's held-out task
+(a tool-using stage's task also without tools), so what a stage taught and what it made the model
+forget stand side by side (stages.json).
 """
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from orthon.core.config import build, deep_merge, read_yaml
 from orthon.core.errors import ConfigError
 from orthon.core.files import atomic_write_text
 from orthon.core.plugins import resolve
+
+
+SINGLE_TURN = "orthon.rl.rollout.single_turn"
 
 
 @dataclass
@@ -133,6 +137,9 @@ def run_posttrain(plan: PosttrainPlan, plan_path: Path, source: Path, tokenizer,
         finals[stage.name] = start = run_dir / "final"
         if stage.kind == "rl":
             recipes[stage.name] = recipe
+            if recipe.rl.rollout != SINGLE_TURN:  # the same task answered without tools, for comparison
+                plain = replace(recipe.rl, rollout=SINGLE_TURN, rollout_args={})
+                recipes[f"{stage.name} (no tools)"] = replace(recipe, rl=plain)
     # What each stage's model can do on each RL stage's task (the starting model's too).
     models = {"start": source / "final", **finals}
     summary["evaluation"] = {model: {task: evaluate(path, recipes[task], tokenizer)["eval_reward"] for task in recipes}

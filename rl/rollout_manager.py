@@ -218,6 +218,9 @@ class RolloutManager:
                 rewards = [s.reward for s in group]
                 if not cfg.drop_zero_std_groups or min(rewards) != max(rewards):
                     kept.append(group)
+        if self._workers and not kept and timeout is not None and time.monotonic() >= deadline:
+            raise EngineUnavailable(f"rollout: no group ready after {timeout:.0f}s (counters: {dict(self.counters)}); "
+                                    "are the engines up?")
         extra = max(0, len(kept) - want) if cfg.drop_zero_std_groups else 0
         rewards = torch.tensor([[s.reward for s in g] for g in examined], dtype=torch.float32).reshape(-1, self.group_size)
         lengths = [s.response_length for g in examined for s in g]

@@ -26,27 +26,24 @@ def arithmetic_reward(response: str, label: str) -> float:
     return 1.0 if check_answer(response, label) else 0.0
 
 
-class ArithmeticTask:
-    task_type = "arithmetic"
-    reward_fn = staticmethod(arithmetic_reward)
+def newline_stop_ids(tokenizer) -> tuple[int, ...]:
+    """Every piece that contains a newline: a one-line answer ends at the first."""
+    return tuple(i for i in range(tokenizer.vocab_size) if "\n" in tokenizer.decode([i]))
 
-    def __init__(self, tokenizer, seed: int = 0, difficulty: int = 2, eval_size: int = 200, min_difficulty: int = 1):
-        """Problems of a difficulty drawn uniformly from [min_difficulty, difficulty] (see make_problem)."""
-        if not 1 <= min_difficulty <= difficulty:
-            raise ValueError(f"ArithmeticTask: need 1 <= min_difficulty <= difficulty, got {min_difficulty}, {difficulty}")
+
+class GeneratedTask:
+    """Prompts from a seeded generator (a subclass's ``_prompt(rng, instance_id)``): training prompts
+    continue one stream, resumable with ``state_dict``; the eval set is the same every time."""
+
+    def __init__(self, tokenizer, seed: int = 0, eval_size: int = 200):
         self.tokenizer = tokenizer
-        self.difficulty = difficulty
-        self.min_difficulty = min_difficulty
         self.rng = random.Random(seed)
         self._eval_rng_seed = seed + 1_000_003
         self.eval_size = eval_size
         self.issued = 0
-        # A response ends at the first newline: every piece that contains one is a stop token.
-        self.stop_token_ids = tuple(i for i in range(tokenizer.vocab_size) if "\n" in tokenizer.decode([i]))
 
     def _prompt(self, rng: random.Random, instance_id: str) -> Prompt:
-        text, answer = make_problem(rng, rng.randint(self.min_difficulty, self.difficulty))
-        return Prompt(instance_id, text, self.tokenizer.encode(text), answer)
+        raise NotImplementedError
 
     def sample(self, n: int) -> list[Prompt]:
         prompts = [self._prompt(self.rng, f"train-{self.issued + i}") for i in range(n)]
@@ -66,3 +63,21 @@ class ArithmeticTask:
         version, internal, gauss = ast.literal_eval(state["rng"])
         self.rng.setstate((version, tuple(internal), gauss))
         self.issued = state["issued"]
+
+
+class ArithmeticTask(GeneratedTask):
+    task_type = "arithmetic"
+    reward_fn = staticmethod(arithmetic_reward)
+
+    def __init__(self, tokenizer, seed: int = 0, difficulty: int = 2, eval_size: int = 200, min_difficulty: int = 1):
+        """Problems of a difficulty drawn uniformly from [min_difficulty, difficulty] (see make_problem)."""
+        if not 1 <= min_difficulty <= difficulty:
+            raise ValueError(f"ArithmeticTask: need 1 <= min_difficulty <= difficulty, got {min_difficulty}, {difficulty}")
+        super().__init__(tokenizer, seed, eval_size)
+        self.difficulty = difficulty
+        self.min_difficulty = min_difficulty
+        self.stop_token_ids = newline_stop_ids(tokenizer)
+
+    def _prompt(self, rng: random.Random, instance_id: str) -> Prompt:
+        text, answer = make_problem(rng, rng.randint(self.min_difficulty, self.difficulty))
+        return Prompt(instance_id, text, self.tokenizer.encode(text), answer)

@@ -39,11 +39,9 @@ def calculator(code: str) -> str:
     return str(_eval(ast.parse(line, mode="eval")))
 
 
-def python_tool(code: str, timeout_s: float = 10.0, memory_mb: int = 512) -> str:
-    from orthon.rl.sandbox import run_code
+def python_tool(code: str, timeout_s: float = 10.0, memory_mb: int = 512, max_chars: int = 4000) -> str:
+    """Run the code in the sandbox (the shared warm pool) and return what a model is shown of it."""
+    from orthon.rl.sandbox import observation, run_code, shared_pool
 
-    result = run_code(code, timeout_s=timeout_s, memory_mb=memory_mb)
-    text = result.stdout + (("\n" if result.stdout else "") + result.stderr if result.stderr else "")
-    if result.status != "ok":
-        text += f"\n[{result.status}: exit code {result.exit_code}]"
+    text, _ = observation(run_code(code, timeout_s=timeout_s, memory_mb=memory_mb, pool=shared_pool()), max_chars)
     return text

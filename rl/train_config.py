@@ -44,6 +44,9 @@ class RLConfig:
     # without training; "train_only" trains on groups saved so, without generating.
     debug: Literal["none", "rollout_only", "train_only"] = "none"
     rollouts_dir: str = ""  # "": <run_dir>/rollouts
+    # The longest the trainer waits for an iteration's groups (async) before it stops with an error
+    # naming the rollout counters (every engine down, say), instead of waiting forever.
+    collect_timeout_s: float = 1800.0
     max_retries: int = 3  # a prompt's rollout errors before it is abandoned (engine failures always retry)
     # Held-out evaluation: eval_reward is the policy's mean reward over eval_samples draws per prompt at
     # the rollout temperature (what RL maximises); eval_greedy the reward of the greedy answer.
@@ -68,6 +71,8 @@ class RLConfig:
                      "max_sampling_rounds", "rollout_workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if not self.collect_timeout_s > 0:
+            raise ConfigError(f"collect_timeout_s: must be positive, got {self.collect_timeout_s}")
         for name in ("max_ahead_groups", "max_staleness", "max_retries"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")

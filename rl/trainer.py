@@ -73,7 +73,7 @@ class RLTrainer:
     # ------------------------------------------------------------ parts
     def collect_groups(self) -> tuple[list[list[Sample]], dict]:
         """The iteration's groups (see RolloutManager.collect_groups)."""
-        return self.rollout.collect_groups(self.weight_version)
+        return self.rollout.collect_groups(self.weight_version, timeout=self.cfg.collect_timeout_s)
 
     def train_on(self, groups: list[list[Sample]]) -> dict:
         """The iteration's optimizer steps on its groups: GRPO advantages per group, then

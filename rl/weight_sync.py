@@ -1,14 +1,16 @@
 """The trainer's side of weight sync: the new weights to every engine, by the configured path.
 
-Paths (SPEC: four): ``disk`` writes a versioned HF-layout directory that the engines reload;
-``distributed`` broadcasts flattened buckets over one process group of the trainer (rank 0) and the
-engines (gloo here, NCCL on GPU); ``shared`` (colocated) puts flattened buckets in shared memory that
-the engines read without a copy on the way. ``delta`` rides on any of them: after the first full copy
-only the changed bytes travel (orthon.engine.delta), as one byte payload that names its base version
-and carries checksums, so an engine that holds anything else refuses it and nothing changes.
+Paths (SPEC: four): ``disk`` writes a versioned HF-layout directory the engines reload; ``distributed``
+broadcasts flattened buckets over one process group of the trainer (rank 0) and the engines (gloo
+here, NCCL on GPU), the tensors' names, dtypes and shapes going in the HTTP request as SGLang takes
+them; ``shared`` (colocated) puts flattened buckets in shared memory the engines read without a copy
+on the way. ``delta`` rides on any of them: after a full copy, only the changed bytes travel
+(orthon.engine.delta), as one payload that names its base version and carries checksums; the disk
+path writes it as a file, the broadcast path sends its bytes over the group, the shared path puts
+them in shared memory. An engine that holds anything but the base refuses it and changes nothing.
 
-The first sync, and the one that brings a restarted engine up to date, is a full copy from disk (an
-engine of any state can take it); every later one goes by the configured path.
+The first sync, and the one that brings a restarted engine up to date, is a full copy through disk
+(an engine in any state can take it).
 """
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ from pathlib import Path
 
 import torch
 
+from orthon.core.errors import CheckpointError
 from orthon.core.net import free_port
+
 
 
 def _named(model) -> list[tuple[str, torch.Tensor]]:
@@ -39,15 +43,14 @@ class WeightSync:
         self.group = None  # the distributed path's process group
         self._members: tuple[str, ...] = ()
         self._shared = None
-        self.bytes_sent = 0
+        self.bytes_sent = 0  # over the run: what went to one engine
 
     # ------------------------------------------------------------ full copies
     def full(self, model, version: int, client) -> None:
         """A complete copy of ``model`` at ``version`` to one engine (any state), through disk."""
         from orthon.engine.weight_transfer import write_versioned
 
-        path = write_versioned(model, self.root, version)
-        client.update_weights(str(path), version=version)
+        client.update_weights(str(write_versioned(model, self.root, version)), version=version)
 
     def _full_all(self, model, version: int, clients) -> None:
         from orthon.engine.delta import DeltaEncoder
@@ -55,64 +58,107 @@ class WeightSync:
 
         path = write_versioned(model, self.root, version)
         _each(clients, lambda c: c.update_weights(str(path), version=version))
+        self.bytes_sent += sum(f.stat().st_size for f in path.iterdir())
         if self.cfg.delta:
             self.encoder = DeltaEncoder()
             self.encoder.reset(_named(model), version)
 
     # ------------------------------------------------------------ every sync
-    def push(self, model, version: int, clients) -> None:
-        """``model``'s weights to every engine as ``version``. The engines hold the previous version."""
-        if self.encoder is None and (self.cfg.delta or self.cfg.weight_sync == "disk"):
-            return self._full_all(model, version, clients)
+    def push(self, model, version: int, clients) -> list[str]:
+        """``model``'s weights to every engine as ``version`` (the engines hold the previous one).
+        Returns the URLs of engines that could not take them: when anything fails on the way (an engine
+        died or hung mid-sync, a broken collective), every engine that still answers gets a full copy
+        from disk, so none is left holding something else; the caller replaces the dead ones."""
         named = _named(model)
-        if self.cfg.delta:
-            payload = self.encoder.encode(named, version)
-            self.bytes_sent += len(self._send_delta(payload, clients))
-        elif self.cfg.weight_sync == "distributed":
-            self._broadcast(named, version, clients)
-        elif self.cfg.weight_sync == "shared":
-            self._share(named, version, clients)
+        try:
+            if self.cfg.weight_sync == "disk" and not self.cfg.delta or self.cfg.delta and self.encoder is None:
+                self._full_all(model, version, clients)
+            elif self.cfg.delta:
+                self._send_delta(self.encoder.encode(named, version), clients)
+            elif self.cfg.weight_sync == "distributed":
+                self._broadcast(named, version, clients)
+            else:
+                self._share(named, version, clients)
+        except Exception:
+            dead = self._recover(model, version, clients)
+            clients = [c for c in clients if c.url not in dead]
         else:
-            self._full_all(model, version, clients)
+            dead = []
         if self.cfg.check_weights:
             self.check(named, clients)
+        return dead
 
-    def _send_delta(self, payload, clients) -> bytes:
+    def _recover(self, model, version: int, clients) -> list[str]:
+        """Full copies from disk to every engine that answers; the URLs of those that do not."""
+        from orthon.core.errors import EngineUnavailable
+
+        if self.group is not None:  # a member may be gone: the next broadcast forms the group again
+            self.group.close()
+            self.group, self._members = None, ()
+        dead = []
+        for client in clients:
+            try:
+                self.full(model, version, client)
+            except (EngineUnavailable, ValueError):
+                dead.append(client.url)
+        if self.cfg.delta:
+            from orthon.engine.delta import DeltaEncoder
+
+            self.encoder = DeltaEncoder()
+            self.encoder.reset(_named(model), version)
+        return dead
+
+    def _send_delta(self, payload, clients) -> None:
+        from orthon.engine.weight_transfer import write_delta
+
         data = payload.to_bytes()
-        if self.cfg.weight_sync == "distributed":
-            blob = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            self._broadcast([("__orthon_delta__", blob)], payload.version, clients)
-        elif self.cfg.weight_sync == "shared":
-            self._share([("__orthon_delta__", torch.frombuffer(bytearray(data), dtype=torch.uint8))],
-                        payload.version, clients)
-        elif self.cfg.weight_sync == "disk":
-            from orthon.core.files import atomic_write_bytes
-
-            path = self.root / f"delta_{payload.version:08d}.bin"
-            atomic_write_bytes(path, data)
+        self.bytes_sent += len(data)
+        if self.cfg.weight_sync == "disk":
+            path = write_delta(self.root, payload)
             _each(clients, lambda c: c.update_weights_from_delta_file(str(path)))
-            previous = self.root / f"delta_{payload.version - 1:08d}.bin"
-            previous.unlink(missing_ok=True)
-        return data
+            path.unlink(missing_ok=True)
+        elif self.cfg.weight_sync == "distributed":
+            from orthon.engine.weight_transfer import broadcast_bytes
 
-    def _broadcast(self, named, version: int, clients) -> None:
-        from orthon.engine.weight_transfer import TensorMeta, broadcast_tensors, open_update_group
+            self._group(clients)
+            self._together(clients, lambda c: c.update_weights_from_distributed([], payload.version, delta=True),
+                           lambda: broadcast_bytes(self.group, data))
+        else:
+            from orthon.engine.delta import DELTA_TENSOR_NAME
+
+            self._share([(DELTA_TENSOR_NAME, torch.frombuffer(bytearray(data), dtype=torch.uint8))], payload.version, clients)
+
+    def _group(self, clients) -> None:
+        """The trainer (rank 0) and the engines (1..N) in one group; formed again when an engine changed."""
+        from orthon.engine.weight_transfer import open_update_group
 
         members = tuple(c.url for c in clients)
-        if self.group is None or members != self._members:  # (re)form the group: an engine was replaced
-            port = free_port()
-            calls = lambda i_c: i_c[1].init_weights_update_group("127.0.0.1", port, i_c[0] + 1, len(clients) + 1)
-            with ThreadPoolExecutor(len(clients)) as pool:
-                joined = pool.map(calls, enumerate(clients))
-                self.group = open_update_group("127.0.0.1", port, 0, len(clients) + 1)
-                list(joined)
-            self._members = members
-        metas = [TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in named]
+        if self.group is not None and members == self._members:
+            return
+        if self.group is not None:
+            self.group.close()
+        port, world = free_port(), len(clients) + 1
+        self._together(clients, lambda c: c.init_weights_update_group("127.0.0.1", port, members.index(c.url) + 1, world),
+                       lambda: setattr(self, "group", open_update_group("127.0.0.1", port, 0, world)))
+        self._members = members
+
+    @staticmethod
+    def _together(clients, remote, local) -> None:
+        """``remote(client)`` on every engine while this process runs ``local()`` (a collective)."""
         with ThreadPoolExecutor(len(clients)) as pool:
-            received = [pool.submit(c.update_weights_from_distributed, metas, version) for c in clients]
-            broadcast_tensors(self.group, named)
-            for future in received:
-                future.result()
+            calls = [pool.submit(remote, c) for c in clients]
+            local()
+            for call in calls:
+                call.result()
+
+    def _broadcast(self, named, version: int, clients) -> None:
+        from orthon.engine.weight_transfer import TensorMeta, broadcast_tensors
+
+        self._group(clients)
+        metas = [TensorMeta.of(name, t) for name, t in named]
+        self._together(clients, lambda c: c.update_weights_from_distributed(metas, version),
+                       lambda: broadcast_tensors(self.group, named))
+        self.bytes_sent += sum(t.numel() * t.element_size() for _, t in named)
 
     def _share(self, named, version: int, clients) -> None:
         from orthon.engine.weight_transfer import SharedBuckets
@@ -120,13 +166,12 @@ class WeightSync:
         if self._shared is None:
             self._shared = SharedBuckets()
         handle = self._shared.write(named, version)
-        _each(clients, lambda c: c.update_weights_from_shared(handle))
+        _each(clients, lambda c: c.update_weights_from_shared(handle))  # the engines copy before this returns
 
     # ------------------------------------------------------------ debugging
     def check(self, named, clients) -> None:
         """Every engine's hash per tensor equals the trainer's (slime's weight check)."""
-        from orthon.core.errors import CheckpointError
-        from orthon.engine.weight_transfer import tensor_hashes
+        from orthon.engine.tensor_bytes import tensor_hashes
 
         want = tensor_hashes(named)
         for client, got in zip(clients, _each(clients, lambda c: c.weight_hashes())):
@@ -134,4 +179,3 @@ class WeightSync:
             if wrong:
                 raise CheckpointError(f"weight check: engine {client.url} differs from the trainer in "
                                       f"{len(wrong)} tensors ({', '.join(wrong[:3])}...)")
-

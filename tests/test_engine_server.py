@@ -373,10 +373,10 @@ def test_delta_payloads_apply_in_place_and_a_wrong_base_changes_nothing(mutable,
 
 
 def test_shared_memory_and_broadcast_updates(mutable, weights, tmp_path):
-    from orthon.engine.delta import DeltaEncoder
-    from orthon.engine.server_weights import DELTA_TENSOR
+    from orthon.engine.delta import DELTA_TENSOR_NAME, DeltaEncoder
     from orthon.engine.tensor_bytes import tensor_hashes
-    from orthon.engine.weight_transfer import SharedBuckets, TensorMeta, broadcast_tensors, open_update_group
+    from orthon.engine.weight_transfer import (SharedBuckets, TensorMeta, broadcast_bytes, broadcast_tensors,
+                                               open_update_group)
 
     base, other = load_weights(weights[0]), load_weights(weights[1])
     client = HTTPEngine(mutable.url)
@@ -396,17 +396,29 @@ def test_shared_memory_and_broadcast_updates(mutable, weights, tmp_path):
             broadcast_tensors(group, _named(base))
             assert received.result(90) == 31
             assert client.weight_hashes() == tensor_hashes(_named(base))
-            # A delta over the same group: its bytes as one uint8 tensor.
+            # Deltas over the same group: as bytes, and as one uint8 tensor.
             encoder = DeltaEncoder()
             encoder.reset(_named(base), 31)
-            blob = torch.frombuffer(bytearray(encoder.encode(_named(other), 32).to_bytes()), dtype=torch.uint8)
-            received = pool.submit(client.update_weights_from_distributed, [TensorMeta.of(DELTA_TENSOR, blob)])
-            broadcast_tensors(group, [(DELTA_TENSOR, blob)])
+            received = pool.submit(client.update_weights_from_distributed, [], delta=True)
+            broadcast_bytes(group, encoder.encode(_named(other), 32).to_bytes())
             assert received.result(90) == 32
             assert client.weight_hashes() == tensor_hashes(_named(other))
+            blob = torch.frombuffer(bytearray(encoder.encode(_named(base), 33).to_bytes()), dtype=torch.uint8)
+            received = pool.submit(client.update_weights_from_distributed, [TensorMeta.of(DELTA_TENSOR_NAME, blob)])
+            broadcast_tensors(group, [(DELTA_TENSOR_NAME, blob)])
+            assert received.result(90) == 33
+            assert client.weight_hashes() == tensor_hashes(_named(base))
+            # A delta for another base, broadcast: refused (409), the weights stay.
+            stale = DeltaEncoder()
+            stale.reset(_named(base), 5)
+            received = pool.submit(client.update_weights_from_distributed, [], delta=True)
+            broadcast_bytes(group, stale.encode(_named(other), 34).to_bytes())
+            with pytest.raises(CheckpointError, match=r"\(409\).*from weight version 5, the engine holds 33"):
+                received.result(90)
+            assert client.weight_hashes() == tensor_hashes(_named(base))
         finally:
             group.close()
-    assert [r.tokens for r in client.generate(PROMPTS, GREEDY)] == [r.tokens for r in _reference(weights[1])]
+    assert [r.tokens for r in client.generate(PROMPTS, GREEDY)] == [r.tokens for r in _reference(weights[0])]
 
 
 # ---------------------------------------------------------------- the client against broken servers

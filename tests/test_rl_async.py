@@ -117,3 +117,25 @@ def test_debug_modes_save_rollouts_then_train_on_them(tmp_path):
     missing, _ = _trainer(tmp_path / "c", pre, 3, mode="sync", debug="train_only", rollouts_dir=str(tmp_path / "rollouts"))
     with pytest.raises(DataError, match="iteration_000002.jsonl"):
         missing.fit()
+
+
+def test_no_engine_answers_stops_with_an_error_not_a_hang(tmp_path):
+    from orthon.core.errors import EngineUnavailable
+    from orthon.core.net import free_port
+    from orthon.engine.client import HTTPEngine
+    from orthon.rl.rollout_manager import RolloutManager
+    from orthon.rl.train_config import RLConfig
+
+    pre = _pretrain_dir(tmp_path)
+    tokenizer = load_tokenizer(yaml.safe_load((pre / "config.yaml").read_text())["data"]["tokenizer"])
+    cfg = RLConfig(mode="async", rollout_workers=2, prompts_per_iteration=2, task_args={"difficulty": 1, "eval_size": 2})
+    manager = RolloutManager(cfg, tokenizer, HTTPEngine(f"http://127.0.0.1:{free_port()}", timeout_s=1), seed=0,
+                             log=lambda *a: None)
+    manager.start()
+    try:
+        with pytest.raises(EngineUnavailable, match="no group ready after 2s"):
+            manager.collect_groups(0, timeout=2)
+    finally:
+        manager.stop()
+    # Nothing was lost: the prompts that failed wait in the queue for a working engine.
+    assert manager.counters["engine_retries"] > 0 and len(manager.state_dict()["queue"]) >= 1

@@ -191,3 +191,17 @@ def test_retokenisation_drift_forks_and_keeps_generated_ids(chat_tokenizer):
     answer = tok.encode("56088<|user|>")
     assert fork.tokens[-len(answer):] == answer and sum(fork.loss_mask) == len(answer)
     assert fork.loss_mask[-len(answer):] == [1] * len(answer)
+
+
+def test_python_tool_runs_in_the_sandbox():
+    from orthon.rl.sandbox import sandbox_problem
+    from orthon.rl.tools import calculator, python_tool
+
+    problem = sandbox_problem()
+    if problem:
+        pytest.skip(f"no sandbox here: {problem}")
+    assert python_tool("print(123456*789)") == "97406784\n"
+    assert "ZeroDivisionError" in python_tool("1/0") and "[exit code 1]" in python_tool("1/0")
+    assert calculator("print(123456*789)") == "97406784"
+    with pytest.raises(ValueError, match="exponent"):
+        calculator("2**100000")

@@ -76,7 +76,8 @@ def test_every_stage_runs_and_the_plan_resumes(tmp_path, chat_tokenizer):
         assert (tmp_path / "post" / stage["name"] / "final" / "config.json").is_file()
     evaluation = json.loads((tmp_path / "post" / "stages.json").read_text())["evaluation"]
     assert set(evaluation) == {"start", "sft", "reasoning_rl", "agentic_rl", "general_rl", "opd"}
-    assert all(set(row) == {"reasoning_rl", "agentic_rl", "general_rl", "opd"} for row in evaluation.values())
+    assert all(set(row) == {"reasoning_rl", "agentic_rl", "agentic_rl (no tools)", "general_rl", "opd"}
+               for row in evaluation.values())
     # Each stage started from the previous one's weights: the OPD stage's student began as general RL's.
     opd_config = yaml.safe_load((tmp_path / "post" / "opd" / "config.yaml").read_text())
     assert opd_config["train"]["init_from"] == str(tmp_path / "post" / "general_rl" / "final")

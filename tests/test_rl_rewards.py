@@ -1,4 +1,4 @@
-"""Binary rewards: math answer extraction and checking, code tests in a limited subprocess,
+"""Binary rewards: math answer extraction and checking, code tests in the sandbox,
 custom rewards by dotted path that never crash the run."""
 import os
 import threading
@@ -11,6 +11,8 @@ import torch
 import orthon.rl.rewards.math as math_module
 from orthon.core.config import ConfigError, build
 from orthon.rl.config import RewardConfig
+from orthon.rl.sandbox import sandbox_problem
+from orthon.rl.sandbox.hostile import processes_with
 from orthon.rl.rewards import (
     RewardStats,
     SafeReward,
@@ -91,10 +93,13 @@ def test_math_reward_in_a_worker_thread():
 
 # ---------------------------------------------------------------- code
 
+needs_sandbox = pytest.mark.skipif(sandbox_problem() is not None, reason=f"no sandbox here: {sandbox_problem()}")
+
 GOOD = "Here you go:\n```python\ndef add(a, b):\n    return a + b\n```\n"
 TESTS = "assert add(1, 2) == 3\nassert add(-1, 1) == 0\n"
 
 
+@needs_sandbox
 def test_code_reward_pass_and_fail():
     assert extract_code(GOOD).strip() == "def add(a, b):\n    return a + b"
     assert extract_code("```\nprint(1)\n```\n```python\nx = 2\n```") == "x = 2\n"
@@ -104,6 +109,7 @@ def test_code_reward_pass_and_fail():
     assert code_reward("", TESTS) == 0.0
 
 
+@needs_sandbox
 def test_code_reward_stdin_stdout_cases():
     prog = "```python\nn = int(input())\nprint(n * n)\n```"
     assert code_reward(prog, [{"input": "3\n", "output": "9"}, {"input": "12", "output": "144\n"}]) == 1.0
@@ -112,33 +118,28 @@ def test_code_reward_stdin_stdout_cases():
         run_tests("print(1)", [{"stdin": "1"}])
 
 
+@needs_sandbox
 def test_code_time_limit_kills_the_process_group():
+    # The child's pid is the sandbox's own (a PID namespace): the host finds it by the marker it carries.
+    marker = f"{os.getpid()}.{time.monotonic_ns() % 10**6}"
     program = (
-        "import subprocess, sys\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-        "print(child.pid, flush=True)\n"
+        "import subprocess\n"
+        f"subprocess.Popen(['sleep', '{marker}'])\n"
+        "print('started', flush=True)\n"
         "while True:\n    pass\n"
     )
     start = time.monotonic()
     result = run_tests(program, "", timeout_s=1.0)
-    assert not result.passed and (result.timed_out or result.returncode != 0)
+    assert not result.passed and result.timed_out and result.status == "timeout"
+    assert result.stdout == "started\n"
     assert time.monotonic() - start < 20  # a generous bound: it did stop, not hang for 60 s
-    pid = int(result.stdout.split()[0])
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:  # the grandchild is gone (or an unreaped zombie)
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            break
-        if state == "Z":
-            break
+    while processes_with(marker) and time.monotonic() < deadline:  # the namespace ends just after bwrap
         time.sleep(0.05)
-    else:
-        os.kill(pid, 9)
-        pytest.fail(f"child {pid} of the candidate survived the timeout")
+    assert processes_with(marker) == [], "a child of the candidate survived the timeout"
 
 
+@needs_sandbox
 def test_code_memory_limit():
     result = run_tests("x = bytearray(2 * 1024 ** 3)\n", "", timeout_s=10, memory_mb=256)
     assert not result.passed and "MemoryError" in result.stderr
@@ -153,7 +154,8 @@ def _raises(response, label):
 
 def test_resolve_builtin_and_dotted_paths():
     assert resolve_reward("math") is math_reward
-    assert resolve_reward("code")(GOOD, TESTS) == 1.0
+    if sandbox_problem() is None:  # without one, "code" refuses at set-up (SandboxUnavailable)
+        assert resolve_reward("code")(GOOD, TESTS) == 1.0
     for name in ("operator.eq", "operator:eq"):
         reward = SafeReward(resolve_reward(name))
         assert reward("7", "7") == 1.0 and reward("7", "8") == 0.0

@@ -25,6 +25,7 @@ from orthon.core.errors import ConfigError
 from orthon.core.plugins import resolve as resolve_plugin
 from orthon.rl.rewards.code import code_reward
 from orthon.rl.rewards.math import math_reward
+from orthon.rl.sandbox import SandboxUnavailable, sandbox_problem
 
 RewardFn = Callable[[str, Any], Any]
 
@@ -36,6 +37,9 @@ def resolve_reward(name: str, *, code_timeout_s: float = 10.0, code_memory_mb: i
     if name == "math":
         fn = math_reward
     elif name == "code":
+        problem = sandbox_problem()  # at set-up, not as a 0 reward on every call of a long run
+        if problem:
+            raise SandboxUnavailable(f"reward 'code' runs model code in the sandbox: {problem}")
         fn = functools.partial(code_reward, timeout_s=code_timeout_s, memory_mb=code_memory_mb)
     else:
         try:

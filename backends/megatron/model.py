@@ -1,0 +1,207 @@
+"""GLM-5 as a megatron-core GPTModel: MLA + MoE from megatron's layer specs, TP / PP / EP sizes from
+``MegatronOptions``, transformer-engine layers where TE is installed (megatron's local layers and torch's
+SDPA otherwise), orthon's weights loaded through the conversion of ``convert`` / ``parallel``.
+
+megatron-core allocates its MoE router state on the current CUDA device, so building the model needs a
+GPU (``build_model`` says so); the config and the specs are plain Python. What differs from orthon's
+torch model by construction: megatron has one ``layernorm_epsilon`` for every norm, where GLM-5 gives
+its two latent norms (q_a / kv_a) 1e-6 and the others ``rms_norm_eps`` (1e-5); megatron always
+renormalises sigmoid top-k weights (norm_topk_prob must be true) and scores expert groups by their top
+(topk / topk_group) experts where GLM-5 takes the top 2 (the same for GLM-5's single group); and the DSA
+indexer is not part of this dense-MLA model (pretraining runs dense; its tensors travel with the weights)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from orthon.backends.megatron.convert import MegatronLayout
+from orthon.backends.megatron.parallel import ParallelSizes, check_parallel, shard
+from orthon.core.errors import ConfigError, OrthonError
+from orthon.pretrain.config import ModelConfig
+
+INSTALL = "pip install orthon[megatron]"
+
+
+@dataclass
+class MegatronOptions:
+    """How the megatron-core model is built and laid out."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    expert_parallel: int = 1
+    expert_tensor_parallel: int | None = None  # None: tensor_parallel (megatron-core's default)
+    transformer_engine: Literal["auto", "on", "off"] = "auto"  # auto: TE layers when transformer-engine imports
+    params_dtype: Literal["bf16", "fp32"] = "bf16"
+    token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    moe_bias_rate: float = 1e-3  # the routers' expert-bias step (GLM-5's aux-loss-free balancing)
+    seed: int = 1234
+
+    @property
+    def sizes(self) -> ParallelSizes:
+        return ParallelSizes(self.tensor_parallel, self.pipeline_parallel, self.expert_parallel,
+                             self.expert_tensor_parallel)
+
+
+def require_megatron() -> None:
+    """megatron-core importable (with TE-less megatron's two flags corrected), else the extra to install."""
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as exc:
+        raise OrthonError(f"the megatron backend needs megatron-core ({exc}); {INSTALL}") from None
+    from orthon.backends.megatron import compat
+
+    compat.apply()
+
+
+def use_te(options: MegatronOptions) -> bool:
+    from orthon.backends.megatron.compat import have_transformer_engine
+
+    if options.transformer_engine == "off":
+        return False
+    have = have_transformer_engine()
+    if options.transformer_engine == "on" and not have:
+        raise OrthonError("transformer_engine: on, but transformer-engine does not import; pip install orthon[te]")
+    return have
+
+
+def layout(te: bool) -> MegatronLayout:
+    """The state-dict names the model built with or without TE has (TE: fused norms, TEGroupedMLP experts)."""
+    return MegatronLayout(te=te, grouped_experts=te)
+
+
+def transformer_config(model: ModelConfig, options: MegatronOptions, te: bool = False):
+    """megatron-core's MLATransformerConfig for ``model`` (no GPU needed). What megatron cannot compute
+    the way GLM-5 does is a ConfigError naming the setting."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    sizes = options.sizes
+    check_parallel(model, sizes, layout(te))
+    if model.has_moe and not model.norm_topk_prob and model.num_experts_per_tok > 1:
+        raise ConfigError("norm_topk_prob: megatron-core renormalises the sigmoid top-k weights; false is not "
+                          "supported by the megatron backend")
+    if model.has_moe and model.n_group > 1 and model.num_experts_per_tok // model.topk_group != 2:
+        raise ConfigError(f"topk_group: megatron scores an expert group by its top num_experts_per_tok / topk_group "
+                          f"({model.num_experts_per_tok} / {model.topk_group}) experts, GLM-5 by its top 2")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[options.params_dtype]
+    moe = {}
+    if model.has_moe:
+        moe = dict(
+            num_moe_experts=model.n_routed_experts, moe_ffn_hidden_size=model.moe_intermediate_size,
+            moe_router_topk=model.num_experts_per_tok, moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True, moe_router_bias_update_rate=options.moe_bias_rate,
+            moe_router_topk_scaling_factor=model.routed_scaling_factor, moe_router_dtype="fp32",
+            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+            moe_router_num_groups=model.n_group if model.n_group > 1 else None,
+            moe_router_group_topk=model.topk_group if model.n_group > 1 else None,
+            moe_shared_expert_intermediate_size=(model.moe_intermediate_size * model.n_shared_experts
+                                                 if model.n_shared_experts else None),
+            moe_layer_freq=[int(model.is_moe_layer(i)) for i in range(model.num_hidden_layers)],
+            moe_token_dispatcher_type=options.token_dispatcher, moe_grouped_gemm=te,
+        )
+    return MLATransformerConfig(
+        num_layers=model.num_hidden_layers, hidden_size=model.hidden_size, ffn_hidden_size=model.intermediate_size,
+        num_attention_heads=model.num_attention_heads, q_lora_rank=model.q_lora_rank, kv_lora_rank=model.kv_lora_rank,
+        qk_head_dim=model.qk_nope_head_dim, qk_pos_emb_head_dim=model.qk_rope_head_dim, v_head_dim=model.v_head_dim,
+        rope_type="rope", rotary_base=model.rope_theta, rotary_scaling_factor=1.0, normalization="RMSNorm",
+        layernorm_epsilon=model.rms_norm_eps, qk_layernorm=True, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=model.initializer_range,
+        tensor_model_parallel_size=sizes.tp, pipeline_model_parallel_size=sizes.pp,
+        expert_model_parallel_size=sizes.ep, expert_tensor_parallel_size=sizes.expert_tp,
+        sequence_parallel=sizes.tp > 1, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=not torch.cuda.is_available(), **moe,
+    )
+
+
+def block_spec(config, te: bool):
+    """The decoder's layer specs: megatron's MLA layers with the dense / MoE pattern of ``moe_layer_freq``;
+    without TE, MLA's core attention is orthon's SDPA module (see core_attention)."""
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from orthon.backends.megatron.core_attention import SDPACoreAttention
+
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
+    if not te:
+        spec.layer_specs = [copy.deepcopy(s) for s in spec.layer_specs]  # the specs are shared objects
+        for layer in spec.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
+
+
+def initialize_parallel(options: MegatronOptions) -> None:
+    """torch.distributed (NCCL; one process when not under torchrun) and megatron's parallel groups."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(key, value)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if not parallel_state.model_parallel_is_initialized():
+        sizes = options.sizes
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=sizes.tp, pipeline_model_parallel_size=sizes.pp,
+            expert_model_parallel_size=sizes.ep, expert_tensor_parallel_size=sizes.expert_tp)
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(options.seed)
+
+
+def build_model(model: ModelConfig, options: MegatronOptions | None = None):
+    """The megatron-core GPTModel of this rank (its pipeline stage, its TP / EP shard). Needs megatron-core
+    and CUDA; initialises torch.distributed and megatron's groups unless they are."""
+    options = options or MegatronOptions()
+    require_megatron()
+    if not torch.cuda.is_available():
+        raise OrthonError("the megatron backend needs a CUDA GPU (megatron-core keeps its MoE router state on "
+                          "the current CUDA device); orthon.backends.megatron's weight conversion runs anywhere")
+    return _build(model, options)
+
+
+def _build(model: ModelConfig, options: MegatronOptions):
+    require_megatron()
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    te = use_te(options)
+    config = transformer_config(model, options, te)
+    initialize_parallel(options)
+    gpt = GPTModel(
+        config, block_spec(config, te), vocab_size=model.vocab_size, max_sequence_length=model.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=model.tie_word_embeddings, position_embedding_type="rope",
+        rotary_base=int(model.rope_theta))
+    gpt.orthon_layout = layout(te)  # the names its state dict has, for the conversion
+    return gpt
+
+
+def rank_key() -> tuple[int, int, int]:
+    """(pp, tp, ep) of this process: which shard of ``parallel.shard`` its model holds."""
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_expert_model_parallel_rank())
+
+
+def load_megatron_state(gpt, full_state: dict[str, torch.Tensor], model: ModelConfig, options: MegatronOptions) -> None:
+    """Load this rank's shard of megatron's full state dict (``convert.hf_to_megatron`` /
+    ``weights.load_as_megatron``) into ``gpt``; a parameter the shard does not give is a CheckpointError."""
+    from orthon.core.errors import CheckpointError
+
+    mine = shard(full_state, model, options.sizes, gpt.orthon_layout, only=rank_key())[rank_key()]
+    expected = {k for k in gpt.state_dict() if not k.endswith("._extra_state")}
+    missing = sorted(expected - set(mine))
+    if missing:
+        raise CheckpointError(f"the converted weights lack {len(missing)} tensors of the megatron model: {missing[:6]}")
+    with torch.no_grad():
+        params = dict(gpt.state_dict(keep_vars=True))
+        for name in expected:
+            params[name].copy_(mine[name].to(params[name].dtype))

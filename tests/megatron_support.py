@@ -1,0 +1,29 @@
+"""megatron-core on the CPU for tests: its MoE router state and RoPE frequencies go to
+``torch.cuda.current_device()``, pointed here at the CPU; torch.distributed (gloo, one process) and
+megatron's parallel groups are set up by orthon's builder and torn down after."""
+from __future__ import annotations
+
+import contextlib
+import socket
+
+import pytest
+import torch
+
+
+@contextlib.contextmanager
+def megatron_on_cpu():
+    from megatron.core import parallel_state
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        patch.setenv("MASTER_PORT", str(s.getsockname()[1]))
+    try:
+        yield
+    finally:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        patch.undo()
