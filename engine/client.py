@@ -199,7 +199,7 @@ class HTTPEngine:
 
     def update_weights_from_delta_file(self, path) -> int:
         """A delta payload the server reads from a file (a shared disk)."""
-        return self._took(self._ok("POST", "/orthon/update_weights_from_delta_file", {"path": os.fspath(path)}), None)
+        return self._took(self._ok("POST", "/orthon/update_weights_from_delta", {"path": os.fspath(path)}), None)
 
     def update_weights_from_shared(self, handle: Mapping) -> int:
         """Buckets in shared memory (``orthon.engine.weight_transfer.SharedBuckets.write``'s handle):

@@ -1,5 +1,5 @@
 """The engine server's weight-update routes: SGLang's three (from disk; a process group, then a
-broadcast) and orthon's (a delta payload in the body or in a file, buckets in shared memory) and a hash
+broadcast) and orthon's (a delta payload in the body or named by its file, buckets in shared memory) and a hash
 per tensor to check them.
 
 Every update runs between two waves (``ContinuousBatcher.exclusive``): it waits for the running wave,
@@ -172,21 +172,20 @@ def add_weight_routes(app, state: ServerState) -> None:
 
     @app.post("/orthon/update_weights_from_delta")
     async def update_weights_from_delta(request: Request):
+        """The payload's bytes as the body, or (a JSON body) {"path": a payload file on a shared disk}."""
+        if request.headers.get("content-type", "").startswith("application/json"):
+            body = await read_json(request, state.max_body_bytes)
+            path = body.get("path")
+            if not isinstance(path, str) or not Path(path).is_file():
+                raise BadRequest(f"path: {path!r} is not a delta payload file")
+            size = Path(path).stat().st_size
+            if size > state.max_delta_bytes:
+                raise BadRequest(f"{path}: {size} bytes, over the delta limit of {state.max_delta_bytes}", status=413)
+            refused = await _run(lambda: _apply_delta(state, Path(path).read_bytes()))
+            return refused or _done(state, f"delta from {path} applied")
         data = await read_body(request, state.max_delta_bytes)
         refused = await _run(_apply_delta, state, data)
         return refused or _done(state, f"delta of {len(data)} bytes applied")
-
-    @app.post("/orthon/update_weights_from_delta_file")
-    async def update_weights_from_delta_file(request: Request):
-        body = await read_json(request, state.max_body_bytes)
-        path = body.get("path")
-        if not isinstance(path, str) or not Path(path).is_file():
-            raise BadRequest(f"path: {path!r} is not a delta payload file")
-        size = Path(path).stat().st_size
-        if size > state.max_delta_bytes:
-            raise BadRequest(f"{path}: {size} bytes, over the delta limit of {state.max_delta_bytes}", status=413)
-        refused = await _run(lambda: _apply_delta(state, Path(path).read_bytes()))
-        return refused or _done(state, f"delta from {path} applied")
 
     @app.post("/orthon/update_weights_from_shared")
     async def update_weights_from_shared(request: Request):

@@ -71,7 +71,8 @@ def _request(url: str, method: str, path: str, payload=None, raw: bytes | None =
     connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
     body = raw if raw is not None else (None if payload is None else json.dumps(payload).encode())
     try:
-        connection.request(method, path, body=body, headers={"Content-Type": "application/json"})
+        kind = "application/octet-stream" if raw is not None else "application/json"
+        connection.request(method, path, body=body, headers={"Content-Type": kind})
         response = connection.getresponse()
         return response.status, json.loads(response.read() or b"{}")
     finally:
@@ -225,6 +226,7 @@ BAD = [
     ("/update_weights_from_disk", {"model_path": "/x", "weight_version": "v2"}, 400, "weight_version"),
     ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]]}, 400, "no such weight-update group"),
     ("/orthon/update_weights_from_delta", b"not a delta", 400, "delta payload"),
+    ("/orthon/update_weights_from_delta", {"path": "/nonexistent.bin"}, 400, "is not a delta payload file"),
     ("/orthon/update_weights_from_shared", {"handle": {"path": "/nonexistent"}}, 400, "shared weights handle"),
     ("/pause_generation", {"mode": "sideways"}, 400, "mode: expected one of"),
     ("/abort_request", {}, 400, "rid: expected"),
