@@ -25,6 +25,7 @@ from orthon.core.plugins import resolve
 
 
 SINGLE_TURN = "orthon.rl.rollout.single_turn"
+TOOL_ROLLOUT = "orthon.rl.multi_turn.tool_rollout"
 
 
 @dataclass
@@ -137,7 +138,7 @@ def run_posttrain(plan: PosttrainPlan, plan_path: Path, source: Path, tokenizer,
         finals[stage.name] = start = run_dir / "final"
         if stage.kind == "rl":
             recipes[stage.name] = recipe
-            if recipe.rl.rollout != SINGLE_TURN:  # the same task answered without tools, for comparison
+            if recipe.rl.rollout == TOOL_ROLLOUT:  # the same task answered without tools, for comparison
                 plain = replace(recipe.rl, rollout=SINGLE_TURN, rollout_args={})
                 recipes[f"{stage.name} (no tools)"] = replace(recipe, rl=plain)
     # What each stage's model can do on each RL stage's task (the starting model's too).

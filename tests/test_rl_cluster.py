@@ -99,6 +99,7 @@ def test_async_run_survives_a_killed_engine(tmp_path):
     assert len(trained) == 6 * P and len(set(trained)) == len(trained)
 
 
+@pytest.mark.slow  # about 90 s: two runs with their own Ray clusters (the logic is tested in one process in test_rl_async)
 def test_killed_run_resumes_with_nothing_lost_or_repeated(tmp_path):
     pre = _pretrain_dir(tmp_path)
     recipe = _write_recipe(tmp_path, tmp_path / "run", 6)
@@ -119,8 +120,9 @@ def test_killed_run_resumes_with_nothing_lost_or_repeated(tmp_path):
     assert len(trained) == 6 * P and len(set(trained)) == len(trained)
 
 
-@pytest.mark.parametrize("path,delta", [("disk", False), ("disk", True), ("distributed", False),
-                                        ("distributed", True), ("shared", True)])
+@pytest.mark.parametrize("path,delta", [
+    pytest.param("disk", False, marks=pytest.mark.slow), ("disk", True),
+    pytest.param("distributed", False, marks=pytest.mark.slow), ("distributed", True), ("shared", True)])
 def test_every_sync_path_leaves_the_engines_with_the_trainers_bytes(tmp_path, path, delta):
     from orthon.rl.cluster import run
 
