@@ -38,9 +38,10 @@ def run_mode(mode: str, source: Path, args, run_dir: Path) -> dict:
                  f"rl.prompts_per_iteration={args.prompts}", "rl.drop_zero_std_groups=false", "rl.max_sampling_rounds=1",
                  "rl.cluster.enabled=true", f"rl.cluster.engines={args.engines}", f"rl.cluster.weight_sync={args.sync}",
                  f"rl.cluster.reward_workers={args.reward_workers}", "rl.reward.name=orthon.rl.tasks.arithmetic_reward",
-                 f"rl.reward.latency_s={args.latency}", f"rl.reward.concurrency={args.reward_workers}",
+                 f"rl.reward.latency_s={args.latency}", "rl.reward.concurrency=8",
                  f"rl.rollout_workers={args.rollout_workers}", f"rl.max_staleness={args.max_staleness}",
                  "rl.stale_groups=keep", f"train.run_dir={run_dir}", "train.progress=false",
+                 f"rl.task_args.eval_size={args.eval_size}", "rl.eval_samples=2",
                  f"train.checkpoint_interval={args.iterations * 10}"]
     recipe = load_rl_recipe(ROOT / "configs/rl_tiny.yaml", overrides)
     policy = source / "final"
@@ -70,7 +71,8 @@ def main():
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument("--prompts", type=int, default=16, help="prompts per iteration (G = 8 samples each)")
-    parser.add_argument("--reward-workers", type=int, default=8)
+    parser.add_argument("--reward-workers", type=int, default=4, help="reward actors (each scores 8 calls at once)")
+    parser.add_argument("--eval-size", type=int, default=100, help="held-out prompts (2 samples each)")
     parser.add_argument("--rollout-workers", type=int, default=8, help="async: prompts in flight at once")
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--sync", default="disk", choices=["disk", "distributed", "shared"], help="weight-sync path")

@@ -157,7 +157,9 @@ class RLCluster:
         self.trainer = ray.remote(TrainerActor).options(num_cpus=1, max_concurrency=4, scheduling_strategy=self._bundle(0)) \
             .remote(self.recipe, self.tokenizer_path, self.group)
         url = ray.get(self.trainer.url.remote())
-        workers = [ray.remote(RewardWorker).options(num_cpus=0).remote(rl.reward, rl.task)
+        # A reward call mostly waits (a sandbox, a judge): each worker takes reward.concurrency at once.
+        concurrency = rl.reward.concurrency if rl.reward else 1
+        workers = [ray.remote(RewardWorker).options(num_cpus=0, max_concurrency=concurrency).remote(rl.reward, rl.task)
                    for _ in range(cluster.reward_workers)]
         self.rollout = ray.remote(_RolloutActor).options(num_cpus=1, max_concurrency=8, scheduling_strategy=self._bundle(1)) \
             .remote(rl, self.tokenizer_path, url, self.recipe.train.seed, workers)
