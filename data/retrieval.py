@@ -8,7 +8,7 @@ more). Documents are sized in tokens (``count_tokens``), so a corpus can be made
 
 - kv: ``NAME = 48213`` lines, then every line again in a shuffled order: associative recall, the value
   found by its name among the other pairs;
-- copy: lines of random words, each followed by its exact repeat: the plainest induction signal;
+- copy: spans of random pieces, each written twice in a row: the plainest induction signal;
 - haystack: filler sentences with one to three needle lines ``NAME = 48213`` at random depths, and at the
   end the needles restated in a random order: the passkey task, with other names;
 - filler: sentences alone, the haystack the passkey evaluation (``orthon.midtrain.eval``) inserts its
@@ -35,6 +35,7 @@ FILLER_WORDS = NOUNS + ADJECTIVES + ("the", "is", "are", "and", "here", "we", "g
 WORDS = NAME_WORDS + FILLER_WORDS
 DIGITS = "0123456789"
 SYMBOLS = tuple(DIGITS) + (" ", "\n", "=", "_", ".")
+COPY_PIECES = WORDS + tuple(s for s in SYMBOLS if s != "\n")  # what copy lines are made of
 STYLES = ("kv", "copy", "haystack")
 
 _PIECE = re.compile(split_pattern(WORDS))
@@ -94,18 +95,23 @@ def make_kv_document(rng: random.Random, tokens: int, digits: int = 5) -> str:
     return "\n".join(lines + restated) + "\n"
 
 
-def make_copy_document(rng: random.Random, tokens: int, min_words: int = 2, max_words: int = 16) -> str:
-    """Lines of random words and digits (their count log-uniform in [min_words, max_words]), each followed
-    by its repeat, until the next line would pass ``tokens`` (at least one line)."""
-    vocab = WORDS + tuple(DIGITS)
+def make_copy_document(rng: random.Random, tokens: int, min_pieces: int = 4, max_pieces: int = 48) -> str:
+    """Lines, each a span of random pieces (words, digits, symbols; their count log-uniform in
+    [min_pieces, max_pieces]) written twice in a row without a separator, until the next line would
+    pass ``tokens`` (at least one line).
+
+    Nothing marks where the repeat starts and nothing separates the pieces, so the repeat is
+    predictable only by the plain induction circuit (current token -> its earlier occurrence -> the
+    token after it): not by a fixed offset (a line repeated on the next line can be copied from the
+    same position one line up), nor by matching the token two back (as spaced words need)."""
     out, used = [], 0
     while True:
-        n = round(math.exp(rng.uniform(math.log(min_words), math.log(max_words))))
-        cost = 2 * (2 * n)  # n words, n - 1 spaces and a newline, twice
+        n = round(math.exp(rng.uniform(math.log(min_pieces), math.log(max_pieces))))
+        span = "".join(rng.choice(COPY_PIECES) for _ in range(n))
+        cost = count_tokens(span + span) + 1
         if out and used + cost > tokens:
             break
-        line = " ".join(rng.choice(vocab) for _ in range(n))
-        out += [line, line]
+        out.append(span + span)
         used += cost
     return "\n".join(out) + "\n"
 

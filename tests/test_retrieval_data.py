@@ -80,15 +80,24 @@ def test_kv_document_restates_every_pair_shuffled():
     assert {half for tokens, half in sizes} == {1, 2, 5, 21}
 
 
-def test_copy_document_lines_are_repeated_within_budget():
+def test_copy_document_lines_are_spans_written_twice(tok):
     rng = random.Random(1)
+    pieces, lengths = Counter(), []
     for tokens in (8, 40, 127):
         for _ in range(30):
             doc = make_copy_document(rng, tokens)
             lines = doc.splitlines()
-            assert len(lines) % 2 == 0 and lines[::2] == lines[1::2]
-            assert all(w in WORDS or w in retrieval.DIGITS for line in lines for w in line.split(" "))
-            assert count_tokens(doc) <= max(tokens, 2 * 2 * len(lines[0].split(" ")))  # one line may pass it
+            for line in lines:
+                ids = tok.encode(line)
+                half = len(ids) // 2
+                assert len(ids) == 2 * half and ids[:half] == ids[half:]  # token for token, the span twice
+                assert 0 not in ids and tok.token_to_id("\n") not in ids and 4 <= half <= 48
+                pieces.update(ids)
+                lengths.append(half)
+            first_line = count_tokens(lines[0]) + 1
+            assert count_tokens(doc) <= max(tokens, first_line)  # only a first line may pass the budget
+    assert len(pieces) > 90  # nearly every word, digit and symbol appears
+    assert min(lengths) == 4 and max(lengths) > 40
 
 
 def test_haystack_document_places_and_restates_each_needle():
