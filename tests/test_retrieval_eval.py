@@ -83,20 +83,21 @@ def test_timeline_points_equal_the_checkpoints_models(pretrained, tmp_path):
     last = result["points"][-1]
     assert {k: pytest.approx(v, rel=1e-5) for k, v in expected.items()} == {k: last[k] for k in expected}
     # Six steps teach no copying: the repeat costs what the random half does (about ln 103).
-    assert last["copy_repeat_nll"] > 3.5 and result["formed"] == {"copy_repeat_nll": None, "induction": None,
-                                                                  "passkey": None}
+    assert last["copy_repeat_nll"] > 3.5 and abs(last["copy_gain"]) < 0.5
+    assert last["copy_gain"] == pytest.approx(last["copy_first_nll"] - last["copy_repeat_nll"])
+    assert result["formed"] == {"copy_gain": None, "induction": None, "passkey": None}
     assert "passkey >= 0.9 from step None" in write_timeline(result, tmp_path)
     assert json.loads((tmp_path / "timeline.json").read_text())["points"][0]["step"] == 2
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
 
 
 def test_formation_steps_are_the_first_crossings():
-    points = [{"step": s, "copy_repeat_nll": c, "induction": i, "passkey": p}
-              for s, c, i, p in ((250, 4.5, 0.02, 0.0), (500, 2.0, 0.49, 0.0), (750, 0.9, 0.5, 0.4),
-                                 (1000, 1.2, 0.8, 0.9), (1250, 0.3, 0.9, 1.0))]
-    assert formation_steps(points) == {"copy_repeat_nll": 750, "induction": 750, "passkey": 1000}
-    assert formation_steps(points[:2]) == {"copy_repeat_nll": None, "induction": None, "passkey": None}
-    assert FORMED["copy_repeat_nll"] == (1.0, "below")
+    points = [{"step": s, "copy_gain": c, "induction": i, "passkey": p}
+              for s, c, i, p in ((250, 0.1, 0.02, 0.0), (500, 0.99, 0.29, 0.0), (750, 1.0, 0.3, 0.4),
+                                 (1000, 0.8, 0.8, 0.9), (1250, 3.0, 0.9, 1.0))]
+    assert formation_steps(points) == {"copy_gain": 750, "induction": 750, "passkey": 1000}
+    assert formation_steps(points[:2]) == {"copy_gain": None, "induction": None, "passkey": None}
+    assert FORMED == {"copy_gain": (1.0, "above"), "induction": (0.3, "above"), "passkey": (0.9, "above")}
 
 
 def test_passkey_prompts_place_the_configured_needle(pretrained):
