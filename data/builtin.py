@@ -13,6 +13,11 @@ Two kinds of text:
   lines of words each repeated; the train split's made from train code and the
   held-out split's from held-out code.
 
+With ``retrieval`` set (``RetrievalCorpusConfig``), the corpus is instead generated retrieval documents
+over a small word vocabulary (``retrieval.py``: kinds kv, copy, haystack, and long for mid-training;
+filler in the held-out split only, the passkey evaluation's haystack), and the tokenizer is that
+vocabulary's fixed word tokenizer (``word_tokenizer.py``), nothing trained.
+
 ``tokenizer`` reuses a given tokenizer instead of training one, so that a run
 continued from another (``train.init_from``) can add kinds to its corpus and keep
 the token ids its embeddings were trained on.
@@ -33,17 +38,21 @@ import time
 import zlib
 from pathlib import Path
 
+from orthon.data import retrieval
 from orthon.data.arithmetic import make_document
-from orthon.data.config import BuiltinConfig, DataConfig, PrepareConfig, ReadConfig, StoreSource
+from orthon.data.config import BuiltinConfig, DataConfig, PrepareConfig, ReadConfig, RetrievalCorpusConfig, StoreSource
 from orthon.core.files import atomic_path, atomic_write_json
 from orthon.data.prepare import prepare
 from orthon.data.recall import make_mixed_recall_document
 from orthon.data.store import read_manifest
-from orthon.data.tokenizer import CHAT_TOKENS, sample_lines, train_sentencepiece
+from orthon.data.tokenizer import CHAT_TOKENS, load_tokenizer, sample_lines, train_sentencepiece
+from orthon.data.word_tokenizer import write_word_tokenizer
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__", "ensurepip"}
 _CODE_PARTS = 4  # train code files, so that prepare has parallel work from the first file on
-KINDS = ("code", "arithmetic", "recall")
+KINDS = ("code", "arithmetic", "recall", *retrieval.STYLES, "long", "filler")
+MIDTRAIN_KINDS = ("long",)  # prepared for mid-training, not in the pretraining blend by default
+HAYSTACK_KIND = "filler"  # held-out only: the passkey evaluation's haystack
 
 
 @dataclasses.dataclass
@@ -57,12 +66,15 @@ class BuiltinPaths:
 
     def data_config(self, seq_len: int = 256, weights: dict[str, float] | None = None, seed: int = 1234,
                     **kwargs) -> DataConfig:
-        """A DataConfig blending the kinds (by default in proportion to their sizes: weight = tokens)."""
+        """A DataConfig blending the kinds in ``weights`` (by default every kind but MIDTRAIN_KINDS, in
+        proportion to their sizes: weight = tokens); held out: the same kinds and the haystack kind."""
         tokens = self.report["tokens"]
-        weights = weights or {kind: float(tokens[f"train/{kind}"]) for kind in self.train_stores}
+        weights = weights or {kind: float(tokens[f"train/{kind}"]) for kind in self.train_stores
+                              if kind not in MIDTRAIN_KINDS}
         return DataConfig(
-            sources=[StoreSource(str(p), weights[k], k) for k, p in self.train_stores.items()],
-            valid=[StoreSource(str(p), 1.0, k) for k, p in self.valid_stores.items()],
+            sources=[StoreSource(str(self.train_stores[k]), w, k) for k, w in weights.items()],
+            valid=[StoreSource(str(p), 1.0, k) for k, p in self.valid_stores.items()
+                   if k in weights or k == HAYSTACK_KIND],
             tokenizer=str(self.tokenizer), seq_len=seq_len, seed=seed, **kwargs)
 
 
@@ -133,8 +145,33 @@ def build_corpus(out_dir: str | Path, cfg: BuiltinConfig) -> dict[str, list[Path
     return files
 
 
+def build_retrieval_corpus(out_dir: str | Path, cfg: RetrievalCorpusConfig, seed: int,
+                           valid_fraction: float) -> dict[str, list[Path]]:
+    """The retrieval corpus as JSON lines, one file per kind and split (``orthon.data.retrieval``)."""
+    out = Path(out_dir)
+    files: dict[str, list[Path]] = {"train": [], "valid": []}
+    for split, offset in (("train", 0), ("valid", 1_000_003)):
+        rng = random.Random(seed + offset)
+        share = 1.0 if split == "train" else valid_fraction
+        docs: dict[str, list[str]] = {}
+        for _ in range(max(1, round(cfg.docs * share))):
+            style, doc = retrieval.make_retrieval_document(rng, cfg.mix, cfg.min_tokens, cfg.max_tokens, cfg.digits)
+            docs.setdefault(style, []).append(doc)
+        if cfg.long_docs:
+            docs["long"] = [retrieval.make_retrieval_document(rng, cfg.mix, cfg.min_tokens, cfg.long_max_tokens,
+                                                              cfg.digits)[1]
+                            for _ in range(max(1, round(cfg.long_docs * share)))]
+        if split == "valid":
+            docs[HAYSTACK_KIND] = [retrieval.make_filler_document(rng, 1000) for _ in range(-(-cfg.filler_tokens // 1000))]
+        files[split] = [_write_jsonl(out / split / f"{kind}.jsonl", texts) for kind, texts in sorted(docs.items())]
+    return files
+
+
 def _kind(path: Path) -> str:
-    return next((k for k in KINDS[1:] if path.name.startswith(k)), "code")
+    stem = path.stem
+    if stem in KINDS:
+        return stem
+    return next((k for k in ("arithmetic", "recall") if stem.startswith(k)), "code")
 
 
 def prepare_builtin(out_dir: str | Path, vocab_size: int = 4096, seed: int = 0, log=print,
@@ -162,7 +199,8 @@ def prepare_builtin(out_dir: str | Path, vocab_size: int = 4096, seed: int = 0, 
     else:
         corpus_reused = False
         done = {}
-        corpus = build_corpus(root / "corpus", cfg)
+        corpus = (build_retrieval_corpus(root / "corpus", cfg.retrieval, seed, cfg.valid_fraction) if cfg.retrieval
+                  else build_corpus(root / "corpus", cfg))
         atomic_write_json(done_path, {"corpus_settings": corpus_settings,
                                       "corpus": {s: [str(p) for p in ps] for s, ps in corpus.items()}})
     seconds["corpus"] = time.perf_counter() - t
@@ -170,10 +208,14 @@ def prepare_builtin(out_dir: str | Path, vocab_size: int = 4096, seed: int = 0, 
         + ("(reused: already built)" if corpus_reused else f"in {seconds['corpus']:.1f}s"))
 
     t = time.perf_counter()
-    tokenizer = Path(cfg.tokenizer) if cfg.tokenizer else root / f"tokenizer_{vocab_size}.model"
+    default_name = "tokenizer_words.json" if cfg.retrieval else f"tokenizer_{vocab_size}.model"
+    tokenizer = Path(cfg.tokenizer) if cfg.tokenizer else root / default_name
     retrained = not (tokenizer.is_file() and done.get("tokenizer_settings") == settings)
     if cfg.tokenizer:
-        _check_given_tokenizer(tokenizer, vocab_size)
+        _check_given_tokenizer(tokenizer, vocab_size, exact=not cfg.retrieval)
+    elif retrained and cfg.retrieval:
+        write_word_tokenizer(tokenizer, retrieval.WORDS, retrieval.SYMBOLS)
+        _check_given_tokenizer(tokenizer, vocab_size, exact=False)
     elif retrained:
         lines = sample_lines(_texts(corpus["train"]), 200_000, seed)
         train_sentencepiece(lines, tokenizer, vocab_size, special_tokens=CHAT_TOKENS, seed=seed)
@@ -182,7 +224,7 @@ def prepare_builtin(out_dir: str | Path, vocab_size: int = 4096, seed: int = 0, 
                 "corpus": {s: [str(p) for p in ps] for s, ps in corpus.items()}}
         atomic_write_json(done_path, done)
     seconds["tokenizer"] = time.perf_counter() - t
-    log(f"tokenizer ({vocab_size} pieces): {tokenizer} "
+    log(f"tokenizer ({load_tokenizer(tokenizer).vocab_size} pieces): {tokenizer} "
         + (f"in {seconds['tokenizer']:.1f}s" if retrained and not cfg.tokenizer else "(reused)"))
 
     t = time.perf_counter()
@@ -210,14 +252,14 @@ def prepare_builtin(out_dir: str | Path, vocab_size: int = 4096, seed: int = 0, 
                         corpus=corpus, report=report)
 
 
-def _check_given_tokenizer(path: Path, vocab_size: int) -> None:
-    from orthon.data.tokenizer import load_tokenizer
-
+def _check_given_tokenizer(path: Path, vocab_size: int, exact: bool = True) -> None:
+    """A trained tokenizer must have builtin.vocab_size pieces; a word tokenizer at most that many."""
     if not path.is_file():
         raise FileNotFoundError(f"builtin.tokenizer: {path} does not exist")
     size = load_tokenizer(path).vocab_size
-    if size != vocab_size:
-        raise ValueError(f"builtin.tokenizer: {path} has {size} pieces, builtin.vocab_size is {vocab_size}")
+    if size > vocab_size or (exact and size != vocab_size):
+        raise ValueError(f"builtin.tokenizer: {path} has {size} pieces, builtin.vocab_size is {vocab_size}"
+                         + ("" if exact else " (must be at least the tokenizer's)"))
 
 
 def _texts(files: list[Path]):

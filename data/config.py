@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from orthon.data.recall import RECALL_STYLES
+from orthon.data.retrieval import STYLES as RETRIEVAL_STYLES
 from orthon.core.errors import ConfigError
 
 SourceFormat = Literal["auto", "jsonl", "parquet", "text"]
@@ -111,6 +112,41 @@ class DedupConfig:
 
 
 @dataclass
+class RetrievalCorpusConfig:
+    """The generated retrieval corpus over a small word vocabulary (``orthon.data.retrieval``): in place of
+    the code-and-arithmetic corpus when ``builtin.retrieval`` is given. Lengths are in tokens."""
+
+    docs: int = 100_000  # training documents of the styles in ``mix``, min_tokens..max_tokens long
+    mix: dict[str, float] = field(default_factory=lambda: {"kv": 1.0, "copy": 1.0, "haystack": 2.0})
+    min_tokens: int = 16
+    max_tokens: int = 127  # one less than the training length: a document and its end-of-document token
+    # A "long" kind for mid-training: documents of the same mix, min_tokens..long_max_tokens long.
+    long_docs: int = 0
+    long_max_tokens: int = 0
+    filler_tokens: int = 100_000  # held-out filler text (the "filler" kind): the passkey evaluation's haystack
+    digits: int = 5  # digits of a value
+
+    def __post_init__(self):
+        if set(self.mix) - set(RETRIEVAL_STYLES) or any(w < 0 for w in self.mix.values()) \
+                or not sum(self.mix.values()) > 0:
+            raise ConfigError(f"mix: non-negative shares of {list(RETRIEVAL_STYLES)}, not all 0, got {self.mix}")
+        if self.docs < 1:
+            raise ConfigError(f"docs: must be positive, got {self.docs}")
+        if not 8 <= self.min_tokens <= self.max_tokens:
+            raise ConfigError(f"max_tokens: need 8 <= min_tokens <= max_tokens, got {self.min_tokens}, {self.max_tokens}")
+        if self.long_docs < 0 or (self.long_docs and self.long_max_tokens <= self.max_tokens):
+            raise ConfigError(f"long_max_tokens: long documents (long_docs {self.long_docs}) need long_max_tokens above "
+                              f"max_tokens ({self.max_tokens}), got {self.long_max_tokens}")
+        if self.filler_tokens < 1024:
+            raise ConfigError(f"filler_tokens: need at least 1024 (the evaluation's haystack), got {self.filler_tokens}")
+        if not 1 <= self.digits <= 12:
+            raise ConfigError(f"digits: must be in 1..12, got {self.digits}")
+
+    def train_kinds(self) -> list[str]:
+        return [s for s in RETRIEVAL_STYLES if self.mix.get(s, 0) > 0] + (["long"] if self.long_docs else [])
+
+
+@dataclass
 class BuiltinConfig:
     """The built-in corpus: Python standard library source + generated arithmetic (+ generated recall
     documents, ``orthon.data.recall``, when ``recall_docs`` > 0)."""
@@ -132,7 +168,10 @@ class BuiltinConfig:
     valid_fraction: float = 0.01
     workers: int = 0
     # Blend weights by kind ("code", "arithmetic", "recall") for training; empty: in proportion to their tokens.
+    # With ``retrieval``: the kinds named here are the blend (the "long" kind is mid-training's, not named).
     weights: dict[str, float] = field(default_factory=dict)
+    # The generated retrieval corpus and its word tokenizer instead of code and arithmetic (None: off).
+    retrieval: RetrievalCorpusConfig | None = None
 
     def __post_init__(self):
         if not 0.0 <= self.valid_fraction < 0.5:
@@ -147,7 +186,11 @@ class BuiltinConfig:
         if set(self.recall_mix) - set(RECALL_STYLES) or any(w < 0 for w in self.recall_mix.values()) \
                 or not sum(self.recall_mix.values()) > 0:
             raise ConfigError(f"recall_mix: non-negative shares of {list(RECALL_STYLES)}, not all 0, got {self.recall_mix}")
-        if self.weights:
+        if self.retrieval is not None:
+            kinds = set(self.retrieval.train_kinds())
+            if set(self.weights) - kinds or not all(w > 0 for w in self.weights.values()):
+                raise ConfigError(f"weights: positive weights for some of {sorted(kinds)}, got {self.weights}")
+        elif self.weights:
             kinds = {"code", "arithmetic"} if self.include_stdlib else {"arithmetic"}
             kinds |= {"recall"} if self.recall_docs else set()
             if set(self.weights) != kinds:

@@ -32,9 +32,10 @@ EXCLUDED_NAMES = frozenset({"PASSKEY", "PASS_KEY"})
 SMALL_VOCAB = NAME_WORDS + tuple("0123456789")
 
 
-def make_name(rng: random.Random) -> str:
+def make_name(rng: random.Random, words: tuple[str, ...] = NAME_WORDS) -> str:
+    """One to three of ``words`` joined by ``_``, never one of EXCLUDED_NAMES."""
     while True:
-        name = "_".join(rng.choice(NAME_WORDS) for _ in range(rng.randint(1, 3)))
+        name = "_".join(rng.choice(words) for _ in range(rng.randint(1, 3)))
         if name not in EXCLUDED_NAMES:
             return name
 

@@ -3,6 +3,7 @@
     orthon midtrain -c configs/midtrain_tiny.yaml --from runs/tiny      run every stage, then evaluate
     orthon midtrain --resume RUN                                        continue an interrupted plan
     orthon midtrain --eval RUN [RUN ...] [-c plan.yaml] [--out DIR]     passkey heat map + perplexity by position
+    orthon midtrain --eval RUN --checkpoints [-c plan.yaml]             copying, heads, passkey at every checkpoint
 
 The plan is checked (stage order, budgets, IndexShare after DSA, lengths against the source model)
 before anything trains. After training, the source run and the mid-trained model are evaluated side
@@ -25,6 +26,9 @@ def register(parser, name):
     parser.add_argument("--eval", nargs="+", metavar="RUN", help="only evaluate these runs (pretraining, mid-training or stage dirs)")
     parser.add_argument("--out", help="where --eval writes its report (default: eval/ in the last RUN)")
     parser.add_argument("--no-eval", action="store_true", help="skip the evaluation after training")
+    parser.add_argument("--checkpoints", action="store_true",
+                        help="with --eval: measure every kept checkpoint of each RUN at its training length "
+                             "(when the copy head formed; timeline.json / timeline.png)")
 
 
 def _names(runs: list[str]) -> dict[str, str]:
@@ -36,9 +40,9 @@ def _names(runs: list[str]) -> dict[str, str]:
 
 
 def _evaluate(runs: list[str], cfg, out_dir) -> None:
-    from orthon.midtrain.eval import evaluate_run, write_report
+    from orthon.midtrain.eval import evaluate_runs, write_report
 
-    results = {name: evaluate_run(run, cfg) for name, run in _names(runs).items()}
+    results = evaluate_runs(_names(runs), cfg)
     print(write_report(results, out_dir))
     print(f"report: {Path(out_dir) / 'eval.txt'}, heat map: {Path(out_dir) / 'eval.png'}")
 
@@ -57,6 +61,14 @@ def run(args, name):
 
     if args.eval:
         cfg = load_plan(args.config, args.overrides).eval if args.config else LongEvalConfig()
+        if args.checkpoints:
+            from orthon.midtrain.timeline import run_timeline, write_timeline
+
+            for run in args.eval:
+                out = Path(run) / "eval" if not args.out else Path(args.out) / (Path(run).name if len(args.eval) > 1 else "")
+                print(write_timeline(run_timeline(run, cfg), out))
+                print(f"timeline: {out / 'timeline.json'}, {out / 'timeline.png'}")
+            return 0
         _evaluate(args.eval, cfg, args.out or Path(args.eval[-1]) / "eval")
         return 0
     if args.resume:

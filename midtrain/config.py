@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from orthon.core.config import build
 from orthon.core.errors import ConfigError
+from orthon.data.config import DataConfig
 from orthon.pretrain.config import RuntimeOptions
 from orthon.pretrain.train_config import TrainConfig
 
@@ -89,6 +90,16 @@ class LongEvalConfig:
     ppl_buckets: int = 8
     ppl_samples: int = 16
     seed: int = 0
+    # The needle (``{key}`` is the key) and the question that ends every prompt: a prefix of the needle,
+    # so that the rest of the needle is the answer. Both must encode in the run's tokenizer.
+    needle: str = "\nPASSKEY = {key}\n"
+    question: str = "\nPASSKEY ="
+    # The held-out store (by name, data.valid) the haystack is cut from; "": the largest one that is not
+    # "recall" (recall documents hold needles of their own).
+    haystack: str = ""
+    # How each run is evaluated: "saved" (its saved runtime), "dense" or "sparse" (DSA on, whatever was
+    # saved); with more than one mode each run is evaluated once per mode.
+    attention: list[Literal["saved", "dense", "sparse"]] = field(default_factory=lambda: ["saved"])
 
     def __post_init__(self):
         if not self.lengths or any(n < 16 for n in self.lengths):
@@ -98,6 +109,12 @@ class LongEvalConfig:
         for name in ("trials", "digits", "ppl_length", "ppl_buckets", "ppl_samples"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.needle.count("{key}") != 1:
+            raise ConfigError(f"needle: must hold {{key}} once, got {self.needle!r}")
+        if not self.question or not self.needle.startswith(self.question):
+            raise ConfigError(f"question: must be a non-empty prefix of the needle {self.needle!r}, got {self.question!r}")
+        if not self.attention or len(set(self.attention)) != len(self.attention):
+            raise ConfigError(f"attention: one or more distinct modes of saved / dense / sparse, got {self.attention}")
 
 
 # Mid-training's own defaults for the stages' Trainer and runtime (a plan's keys are merged over them).
@@ -124,6 +141,9 @@ class MidtrainPlan:
     # Given keys are merged over these defaults.
     train: dict[str, Any] = field(default_factory=dict)
     runtime: dict[str, Any] = field(default_factory=dict)
+    # Overrides of the source run's ``data`` section (DataConfig keys; each stage sets seq_len and seed),
+    # e.g. other stores for long documents: ``sources`` and ``valid`` replace the source run's lists.
+    data: dict[str, Any] = field(default_factory=dict)
     eval: LongEvalConfig = field(default_factory=LongEvalConfig)
 
     def __post_init__(self):
@@ -140,6 +160,9 @@ class MidtrainPlan:
             raise ConfigError(f"train.{fixed[0]}: set by each stage, not by the plan")
         build(TrainConfig, self.train, "train")  # every key and value checked at load time
         build(RuntimeOptions, self.runtime, "runtime")
+        if set(self.data) & {"seq_len", "seed"}:
+            raise ConfigError(f"data.{sorted(set(self.data) & {'seq_len', 'seed'})[0]}: set by each stage, not by the plan")
+        build(DataConfig, self.data, "data")
         if not self.index_share_pattern or self.index_share_pattern[0] != "full" or any(
                 k not in ("full", "shared") for k in self.index_share_pattern):
             raise ConfigError(f"index_share_pattern: a list of 'full' / 'shared' starting with 'full', "

@@ -1,8 +1,9 @@
 """Long-context evaluation: passkey retrieval over lengths x depths, and perplexity by position.
 
-Passkey: a prompt of exactly L tokens of real held-out text (the haystack) with a needle
-``PASSKEY = 71432`` inserted at a fraction d of it and, at the end, the needle's own prefix
-``PASSKEY =`` (as the classic passkey task ends on "The pass key is"); the model's greedy continuation
+Passkey: a prompt of exactly L tokens of real held-out text (the haystack, ``LongEvalConfig.haystack``)
+with a needle ``PASSKEY = 71432`` inserted at a fraction d of it and, at the end, the needle's own prefix
+``PASSKEY =`` (as the classic passkey task ends on "The pass key is"; both ``LongEvalConfig.needle`` and
+``question``); the model's greedy continuation
 (the prompts of a cell decoded together by the in-process engine, the path every generation takes)
 is right when its first digits are the key. Prompts are generated on the fly from a seed, at any
 length and depth.
@@ -11,6 +12,9 @@ draws on the needle even where greedy decoding does not yet reproduce all five d
 
 Perplexity by position: held-out sequences of one length, next-token NLL averaged per position
 bucket; positions beyond the pretraining length show whether the model still predicts there.
+
+Indexer recall: on the passkey prompts of each length above index_topk, the share of each layer's dense
+attention mass (summed over heads) that its DSA indexer's top-k holds, beside the best any k keys hold.
 
 Copying: random token sequences repeated once, at each length. The first half cannot be predicted; a
 model with an induction (copy) head predicts the repeat, so its NLL on the second half falls far below
@@ -29,7 +33,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from orthon.core.errors import CheckpointError
+from orthon.core.errors import CheckpointError, ConfigError
 from orthon.core.files import atomic_write_text
 from orthon.core.metrics import save_figure
 from orthon.engine.in_process import InProcessEngine
@@ -37,10 +41,8 @@ from orthon.engine.protocol import Engine
 from orthon.engine.sampling import SamplingParams
 from orthon.midtrain import heads
 from orthon.midtrain.config import LongEvalConfig
+from orthon.midtrain.indexer_fit import indexer_recall
 from orthon.midtrain.losses import IGNORE_INDEX, token_nll
-
-NEEDLE = "\nPASSKEY = {key}\n"
-QUESTION = "\nPASSKEY ="
 
 
 def place_needle(filler: Sequence[int], needle: Sequence[int], question: Sequence[int], length: int,
@@ -62,12 +64,27 @@ def answer_matches(text: str, key: str) -> bool:
 
 
 class Haystack:
-    """Windows of a held-out token stream (the largest valid store of a run)."""
+    """Windows of a held-out token stream (the largest of the given stores)."""
 
     def __init__(self, stores: list):
         if not stores:
             raise ValueError("haystack: no held-out store")
         self.store = max(stores, key=lambda s: s.n_tokens)
+
+    @classmethod
+    def from_valid(cls, valid: list, name: str = "") -> "Haystack":
+        """From a run's held-out sources (StoreSource): the one called ``name``, or with "" the largest
+        that is not "recall" (recall documents hold needles of their own)."""
+        from orthon.data.store import TokenStore
+
+        if name:
+            chosen = [s for s in valid if s.name == name]
+            if not chosen:
+                raise ConfigError(f"eval.haystack: no held-out store named {name!r} (the run has "
+                                  f"{[s.name for s in valid]})")
+        else:
+            chosen = [s for s in valid if s.name != "recall"]
+        return cls([TokenStore(s.path) for s in chosen])
 
     def window(self, n: int, rng: random.Random) -> list[int]:
         store = self.store
@@ -126,23 +143,32 @@ def answer_nll(model, prompts: list[list[int]], question: Sequence[int], needles
     return out
 
 
+def passkey_prompts(tokenizer, haystack: Haystack, cfg: LongEvalConfig, length: int,
+                    depth: float) -> tuple[list[str], list[list[int]], list[list[int]]]:
+    """(keys, needles, prompts) of one (length, depth) cell: cfg.trials random keys, each needle placed in
+    its own haystack window; the same for a given cfg.seed."""
+    question = tokenizer.encode(cfg.question)
+    rng = random.Random(f"{cfg.seed}:{length}:{depth}")
+    keys, needles, prompts = [], [], []
+    for _ in range(cfg.trials):
+        keys.append("".join(rng.choice("0123456789") for _ in range(cfg.digits)))
+        needles.append(tokenizer.encode(cfg.needle.format(key=keys[-1])))
+        prompts.append(place_needle(haystack.window(length, rng), needles[-1], question, length, depth))
+    return keys, needles, prompts
+
+
 @torch.no_grad()
 def passkey_scores(model, tokenizer, haystack: Haystack, cfg: LongEvalConfig, log=print) -> tuple[dict, dict]:
     """({length: {depth: accuracy}}, {length: {depth: answer NLL per key digit}}) over cfg.trials
     random keys per cell; accuracy is greedy exact match, the NLL is teacher-forced (answer_nll)."""
-    question = tokenizer.encode(QUESTION)
+    question = tokenizer.encode(cfg.question)
     engine = InProcessEngine(model)  # packs its decode weights once for every cell
     accuracy: dict[int, dict[float, float]] = {}
     per_digit: dict[int, dict[float, float]] = {}
     for length in cfg.lengths:
         accuracy[length], per_digit[length] = {}, {}
         for depth in cfg.depths:
-            rng = random.Random(f"{cfg.seed}:{length}:{depth}")
-            keys, needles, prompts = [], [], []
-            for _ in range(cfg.trials):
-                keys.append("".join(rng.choice("0123456789") for _ in range(cfg.digits)))
-                needles.append(tokenizer.encode(NEEDLE.format(key=keys[-1])))
-                prompts.append(place_needle(haystack.window(length, rng), needles[-1], question, length, depth))
+            keys, needles, prompts = passkey_prompts(tokenizer, haystack, cfg, length, depth)
             answers = greedy_continuations(engine, prompts, cfg.digits + 2)
             right = sum(answer_matches(tokenizer.decode(a), k) for a, k in zip(answers, keys))
             accuracy[length][depth] = right / cfg.trials
@@ -151,6 +177,29 @@ def passkey_scores(model, tokenizer, haystack: Haystack, cfg: LongEvalConfig, lo
         log(f"  passkey L={length}: " + " ".join(f"{d:.2f}:{a:.2f}" for d, a in accuracy[length].items())
             + "  answer nats/digit " + " ".join(f"{v:.2f}" for v in per_digit[length].values()))
     return accuracy, per_digit
+
+
+@torch.no_grad()
+def indexer_recall_by_length(model, tokenizer, haystack: Haystack, cfg: LongEvalConfig) -> dict[int, dict]:
+    """{length: {"recall", "oracle_recall", "queries"}} on the passkey prompts of every depth, for the
+    lengths above index_topk (at or below it the top-k holds every key): the share of each full layer's
+    dense attention mass its indexer's top-k holds (``indexer_fit.indexer_recall``), and the best share
+    any k keys hold."""
+    out = {}
+    for length in cfg.lengths:
+        if length <= model.config.index_topk:
+            continue
+        totals = {"recall": 0.0, "oracle_recall": 0.0, "queries": 0}
+        for depth in cfg.depths:
+            _, _, prompts = passkey_prompts(tokenizer, haystack, cfg, length, depth)
+            r = indexer_recall(model, torch.tensor(prompts, device=model.lm_head.weight.device))
+            for key in ("recall", "oracle_recall"):
+                totals[key] += r[key] * r["queries"]
+            totals["queries"] += r["queries"]
+        n = max(totals["queries"], 1)
+        out[length] = {"recall": totals["recall"] / n, "oracle_recall": totals["oracle_recall"] / n,
+                       "queries": totals["queries"]}
+    return out
 
 
 @torch.no_grad()
@@ -247,8 +296,9 @@ def resolve_run(path) -> tuple[Path, Path]:
     return path, path / "final"
 
 
-def evaluate_run(path, cfg: LongEvalConfig, log=print) -> dict:
-    from orthon.data.store import TokenStore
+def evaluate_run(path, cfg: LongEvalConfig, log=print, attention: str = "saved") -> dict:
+    """Every measurement of this module on one run; ``attention`` "dense" / "sparse" overrides how the
+    saved model attends ("saved": as saved)."""
     from orthon.data.tokenizer import load_tokenizer
     from orthon.pretrain.recipe import load_recipe
     from orthon.pretrain.weights import load_weights
@@ -257,19 +307,29 @@ def evaluate_run(path, cfg: LongEvalConfig, log=print) -> dict:
     recipe = load_recipe(run_dir / "config.yaml")
     if not recipe.data.tokenizer or not recipe.data.valid:
         raise ValueError(f"{run_dir}: the run names no tokenizer or held-out stores (data.tokenizer, data.valid)")
-    model = load_weights(weights).eval()
+    runtime = {} if attention == "saved" else {"sparse_attention": attention == "sparse"}
+    model = load_weights(weights, **runtime).eval()
     tokenizer = load_tokenizer(recipe.data.tokenizer)
-    # Recall documents hold needles of their own; the haystack is plain held-out text.
-    haystack = Haystack([TokenStore(s.path) for s in recipe.data.valid if s.name != "recall"])
+    haystack = Haystack.from_valid(recipe.data.valid, cfg.haystack)
     log(f"evaluating {run_dir} (trained at {recipe.data.seq_len} tokens, rope_theta {model.config.rope_theta:g}, "
-        f"DSA {'on' if model.runtime.sparse_attention else 'off'})")
+        f"DSA {'on' if model.runtime.sparse_attention else 'off'}, IndexShare "
+        f"{'on' if 'shared' in (model.config.indexer_types or []) else 'off'})")
     accuracy, answer_nats = passkey_scores(model, tokenizer, haystack, cfg, log)
     return {"run": str(run_dir), "train_seq_len": recipe.data.seq_len, "rope_theta": model.config.rope_theta,
-            "sparse_attention": model.runtime.sparse_attention,
+            "sparse_attention": model.runtime.sparse_attention, "indexer_types": model.config.indexer_types,
             "passkey": accuracy, "passkey_answer_nll": answer_nats,
+            "indexer_recall": indexer_recall_by_length(model, tokenizer, haystack, cfg),
             "ppl_by_position": perplexity_by_position(model, recipe.data, cfg),
             "copy_nll": copy_nll(model, cfg),
             "heads": head_scores(model, haystack, cfg)}
+
+
+def evaluate_runs(runs: dict[str, str], cfg: LongEvalConfig, log=print) -> dict[str, dict]:
+    """{name: evaluate_run} for runs given as {name: path}, once per cfg.attention mode (the mode then
+    named after the run's name when there is more than one)."""
+    modes = cfg.attention
+    return {(name if len(modes) == 1 else f"{name} ({mode})"): evaluate_run(path, cfg, log, mode)
+            for name, path in runs.items() for mode in modes}
 
 
 def _grid_rows(grid: dict) -> list[str]:
@@ -293,6 +353,9 @@ def format_table(results: dict[str, dict]) -> str:
             lines += _grid_rows(r["passkey_answer_nll"])
         lines.append("  perplexity by position  " + "  ".join(f"[{b['start']},{b['end']}): {b['ppl']:.2f}"
                                                            for b in r["ppl_by_position"]))
+        if r.get("indexer_recall"):
+            lines.append("  indexer recall of the dense attention mass (best any k keys hold)  " + "  ".join(
+                f"L={L}: {x['recall']:.3f} ({x['oracle_recall']:.3f})" for L, x in r["indexer_recall"].items()))
         if "copy_nll" in r:
             lines.append("  copying, NLL of a random half / of its repeat  " + "  ".join(
                 f"L={L}: {c['first']:.2f} / {c['repeat']:.2f}" for L, c in r["copy_nll"].items()))

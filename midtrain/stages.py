@@ -25,6 +25,7 @@ import yaml
 from orthon.core import config as config_io
 from orthon.core import distributed
 from orthon.core.errors import ConfigError
+from orthon.data.config import DataConfig
 from orthon.core.files import atomic_write_text
 from orthon.midtrain.config import MidtrainPlan
 from orthon.midtrain.optimizer import StageOptimizer, copy_training_state
@@ -65,8 +66,9 @@ def stage_recipe(source: Recipe, plan: MidtrainPlan, index: int, run_dir) -> Rec
         "parallel": "ddp",
         "init_from": "",  # a stage starts from the previous stage's weights and optimizer, loaded by the stage
         **({"micro_batch_size": stage.micro_batch_size} if stage.micro_batch_size else {})}, "train")
-    # A different shuffle per stage, reproducible from the source seed.
-    data = replace(source.data, seq_len=stage.seq_len, seed=source.data.seed + 1000 * (index + 1))
+    # The plan's data overrides; a different shuffle per stage, reproducible from the source seed.
+    data = config_io.build(DataConfig, {**config_io.to_dict(source.data), **plan.data, "seq_len": stage.seq_len,
+                                        "seed": source.data.seed + 1000 * (index + 1)}, "data")
     return replace(source, model=model, runtime=runtime, data=data, train=train,
                    schedule=ScheduleConfig(kind="linear", peak_lr=lr0, floor_lr=lr1, warmup_tokens=0,
                                            total_tokens=stage.tokens),

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
 from orthon.core.distributed import barrier, is_distributed, rank
 from orthon.core.errors import CheckpointError
@@ -161,4 +162,12 @@ class Checkpointer:
             dcp.load(state, checkpoint_id=str(path))
         set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=StateDictOptions(strict=True))
+        return json.loads((path / TRAINER_STATE).read_text())
+
+    def load_model(self, path: Path, model: torch.nn.Module) -> dict:
+        """Only the model's weights (to evaluate a saved step, no optimizer built); returns trainer state."""
+        state = {"model": get_model_state_dict(model)}
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path))
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
         return json.loads((path / TRAINER_STATE).read_text())
