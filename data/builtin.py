@@ -158,7 +158,8 @@ def build_retrieval_corpus(out_dir: str | Path, cfg: RetrievalCorpusConfig, seed
             style, doc = retrieval.make_retrieval_document(rng, cfg.mix, cfg.min_tokens, cfg.max_tokens, cfg.digits)
             docs.setdefault(style, []).append(doc)
         if cfg.long_docs:
-            docs["long"] = [retrieval.make_retrieval_document(rng, cfg.mix, cfg.min_tokens, cfg.long_max_tokens,
+            # Longer than any pretraining document: each one needs the longer context.
+            docs["long"] = [retrieval.make_retrieval_document(rng, cfg.mix, cfg.max_tokens + 1, cfg.long_max_tokens,
                                                               cfg.digits)[1]
                             for _ in range(max(1, round(cfg.long_docs * share)))]
         if split == "valid":

@@ -120,7 +120,7 @@ class RetrievalCorpusConfig:
     mix: dict[str, float] = field(default_factory=lambda: {"kv": 1.0, "copy": 1.0, "haystack": 2.0})
     min_tokens: int = 16
     max_tokens: int = 127  # one less than the training length: a document and its end-of-document token
-    # A "long" kind for mid-training: documents of the same mix, min_tokens..long_max_tokens long.
+    # A "long" kind for mid-training: documents of the same mix, max_tokens + 1..long_max_tokens long.
     long_docs: int = 0
     long_max_tokens: int = 0
     filler_tokens: int = 100_000  # held-out filler text (the "filler" kind): the passkey evaluation's haystack

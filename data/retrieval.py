@@ -146,7 +146,7 @@ def make_retrieval_document(rng: random.Random, mix: dict[str, float], min_token
     styles = [s for s in STYLES if mix.get(s, 0) > 0]
     style = rng.choices(styles, weights=[mix[s] for s in styles])[0]
     tokens = rng.randint(min_tokens, max_tokens)
-    if style == "copy":
-        return style, make_copy_document(rng, tokens)
+    if style == "copy":  # spans up to half the document: long documents copy over long distances
+        return style, make_copy_document(rng, tokens, max_pieces=max(48, tokens // 2))
     make = make_kv_document if style == "kv" else make_haystack_document
     return style, make(rng, tokens, digits)

@@ -7,8 +7,13 @@ latent), from the layer's own projections and the absorbed-attention functions o
 ``orthon.pretrain.attention``. The indexer runs on the *detached* layer input, so its KL
 trains the indexer alone and never reaches the main model.
 
+With IndexShare, a full layer's top-k also serves the "shared" layers after it, so its indexer fits
+the mean of their attention distributions and its own (each summed over heads and normalised): a
+target of its own layer alone leaves a shared layer whose attention differs (a previous-token layer
+before an induction layer, say) without the keys it reads.
+
 Memory: everything goes query chunk by query chunk, each chunk checkpointed: phase 1 holds
-chunk x S logits at a time, phase 2 chunk x k.
+chunk x S logits at a time (per layer of the group), phase 2 chunk x k.
 """
 from __future__ import annotations
 
@@ -91,18 +96,25 @@ class IndexerTerms:
 
 
 # ---------------------------------------------------------------- per-layer pieces
+def _target(q_abs: tuple, latent: tuple, visible, scale):
+    """The distribution an indexer fits over the keys of ``latent``: the mean, over the layers that use
+    its top-k (its own first), of each layer's attention summed over heads and normalised."""
+    dists = [attention_distribution(latent_scores(q, lat, scale), visible) for q, lat in zip(q_abs, latent)]
+    return dists[0] if len(dists) == 1 else torch.stack(dists).mean(dim=0)
+
+
 def _visible(slots, num_keys, q_docs, k_docs):
     if k_docs is None:
         return causal_mask(slots, num_keys)[None]
     return document_mask(q_docs, k_docs, slots)
 
 
-def _dense_chunk(q_abs, latent, q_idx, w_idx, k_idx, visible, scale, idx_scale, topk: int):
+def _dense_chunk(q_abs: tuple, latent: tuple, q_idx, w_idx, k_idx, visible, scale, idx_scale, topk: int):
     """Phase 1 on one query chunk: (KL sum, recall sum, oracle recall sum, queries counted for recall).
-    The oracle is the mass on the target's own top-k: the best recall any k keys can reach."""
+    ``q_abs`` / ``latent``: one entry per layer using the top-k (``_target``). The oracle is the mass on
+    the target's own top-k: the best recall any k keys can reach."""
     with torch.no_grad():
-        logits = latent_scores(q_abs, latent, scale)
-        target = attention_distribution(logits, visible)
+        target = _target(q_abs, latent, visible, scale)
     scores = index_scores(q_idx, w_idx, k_idx, idx_scale)
     kl = indexer_kl(target, scores, visible).sum()
     with torch.no_grad():
@@ -116,23 +128,25 @@ def _dense_chunk(q_abs, latent, q_idx, w_idx, k_idx, visible, scale, idx_scale, 
     return kl, recall_sum, oracle_sum, counted.sum()
 
 
-def _sparse_chunk(q_abs, latent, q_idx, w_idx, k_idx, idx, sel_visible, scale, idx_scale):
+def _sparse_chunk(q_abs: tuple, latent: tuple, q_idx, w_idx, k_idx, idx, sel_visible, scale, idx_scale):
     """Phase 2 on one query chunk: KL over the selected keys."""
     with torch.no_grad():
-        logits = latent_scores(q_abs, gather_rows(latent, idx), scale)
-        target = attention_distribution(logits, sel_visible)
+        target = _target(q_abs, tuple(gather_rows(lat, idx) for lat in latent), sel_visible, scale)
     picked = gather_rows(k_idx, idx)  # (B, C, k, d), differentiable in the indexer's key projection
     relu = torch.relu(torch.einsum("bcnd,bckd->bcnk", q_idx.float(), picked.float()) * idx_scale)
     scores = torch.einsum("bcn,bcnk->bck", w_idx.float(), relu)
     return indexer_kl(target, scores, sel_visible).sum()
 
 
-def layer_terms(attn: MLAttention, rec: LayerInput, mode: str, chunk: int) -> IndexerTerms:
+def layer_terms(attn: MLAttention, rec: LayerInput, mode: str, chunk: int,
+                sharers: list[tuple[MLAttention, LayerInput]] = ()) -> IndexerTerms:
     """The indexer objective of one full-indexer layer. mode "dense": KL over all visible keys (phase 1,
-    with recall); "sparse": KL over the keys the layer selected (phase 2)."""
+    with recall); "sparse": KL over the keys the layer selected (phase 2). ``sharers``: the IndexShare
+    layers that reuse its top-k (with their recorded inputs), whose attention joins the target."""
     x = rec.x
     with torch.no_grad():
         q_abs, latent, q_resid = attn.absorbed_queries(x, rec.cos, rec.sin)
+        group = [(q_abs, latent)] + [a.absorbed_queries(r.x, r.cos, r.sin)[:2] for a, r in sharers]
     q_idx, w_idx = attn.indexer.queries(x, q_resid, rec.cos, rec.sin)
     k_idx = attn.indexer.keys(x, rec.cos, rec.sin)
     B, T = x.shape[:2]
@@ -150,28 +164,33 @@ def layer_terms(attn: MLAttention, rec: LayerInput, mode: str, chunk: int) -> In
             if rec.doc_ids is not None:
                 sel_visible = sel_visible & (rec.doc_ids.gather(1, idx.reshape(B, -1)).view_as(idx) == q_docs[..., None])
             kl = kl + torch.utils.checkpoint.checkpoint(
-                _sparse_chunk, q_abs[:, c], latent, q_idx[:, c], w_idx[:, c], k_idx, idx, sel_visible,
-                attn.scale, attn.indexer.scale, use_reentrant=False)
+                _sparse_chunk, tuple(q[:, c] for q, _ in group), tuple(lat for _, lat in group), q_idx[:, c],
+                w_idx[:, c], k_idx, idx, sel_visible, attn.scale, attn.indexer.scale, use_reentrant=False)
         else:
             visible = _visible(slots, S, q_docs, rec.doc_ids)
             part, r_sum, o_sum, r_count = torch.utils.checkpoint.checkpoint(
-                _dense_chunk, q_abs[:, c], latent, q_idx[:, c], w_idx[:, c], k_idx, visible,
-                attn.scale, attn.indexer.scale, k, use_reentrant=False)
+                _dense_chunk, tuple(q[:, c] for q, _ in group), tuple(lat for _, lat in group), q_idx[:, c],
+                w_idx[:, c], k_idx, visible, attn.scale, attn.indexer.scale, k, use_reentrant=False)
             kl = kl + part
             recall_sum, oracle_sum, recall_count = recall_sum + r_sum, oracle_sum + o_sum, recall_count + r_count
     return IndexerTerms(kl, B * T, float(recall_sum), int(recall_count), float(oracle_sum))
 
 
 def indexer_terms(model, records: list[LayerInput], mode: str) -> IndexerTerms:
-    """Sum of layer_terms over the layers that run their own indexer."""
+    """Sum of layer_terms over the layers that run their own indexer, each with the IndexShare layers
+    that reuse its top-k (the records are in layer order, as the forward made them)."""
     layers = model.model.layers
     chunk = model.runtime.query_chunk
-    total = None
+    groups: list[tuple[MLAttention, LayerInput, list]] = []
     for rec in records:
         attn = layers[rec.layer].self_attn
-        if attn.indexer is None:
-            continue  # IndexShare: this layer reuses the previous full layer's top-k
-        terms = layer_terms(attn, rec, mode, chunk)
+        if attn.indexer is not None:
+            groups.append((attn, rec, []))
+        elif groups:  # IndexShare: this layer reuses the previous full layer's top-k
+            groups[-1][2].append((attn, rec))
+    total = None
+    for attn, rec, sharers in groups:
+        terms = layer_terms(attn, rec, mode, chunk, sharers)
         if total is None:
             total = terms
         else:

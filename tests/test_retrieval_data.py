@@ -164,7 +164,7 @@ def test_builtin_retrieval_corpus(tmp_path):
     assert n_train == 300 and TokenStore(paths.train_stores["long"]).n_docs == 20
     assert TokenStore(paths.valid_stores["filler"]).n_tokens == pytest.approx(3000, abs=60)
     long_lengths = [len(TokenStore(paths.train_stores["long"]).doc(i)) for i in range(20)]
-    assert max(long_lengths) > 127  # longer than the short kinds ever are
+    assert min(long_lengths) > 100 and max(long_lengths) > 200  # budgets above the pretraining documents'
     # The default blend leaves the mid-training kind out; held out: the blend's kinds and the haystack.
     data = paths.data_config(seq_len=64)
     assert [s.name for s in data.sources] == ["kv", "copy", "haystack"]

@@ -49,7 +49,7 @@ def pretrained(tmp_path_factory):
 
 def test_recipe_trains_on_the_retrieval_corpus(pretrained):
     recipe = load_recipe(pretrained / "pre" / "config.yaml")
-    assert [(s.name, s.weight) for s in recipe.data.sources] == [("kv", 1.0), ("copy", 1.0), ("haystack", 2.0)]
+    assert [(s.name, s.weight) for s in recipe.data.sources] == [("kv", 1.0), ("copy", 2.0), ("haystack", 1.0)]
     assert [s.name for s in recipe.data.valid] == ["kv", "copy", "haystack", "filler"]
     assert load_tokenizer(recipe.data.tokenizer).vocab_size == recipe.model.vocab_size == 103
     steps = [json.loads(line)["step"] for line in (pretrained / "pre" / "metrics.jsonl").open() if '"loss"' in line]
