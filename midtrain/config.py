@@ -97,6 +97,12 @@ class LongEvalConfig:
     # The held-out store (by name, data.valid) the haystack is cut from; "": the largest one that is not
     # "recall" (recall documents hold needles of their own).
     haystack: str = ""
+    # A held-out store (by name) whose windows the indexer recall is also measured on, at each length:
+    # the documents the model was trained on, where dense attention reads something. The passkey prompts
+    # alone are filler, where much of an induction head's mass spreads over every earlier "the".
+    # "": the passkey prompts only.
+    recall_store: str = ""
+    recall_windows: int = 8
     # How each run is evaluated: "saved" (its saved runtime), "dense" or "sparse" (DSA on, whatever was
     # saved); with more than one mode each run is evaluated once per mode.
     attention: list[Literal["saved", "dense", "sparse"]] = field(default_factory=lambda: ["saved"])
@@ -106,7 +112,7 @@ class LongEvalConfig:
             raise ConfigError(f"lengths: need at least one length, each >= 16, got {self.lengths}")
         if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
             raise ConfigError(f"depths: need fractions in [0, 1], got {self.depths}")
-        for name in ("trials", "digits", "ppl_length", "ppl_buckets", "ppl_samples"):
+        for name in ("trials", "digits", "ppl_length", "ppl_buckets", "ppl_samples", "recall_windows"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
         if self.needle.count("{key}") != 1:

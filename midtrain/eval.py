@@ -203,6 +203,22 @@ def indexer_recall_by_length(model, tokenizer, haystack: Haystack, cfg: LongEval
 
 
 @torch.no_grad()
+def indexer_recall_on_documents(model, documents: Haystack, cfg: LongEvalConfig) -> dict[int, dict]:
+    """{length: {"recall", "oracle_recall", "queries"}} as ``indexer_recall_by_length``, on
+    cfg.recall_windows random windows of held-out documents at each length above index_topk."""
+    out = {}
+    device = model.lm_head.weight.device
+    for length in cfg.lengths:
+        if length <= model.config.index_topk:
+            continue
+        rng = random.Random(cfg.seed)
+        ids = torch.tensor([documents.window(length, rng) for _ in range(cfg.recall_windows)], device=device)
+        r = indexer_recall(model, ids)
+        out[length] = {"recall": r["recall"], "oracle_recall": r["oracle_recall"], "queries": r["queries"]}
+    return out
+
+
+@torch.no_grad()
 def perplexity_by_position(model, data_cfg, cfg: LongEvalConfig, chunk: int = 1024) -> list[dict]:
     """Held-out next-token perplexity per position bucket at cfg.ppl_length."""
     from orthon.data.loader import ValidData
@@ -319,9 +335,22 @@ def evaluate_run(path, cfg: LongEvalConfig, log=print, attention: str = "saved")
             "sparse_attention": model.runtime.sparse_attention, "indexer_types": model.config.indexer_types,
             "passkey": accuracy, "passkey_answer_nll": answer_nats,
             "indexer_recall": indexer_recall_by_length(model, tokenizer, haystack, cfg),
+            **_recall_on_documents(model, recipe, cfg, log),
             "ppl_by_position": perplexity_by_position(model, recipe.data, cfg),
             "copy_nll": copy_nll(model, cfg),
             "heads": head_scores(model, haystack, cfg)}
+
+
+def _recall_on_documents(model, recipe, cfg: LongEvalConfig, log) -> dict:
+    """{"indexer_recall_documents": ...} on the run's held-out store cfg.recall_store; {} when none is
+    asked for or the run has no store of that name (a pretraining run without the long documents)."""
+    if not cfg.recall_store:
+        return {}
+    if not any(s.name == cfg.recall_store for s in recipe.data.valid):
+        log(f"  indexer recall on documents skipped: the run has no held-out store {cfg.recall_store!r}")
+        return {}
+    documents = Haystack.from_valid(recipe.data.valid, cfg.recall_store)
+    return {"indexer_recall_documents": indexer_recall_on_documents(model, documents, cfg)}
 
 
 def evaluate_runs(runs: dict[str, str], cfg: LongEvalConfig, log=print) -> dict[str, dict]:
@@ -356,6 +385,9 @@ def format_table(results: dict[str, dict]) -> str:
         if r.get("indexer_recall"):
             lines.append("  indexer recall of the dense attention mass (best any k keys hold)  " + "  ".join(
                 f"L={L}: {x['recall']:.3f} ({x['oracle_recall']:.3f})" for L, x in r["indexer_recall"].items()))
+        if r.get("indexer_recall_documents"):
+            lines.append("  the same on held-out documents  " + "  ".join(
+                f"L={L}: {x['recall']:.3f} ({x['oracle_recall']:.3f})" for L, x in r["indexer_recall_documents"].items()))
         if "copy_nll" in r:
             lines.append("  copying, NLL of a random half / of its repeat  " + "  ".join(
                 f"L={L}: {c['first']:.2f} / {c['repeat']:.2f}" for L, c in r["copy_nll"].items()))

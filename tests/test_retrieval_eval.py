@@ -13,7 +13,8 @@ from test_data_support import run_cli
 from orthon.core.errors import ConfigError
 from orthon.data.tokenizer import load_tokenizer
 from orthon.midtrain.config import LongEvalConfig, MidtrainPlan, StageConfig
-from orthon.midtrain.eval import Haystack, evaluate_run, evaluate_runs, indexer_recall_by_length, passkey_prompts
+from orthon.midtrain.eval import (Haystack, evaluate_run, evaluate_runs, indexer_recall_by_length,
+                                  indexer_recall_on_documents, passkey_prompts)
 from orthon.midtrain.indexer_fit import indexer_recall
 from orthon.midtrain.stages import load_plan, stage_recipe
 from orthon.midtrain.timeline import FORMED, checkpoint_point, formation_steps, run_timeline, write_timeline
@@ -155,10 +156,31 @@ def test_indexer_recall_by_length_is_the_query_weighted_recall(pretrained):
     got = indexer_recall_by_length(model, tok, haystack, cfg)
     assert list(got) == [48]  # at 16 tokens the top-16 holds every key
     parts = [indexer_recall(model, torch.tensor(passkey_prompts(tok, haystack, cfg, 48, d)[2])) for d in (0.1, 0.9)]
-    assert got[48]["queries"] == sum(p["queries"] for p in parts) == 2 * 2 * 2 * (48 - 16)  # 2 layers, 2 prompts
+    assert got[48]["queries"] == sum(p["queries"] for p in parts) == 2 * 2 * model.config.num_hidden_layers * (48 - 16)  # 2 depths, 2 prompts, every layer
     for key in ("recall", "oracle_recall"):
         assert got[48][key] == pytest.approx(sum(p[key] * p["queries"] for p in parts) / got[48]["queries"])
     assert 0 < got[48]["recall"] <= got[48]["oracle_recall"] + 1e-6
+
+
+def test_indexer_recall_on_documents_is_recall_on_held_out_windows(pretrained):
+    import random
+    recipe = load_recipe(pretrained / "pre" / "config.yaml")
+    model = load_weights(pretrained / "pre" / "final").eval()
+    cfg = LongEvalConfig(lengths=[16, 48], recall_store="kv", recall_windows=3, seed=5)
+    documents = Haystack.from_valid(recipe.data.valid, "kv")
+    got = indexer_recall_on_documents(model, documents, cfg)
+    assert list(got) == [48]
+    rng = random.Random(5)
+    want = indexer_recall(model, torch.tensor([documents.window(48, rng) for _ in range(3)]))
+    assert got[48] == {k: want[k] for k in ("recall", "oracle_recall", "queries")}
+    assert got[48]["queries"] == 3 * model.config.num_hidden_layers * (48 - 16)  # 3 windows, the queries past k keys
+    # Through evaluate_run: reported when the run has the store, skipped (and said) when it has not.
+    base = dict(lengths=[48], depths=[0.5], trials=1, ppl_length=48, ppl_buckets=1, ppl_samples=1, haystack="filler")
+    said = []
+    r = evaluate_run(pretrained / "pre", LongEvalConfig(**base, recall_store="kv", recall_windows=3, seed=5), said.append)
+    assert r["indexer_recall_documents"][48]["queries"] == got[48]["queries"]
+    r = evaluate_run(pretrained / "pre", LongEvalConfig(**base, recall_store="long"), said.append)
+    assert "indexer_recall_documents" not in r and any("no held-out store 'long'" in line for line in said)
 
 
 def test_plan_data_overrides_the_source_runs(pretrained, tmp_path):
