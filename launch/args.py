@@ -66,3 +66,8 @@ def check_model_fits(model_config, parallel: str = "ddp", command: str = "train"
             f"machine's {have / 1e9:,.1f} GB of {what}; choose a smaller model in the recipe (model.hidden_size, "
             f"model.num_hidden_layers, model.n_routed_experts, ...; configs/tiny.yaml is 8.6M parameters), "
             f"or set ORTHON_NO_MEMORY_CHECK=1")
+
+
+def held_out(loss: float | None) -> str:
+    """A done line's held-out part: a run without held-out stores says so instead of printing nan."""
+    return "no held-out set (data.valid)" if loss is None else f"held-out loss {loss:.4f}"

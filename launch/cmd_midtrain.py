@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from orthon.core.errors import ConfigError
+from orthon.launch.args import held_out
 
 
 def register(parser, name):
@@ -94,7 +95,7 @@ def run(args, name):
     for s in summaries:
         eval_loss = s.get("final_eval_loss")
         print(f"stage {s['stage']}: {s['step']} steps, {s['tokens']:,} tokens, train loss {s.get('loss', float('nan')):.4f}, "
-              f"held-out loss {eval_loss if eval_loss is not None else float('nan'):.4f}")
+              f"{held_out(eval_loss)}")
     print(f"done in {time.perf_counter() - start:.0f}s; run directory {plan.run_dir}")
     if not args.no_eval and int(os.environ.get("RANK", "0")) == 0:  # one process evaluates
         _evaluate([plan.source, plan.run_dir], plan.eval, Path(plan.run_dir) / "eval")

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from orthon.core.errors import OrthonError
-from orthon.launch.args import add_recipe_args, check_model_fits, require_recipe
+from orthon.launch.args import add_recipe_args, check_model_fits, held_out, require_recipe
 from orthon.pretrain.recipe import Recipe, load_recipe
 
 
@@ -93,7 +93,7 @@ def run(args, name):
     result = trainer.fit()
     if trainer.rank == 0:
         print(f"done: step {result['step']}, {result['tokens']:,} tokens, train loss {result.get('loss', float('nan')):.4f}, "
-              f"held-out loss {result['final_eval_loss'] if result['final_eval_loss'] is not None else float('nan'):.4f}, "
+              f"{held_out(result['final_eval_loss'])}, "
               f"{time.perf_counter() - start:.0f}s; run directory {run_dir}")
         if args.sample and recipe.data.tokenizer:
             from orthon.launch.cmd_generate import sample_text
