@@ -25,8 +25,9 @@ from orthon.optim.newton_schulz import DEFAULT_COEFFICIENTS, bf16_gemm_is_native
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # GLM-5 (configs/glm5.yaml): W_QB per head 256 x 2048 (qk head 192 + 64 rows, q_lora 2048 columns),
-# W_KVB per head 448 x 512 (192 + 256 rows, kv_lora 512), routed expert gate/up 2048 x 6144, down 6144 x 2048.
-QB_HEAD, KVB_HEAD, EXPERT_UP, EXPERT_DOWN = (256, 2048), (448, 512), (2048, 6144), (6144, 2048)
+# W_KVB per head 448 x 512 (192 + 256 rows, kv_lora 512), routed expert gate/up 2048 x 6144 (down is its
+# transpose: gram works on the transpose, tested on the smaller tall blocks).
+QB_HEAD, KVB_HEAD, EXPERT_UP = (256, 2048), (448, 512), (2048, 6144)
 
 
 def gradient_like(count, rows, cols, seed=0):
@@ -135,7 +136,7 @@ def test_restarts_keep_bf16_stable():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rows, cols, count", [(1024, 4096, 2), (*EXPERT_UP, 1), (*EXPERT_DOWN, 1)])
+@pytest.mark.parametrize("rows, cols, count", [(1024, 4096, 2), (*EXPERT_UP, 1)])  # ~30 s, ~60-120 s
 def test_gram_bf16_on_large_glm5_blocks(rows, cols, count):
     exact, standard, gram = compare(rows, cols, count, torch.bfloat16)
     err_standard, err_gram = relative(standard, exact), relative(gram, exact)
