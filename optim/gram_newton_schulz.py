@@ -27,9 +27,9 @@ torch.optim.Muon), while restarting after step 2 does not (outputs reach
 singular value 1.5). fp32 needs no restart.
 
 The input is rounded to ``input_dtype`` first (bf16: what standard Newton-Schulz
-and torch.optim.Muon see, and what distributed Muon sends), and its Frobenius
-norm taken in fp32; where the compute dtype differs (fp16, fp32) the division
-runs in fp32 (no fp16 overflow or underflow) before the cast.
+and torch.optim.Muon see, and what distributed Muon sends) and Frobenius-
+normalised: in the compute dtype where it is the input dtype (as standard
+does), else in fp32 (no fp16 overflow or underflow) before the cast.
 """
 from __future__ import annotations
 
@@ -146,16 +146,18 @@ def gram_newton_schulz(
     shape = matrices.shape
     rows, cols = shape[-2], shape[-1]
     x = matrices.reshape(-1, rows, cols)
-    if input_dtype is not None:
-        x = x.to(input_dtype)
     transposed = rows > cols
     if transposed:
         x = x.mT  # the Gram matrix is min(rows, cols) square
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32).clamp(min=eps)
+    # Rounded to the input dtype in one contiguous (n, m) copy: CPU GEMMs on a transposed view run up to
+    # 2x slower. (No copy when it already is; the division below makes a new tensor either way.)
+    x = x.to(input_dtype or x.dtype, memory_format=torch.contiguous_format)
     if x.dtype == dtype:
-        # One pass; the scale rounds to the compute dtype, as standard's bf16 division does.
-        x = x / norm.to(dtype)
+        # One pass, in the compute dtype, as standard Newton-Schulz normalises (bf16 norm, bf16 division).
+        x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
     else:
+        # fp32 division first: no fp16 overflow or underflow.
+        norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32).clamp(min=eps)
         x = (x.float() / norm).to(dtype)
     if steps:
         x = _iterate(x, steps, a, b, c, restarts)
@@ -172,16 +174,13 @@ def _iterate(x: Tensor, steps: int, a: float, b: float, c: float, restarts: tupl
             x = torch.bmm(q, x)
             r = torch.bmm(x, x.mT)
             q = None
-        # Z = b R + c R^2; the a I of P = a I + Z is folded into each product as "+ a * (other factor)".
-        z = torch.baddbmm(r, r, r, beta=b, alpha=c)
+        p = torch.baddbmm(r, r, r, beta=b, alpha=c)
+        # P = a I + b R + c R^2 in one tensor: then plain products, no copy of an addend per product
+        # (~10-30% faster than baddbmm's "+ a * X" forms, at one more bf16 rounding of P's diagonal).
+        p.diagonal(dim1=-2, dim2=-1).add_(a)
         if _updates_r_after(step, steps, restarts):
-            rp = torch.baddbmm(r, r, z, beta=a)  # R P
-            r = torch.baddbmm(rp, z, rp, beta=a)  # P R P
-        if q is None:
-            q = z
-            q.diagonal(dim1=-2, dim2=-1).add_(a)  # P = Z + a I (z is not used after this)
-        else:
-            q = torch.baddbmm(q, q, z, beta=a)  # Q P
+            r = torch.bmm(p, torch.bmm(r, p))  # P R P
+        q = p if q is None else torch.bmm(q, p)
     return torch.bmm(q, x)
 
 

@@ -267,7 +267,10 @@ def orthogonalise_local(work: list[MatrixWork], ns: Callable[[Tensor, MatrixWork
             )
     results: list[Tensor | None] = [None] * len(work)
     for indices in (part for group in group_by_block(work).values() for part in batch_parts(work, group)):
-        stack = stack_blocks([work[i].update for i in indices], work[indices[0]])
+        # Rounded to the Newton-Schulz input dtype before stacking (both methods' first step): half the
+        # bytes to copy in bf16, the same numbers.
+        dtype = work[indices[0]].ns_key[3]
+        stack = stack_blocks([work[i].update.to(dtype) for i in indices], work[indices[0]])
         out = ns(stack, work[indices[0]])
         for i, piece in zip(indices, unstack_blocks(out, [work[i].update for i in indices])):
             results[i] = piece
