@@ -49,12 +49,7 @@ from torch import nn
 
 from common import cpu_kind
 from orthon.optim import Muon, OptimConfig, plan_for_model
-from orthon.optim.gram_newton_schulz import (
-    default_restarts,
-    gram_compute_dtype,
-    gram_newton_schulz_flops,
-    gram_saves_flops,
-)
+from orthon.optim.gram_newton_schulz import block_flops, gram_compute_dtype
 from orthon.optim.newton_schulz import bf16_gemm_is_native, newton_schulz_flops
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,14 +104,10 @@ def blocks_of(shape, split):
 
 def set_flops(entries, ns_method="standard", device="cpu"):
     """Newton-Schulz FLOPs of one step; gram: Gram Newton-Schulz's count on the blocks where Muon runs it."""
-    restarts = default_restarts(HYPER["ns_steps"], gram_compute_dtype("auto", device))
     total = 0
     for shape, split in entries:
         count, (rows, cols) = blocks_of(shape, split)
-        if ns_method == "gram" and gram_saves_flops(rows, cols, HYPER["ns_steps"], restarts):
-            total += count * gram_newton_schulz_flops(rows, cols, HYPER["ns_steps"], restarts)
-        else:
-            total += count * newton_schulz_flops(rows, cols)
+        total += count * block_flops(rows, cols, HYPER["ns_steps"], ns_method, "auto", device)
     return total
 
 

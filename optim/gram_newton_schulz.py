@@ -114,6 +114,16 @@ def gram_saves_flops(rows: int, cols: int, steps: int = DEFAULT_STEPS, restarts:
     return gram_newton_schulz_flops(rows, cols, steps, restarts) < newton_schulz_flops(rows, cols, steps)
 
 
+def block_flops(rows: int, cols: int, steps: int = DEFAULT_STEPS, ns_method: str = "standard",
+                gram_dtype: str = "auto", device: torch.device | str = "cpu") -> int:
+    """FLOPs Muon spends orthogonalising one rows x cols block under ``ns_method`` on ``device``."""
+    if ns_method == "gram":
+        restarts = default_restarts(steps, gram_compute_dtype(gram_dtype, device))
+        if gram_saves_flops(rows, cols, steps, restarts):
+            return gram_newton_schulz_flops(rows, cols, steps, restarts)
+    return newton_schulz_flops(rows, cols, steps)
+
+
 def gram_newton_schulz(
     matrices: Tensor,
     steps: int = DEFAULT_STEPS,

@@ -13,6 +13,7 @@ from torch import nn
 from orthon.core.errors import ConfigError
 from orthon.optim import Muon, OptimConfig
 from orthon.optim.gram_newton_schulz import (
+    block_flops,
     default_restarts,
     gram_compute_dtype,
     gram_newton_schulz,
@@ -163,6 +164,10 @@ def test_flop_counts_by_hand():
     assert gram_saves_flops(64, 100, 5, (3,))
     ratio = gram_newton_schulz_flops(*QB_HEAD, 5, (3,)) / newton_schulz_flops(*QB_HEAD)
     assert ratio == pytest.approx((8 * 8 + 28) / (20 * 8 + 10))  # 0.54 on GLM-5's W_QB heads
+    # What Muon spends per block (distributed Muon balances ranks by it): the method, the dtype's restarts.
+    assert block_flops(n, m, 5, "gram", "bf16") == 60 * n**3 and block_flops(n, m, 5, "gram", "fp32") == 50 * n**3
+    assert block_flops(n, m, 5, "standard") == 90 * n**3 == block_flops(n, m, 5, "gram", "fp16", "cuda") + 30 * n**3
+    assert block_flops(n, n, 5, "gram", "bf16") == 30 * n**3  # square: standard
 
 
 def test_compute_dtype_and_restarts_per_device():
