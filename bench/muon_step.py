@@ -28,7 +28,7 @@ N+N matrices instead; both optimizers handle the large matrices one shape
 batch or one matrix at a time, so times scale linearly to 24+24. Timings:
 warm-up steps, then the median of ``--repeats``.
 
-gram: Gram Newton-Schulz (orthon.optim.gram_newton_schulz) on the blocks where it saves FLOPs, in the
+gram: Gram Newton-Schulz (orthon.optim.gram_newton_schulz) on the blocks where it pays (gram_pays), in the
 device's compute dtype (bf16 where the CPU's bf16 GEMM is native, fp32 where it is emulated, fp16 on
 GPUs); its FLOPs column counts what it computes. On the large set the three optimizers' steps are
 interleaved (one of each per round), so load on a shared machine hits them alike.

@@ -106,8 +106,8 @@ class Muon(torch.optim.Optimizer):
 
     Group options: lr, weight_decay, momentum, nesterov, ns_steps,
     ns_coefficients, eps, ns_dtype ("bf16" or "fp32"), ns_method
-    ("standard", or "gram": Gram Newton-Schulz on the blocks where it saves
-    FLOPs, see orthon.optim.gram_newton_schulz), gram_dtype ("auto", "fp16",
+    ("standard", or "gram": Gram Newton-Schulz on the blocks where it pays,
+    see orthon.optim.gram_newton_schulz), gram_dtype ("auto", "fp16",
     "bf16", "fp32": gram's compute dtype; auto picks per device), adjust_lr_fn,
     rms_scale, split_rows, and optionally param_names (used in errors).
 
