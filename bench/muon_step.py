@@ -221,7 +221,8 @@ def main():
     large_count = args.large_count or (24 if native else 2)
     torch_large = args.torch_large_count if args.torch_large_count is not None else (large_count if native else 0)
     sets = args.sets.split(",")
-    print(f"device {device} ({torch.get_num_threads()} threads), bf16 GEMM {'native' if native else 'emulated on fp32'}, "
+    bf16 = "native" if native else "emulated on fp32"
+    print(f"device {device} ({torch.get_num_threads()} threads), bf16 GEMM {bf16}, "
           f"gram computes in {str(gram_compute_dtype('auto', device)).removeprefix('torch.')}")
     if device.type == "cpu":
         print(f"CPU: {cpu_kind()}")
@@ -241,7 +242,7 @@ def main():
         rows.append(("tiny: orthon Muon, gram", t_gram, set_flops(entries, "gram", device)))
         rows.append(("tiny: torch.optim.Muon", t_ref, set_flops(entries)))
         figures["tiny_blocks"] = sum(blocks_of(s, k)[0] for s, k in entries)
-        figures["tiny_orthon_ms"], figures["tiny_gram_ms"], figures["tiny_torch_ms"] = 1e3 * t_ours, 1e3 * t_gram, 1e3 * t_ref
+        figures.update(tiny_orthon_ms=1e3 * t_ours, tiny_gram_ms=1e3 * t_gram, tiny_torch_ms=1e3 * t_ref)
         ratios["tiny_time_vs_torch"] = t_ours / t_ref
         ratios["tiny_gram_time_vs_torch"] = t_gram / t_ref
         ratios["tiny_gram_flops_vs_standard"] = set_flops(entries, "gram", device) / set_flops(entries)

@@ -126,7 +126,8 @@ def test_restarts_keep_bf16_stable():
     n = 256
     u = torch.linalg.qr(torch.randn(2, 256, n, generator=gen, dtype=torch.float64)).Q
     v = torch.linalg.qr(torch.randn(2, 768, n, generator=gen, dtype=torch.float64)).Q
-    s = torch.cat([torch.logspace(0, -1, n // 8, dtype=torch.float64), torch.full((n - n // 8,), 1e-6, dtype=torch.float64)])
+    s = torch.cat([torch.logspace(0, -1, n // 8, dtype=torch.float64),
+                   torch.full((n - n // 8,), 1e-6, dtype=torch.float64)])
     x = ((u * s) @ v.mT).float()
     assert default_restarts(5, torch.bfloat16) == (3,)
     unrestarted = gram_newton_schulz(x, dtype=torch.bfloat16, restarts=())
