@@ -31,7 +31,8 @@ warm-up steps, then the median of ``--repeats``.
 gram: Gram Newton-Schulz (orthon.optim.gram_newton_schulz) on the blocks where it pays (gram_pays), in the
 device's compute dtype (bf16 where the CPU's bf16 GEMM is native, fp32 where it is emulated, fp16 on
 GPUs); its FLOPs column counts what it computes. On the large set the three optimizers' steps are
-interleaved (one of each per round), so load on a shared machine hits them alike.
+interleaved (one of each per round; on tiny too where torch's bf16 GEMM is native), so load on a shared
+machine hits them alike.
 
     python bench/muon_step.py [--sets tiny,large,mla] [--device cuda] [--threads 1]
 """
@@ -234,10 +235,16 @@ def main():
 
     if "tiny" in sets:
         entries = tiny_set()
-        t_ours, _ = orthon_step_time(entries, device, args)
-        t_gram, _ = orthon_step_time(entries, device, args, ns_method="gram")
-        # Where bf16 GEMM is emulated torch's step takes ~20 s: one warm-up and one timed step.
-        t_ref, _ = torch_step_time(entries, device, args, repeats=None if native else 1)
+        # Interleaved rounds; where bf16 GEMM is emulated torch's step takes ~20 s: one warm-up and one
+        # timed step of it after the others.
+        optimizers = {"standard": orthon_optimizer(entries, device),
+                      "gram": orthon_optimizer(entries, device, ns_method="gram")}
+        if native:
+            optimizers["torch"] = torch_optimizer(entries, device)
+        median, _ = interleaved_step_times(optimizers, device, args.warmup, args.repeats)
+        del optimizers
+        t_ours, t_gram = median["standard"], median["gram"]
+        t_ref = median["torch"] if native else torch_step_time(entries, device, args, repeats=1)[0]
         rows.append(("tiny: orthon Muon, standard", t_ours, set_flops(entries)))
         rows.append(("tiny: orthon Muon, gram", t_gram, set_flops(entries, "gram", device)))
         rows.append(("tiny: torch.optim.Muon", t_ref, set_flops(entries)))
