@@ -1,6 +1,8 @@
-"""Optimizer step time: orthon's Muon against torch.optim.Muon, and Newton-Schulz against bare matmul.
+"""Optimizer step time: orthon's Muon (ns_method standard and gram) against torch.optim.Muon, and
+Newton-Schulz against bare matmul.
 
-Three parameter sets, each run through both optimizers in this process:
+Three parameter sets, each run through the optimizers in this process (standard, gram and torch
+side by side on tiny and large, with each one's time over torch's):
 
   tiny   every Muon parameter of configs/tiny.yaml's model (Muon Split on
          W_QB/W_KVB, expert stacks). torch.optim.Muon only takes 2-D
@@ -26,6 +28,12 @@ N+N matrices instead; both optimizers handle the large matrices one shape
 batch or one matrix at a time, so times scale linearly to 24+24. Timings:
 warm-up steps, then the median of ``--repeats``.
 
+gram: Gram Newton-Schulz (orthon.optim.gram_newton_schulz) on the blocks where it pays (gram_pays), in the
+device's compute dtype (bf16 where the CPU's bf16 GEMM is native, fp32 where it is emulated, fp16 on
+GPUs); its FLOPs column counts what it computes. On the large set the three optimizers' steps are
+interleaved (one of each per round; on tiny too where torch's bf16 GEMM is native), so load on a shared
+machine hits them alike.
+
     python bench/muon_step.py [--sets tiny,large,mla] [--device cuda] [--threads 1]
 """
 from __future__ import annotations
@@ -40,7 +48,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from common import cpu_kind
 from orthon.optim import Muon, OptimConfig, plan_for_model
+from orthon.optim.gram_newton_schulz import block_flops, gram_compute_dtype
 from orthon.optim.newton_schulz import bf16_gemm_is_native, newton_schulz_flops
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,11 +103,12 @@ def blocks_of(shape, split):
     return math.prod(shape[:-2]) * split, (rows, cols)
 
 
-def set_flops(entries):
+def set_flops(entries, ns_method="standard", device="cpu"):
+    """Newton-Schulz FLOPs of one step; gram: Gram Newton-Schulz's count on the blocks where Muon runs it."""
     total = 0
     for shape, split in entries:
         count, (rows, cols) = blocks_of(shape, split)
-        total += count * newton_schulz_flops(rows, cols)
+        total += count * block_flops(rows, cols, HYPER["ns_steps"], ns_method, "auto", device)
     return total
 
 
@@ -119,24 +130,46 @@ def make_params(entries, device, as_blocks):
     return params
 
 
-def orthon_step_time(entries, device, args, bf16_matmul="auto"):
+def orthon_optimizer(entries, device, bf16_matmul="auto", ns_method="standard"):
     params = make_params(entries, device, as_blocks=False)
     by_split = {}
     for p, split in params:
         by_split.setdefault(split, []).append(p)
     groups = [{"params": ps, "split_rows": s} for s, ps in by_split.items()]
-    opt = Muon(groups, bf16_matmul=bf16_matmul, **HYPER)
-    return time_it(opt.step, device, args.warmup, args.repeats), params
+    return Muon(groups, bf16_matmul=bf16_matmul, ns_method=ns_method, **HYPER)
+
+
+def torch_optimizer(entries, device):
+    params = make_params(entries, device, as_blocks=True)
+    return torch.optim.Muon([p for p, _ in params], adjust_lr_fn="match_rms_adamw", **HYPER)
+
+
+def orthon_step_time(entries, device, args, bf16_matmul="auto", ns_method="standard"):
+    opt = orthon_optimizer(entries, device, bf16_matmul, ns_method)
+    return time_it(opt.step, device, args.warmup, args.repeats), opt
 
 
 def torch_step_time(entries, device, args, repeats=None):
-    params = make_params(entries, device, as_blocks=True)
-    opt = torch.optim.Muon([p for p, _ in params], adjust_lr_fn="match_rms_adamw", **HYPER)
-    return time_it(opt.step, device, args.warmup if repeats is None else 1, repeats or args.repeats), params
+    opt = torch_optimizer(entries, device)
+    return time_it(opt.step, device, args.warmup if repeats is None else 1, repeats or args.repeats), opt
 
 
-def matmul_rate(entries, device, dtype, warmup, repeats, iterations=1):
-    """GFLOP/s of the three bare GEMMs of ``iterations`` Newton-Schulz iterations on every block, batched by shape."""
+def interleaved_step_times(optimizers, device, warmup, repeats, extra=None):
+    """Median step time of each optimizer (name -> optimizer), one step of each per round; ``extra``:
+    a name -> function run in each round too (its median time comes back under its name)."""
+    jobs = {name: opt.step for name, opt in optimizers.items()} | (extra or {})
+    times = {name: [] for name in jobs}
+    for i in range(warmup + repeats):
+        for name, fn in jobs.items():
+            t = time_it(fn, device, 0, 1)
+            if i >= warmup:
+                times[name].append(t)
+    return {name: statistics.median(v) for name, v in times.items()}, {name: min(v) for name, v in times.items()}
+
+
+def bare_gemms(entries, device, dtype, iterations=1):
+    """A function running the three bare GEMMs of ``iterations`` Newton-Schulz iterations on every block,
+    batched by shape, and its FLOPs."""
     stacks = {}
     for shape, split in entries:
         count, (rows, cols) = blocks_of(shape, split)
@@ -153,25 +186,13 @@ def matmul_rate(entries, device, dtype, warmup, repeats, iterations=1):
                 torch.bmm(a, a)
                 torch.bmm(a, x)
 
+    return run, flops
+
+
+def matmul_rate(entries, device, dtype, warmup, repeats, iterations=1):
+    """GFLOP/s of ``bare_gemms``."""
+    run, flops = bare_gemms(entries, device, dtype, iterations)
     return flops / time_it(run, device, warmup, repeats) / 1e9
-
-
-def large_ns_and_matmul(entries, device, kernel, args):
-    """Orthon step times and bare GEMM rates (a whole step's worth of GEMMs) on the same shapes, alternately.
-
-    Returns (median step s, median GEMM GFLOP/s, best step s, best GEMM GFLOP/s): on a shared machine
-    the best of several is the steadier estimate of what the hardware does.
-    """
-    params = make_params(entries, device, as_blocks=False)
-    opt = Muon([p for p, _ in params], **HYPER)
-    steps, rates = [], []
-    for i in range(args.warmup + args.repeats):
-        step = time_it(opt.step, device, 0, 1)
-        rate = matmul_rate(entries, device, kernel, 0, 1, iterations=HYPER["ns_steps"])
-        if i >= args.warmup:
-            steps.append(step)
-            rates.append(rate)
-    return statistics.median(steps), statistics.median(rates), min(steps), max(rates)
 
 
 # ------------------------------------------------------------------ the bench
@@ -201,7 +222,11 @@ def main():
     large_count = args.large_count or (24 if native else 2)
     torch_large = args.torch_large_count if args.torch_large_count is not None else (large_count if native else 0)
     sets = args.sets.split(",")
-    print(f"device {device} ({torch.get_num_threads()} threads), bf16 GEMM {'native' if native else 'emulated on fp32'}")
+    bf16 = "native" if native else "emulated on fp32"
+    print(f"device {device} ({torch.get_num_threads()} threads), bf16 GEMM {bf16}, "
+          f"gram computes in {str(gram_compute_dtype('auto', device)).removeprefix('torch.')}")
+    if device.type == "cpu":
+        print(f"CPU: {cpu_kind()}")
 
     figures, ratios, rows = {}, {}, []
     # The bare bf16 GEMM rate on one 1024^3 product (seconds where bf16 is emulated, so no repeats there).
@@ -210,14 +235,24 @@ def main():
 
     if "tiny" in sets:
         entries = tiny_set()
-        t_ours, _ = orthon_step_time(entries, device, args)
-        # Where bf16 GEMM is emulated torch's step takes ~20 s: one warm-up and one timed step.
-        t_ref, _ = torch_step_time(entries, device, args, repeats=None if native else 1)
-        rows.append(("tiny: orthon Muon", t_ours, set_flops(entries)))
+        # Interleaved rounds; where bf16 GEMM is emulated torch's step takes ~20 s: one warm-up and one
+        # timed step of it after the others.
+        optimizers = {"standard": orthon_optimizer(entries, device),
+                      "gram": orthon_optimizer(entries, device, ns_method="gram")}
+        if native:
+            optimizers["torch"] = torch_optimizer(entries, device)
+        median, _ = interleaved_step_times(optimizers, device, args.warmup, args.repeats)
+        del optimizers
+        t_ours, t_gram = median["standard"], median["gram"]
+        t_ref = median["torch"] if native else torch_step_time(entries, device, args, repeats=1)[0]
+        rows.append(("tiny: orthon Muon, standard", t_ours, set_flops(entries)))
+        rows.append(("tiny: orthon Muon, gram", t_gram, set_flops(entries, "gram", device)))
         rows.append(("tiny: torch.optim.Muon", t_ref, set_flops(entries)))
         figures["tiny_blocks"] = sum(blocks_of(s, k)[0] for s, k in entries)
-        figures["tiny_orthon_ms"], figures["tiny_torch_ms"] = 1e3 * t_ours, 1e3 * t_ref
+        figures.update(tiny_orthon_ms=1e3 * t_ours, tiny_gram_ms=1e3 * t_gram, tiny_torch_ms=1e3 * t_ref)
         ratios["tiny_time_vs_torch"] = t_ours / t_ref
+        ratios["tiny_gram_time_vs_torch"] = t_gram / t_ref
+        ratios["tiny_gram_flops_vs_standard"] = set_flops(entries, "gram", device) / set_flops(entries)
         if args.native and not native:
             t_native, _ = orthon_step_time(entries, device, argparse.Namespace(warmup=1, repeats=1), "native")
             rows.append(("tiny: orthon Muon, native bf16 GEMM", t_native, set_flops(entries)))
@@ -225,27 +260,44 @@ def main():
 
     if "large" in sets:
         entries = large_set(large_count)
-        flops = set_flops(entries)
-        # NS steps and bare GEMMs interleaved, so load drift on a shared machine hits both alike.
-        t_ours, bare, t_best, bare_best = large_ns_and_matmul(entries, device, kernel, args)
-        rate = flops / t_ours / 1e9
+        flops, gram_flops = set_flops(entries), set_flops(entries, "gram", device)
+        optimizers = {"standard": orthon_optimizer(entries, device),
+                      "gram": orthon_optimizer(entries, device, ns_method="gram")}
+        # torch in the same rounds where it runs at the same size (native bf16 GEMM); otherwise after.
+        if torch_large == large_count:
+            optimizers["torch"] = torch_optimizer(entries, device)
+        gemm_run, gemm_flops = bare_gemms(entries, device, kernel, iterations=HYPER["ns_steps"])
+        median, best = interleaved_step_times(optimizers, device, args.warmup, args.repeats, {"matmul": gemm_run})
+        del optimizers
+        t_ours, t_gram = median["standard"], median["gram"]
+        bare = gemm_flops / median["matmul"] / 1e9
         scale = 24 / large_count
-        rows.append((f"large ({large_count}+{large_count}): orthon Muon", t_ours, flops))
-        figures.update(large_orthon_s_full_set=t_ours * scale, large_ns_gflops=rate, large_matmul_gflops=bare,
-                       large_ns_gflops_best=flops / t_best / 1e9, large_matmul_gflops_best=bare_best)
-        ratios["large_ns_rate_vs_matmul"] = rate / bare
-        ratios["large_ns_rate_vs_matmul_best_of"] = flops / t_best / 1e9 / bare_best
-        if torch_large:
+        rows.append((f"large ({large_count}+{large_count}): orthon Muon, standard", t_ours, flops))
+        rows.append((f"large ({large_count}+{large_count}): orthon Muon, gram", t_gram, gram_flops))
+        figures.update(large_orthon_s_full_set=t_ours * scale, large_gram_s_full_set=t_gram * scale,
+                       large_ns_gflops=flops / t_ours / 1e9, large_matmul_gflops=bare,
+                       large_ns_gflops_best=flops / best["standard"] / 1e9)
+        ratios["large_ns_rate_vs_matmul"] = flops / t_ours / 1e9 / bare
+        ratios["large_gram_flops_vs_standard"] = gram_flops / flops
+        if "torch" in median:
+            t_ref = median["torch"]
+            rows.append((f"large ({large_count}+{large_count}): torch.optim.Muon", t_ref, flops))
+            figures["large_torch_s_full_set"] = t_ref * scale
+            ratios["large_time_vs_torch"] = t_ours / t_ref
+            ratios["large_gram_time_vs_torch"] = t_gram / t_ref
+        elif torch_large:
             ref_entries = large_set(torch_large)
             t_ref, _ = torch_step_time(ref_entries, device, args, repeats=1 if not native else None)
             rows.append((f"large ({torch_large}+{torch_large}): torch.optim.Muon", t_ref, set_flops(ref_entries)))
             figures["large_torch_s_full_set"] = t_ref * 24 / torch_large
             figures["large_torch_measured_on"] = f"{torch_large}+{torch_large} matrices, scaled to 24+24"
-            ratios["large_time_vs_torch"] = (t_ours * scale) / (t_ref * 24 / torch_large)
+            ratios["large_time_vs_torch"] = (t_ours * scale) / figures["large_torch_s_full_set"]
+            ratios["large_gram_time_vs_torch"] = (t_gram * scale) / figures["large_torch_s_full_set"]
         else:
             estimate = set_flops(large_set(24)) / (figures["bf16_matmul_gflops"] * 1e9)
             figures["large_torch_s_full_set_estimated"] = estimate
             ratios["large_time_vs_torch_estimated"] = (t_ours * scale) / estimate
+            ratios["large_gram_time_vs_torch_estimated"] = (t_gram * scale) / estimate
 
     if "mla" in sets:
         shapes = {

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from orthon.core.errors import ConfigError
+from orthon.optim.gram_newton_schulz import GRAM_DTYPE_NAMES, NS_METHODS
 from orthon.optim.newton_schulz import DEFAULT_COEFFICIENTS, DEFAULT_EPS, DEFAULT_STEPS
 
 # "16M" and "64M" tokens: 4096 and 16384 sequences of the 4K pretraining context.
@@ -34,6 +35,10 @@ class OptimConfig:
     ns_coefficients: tuple[float, float, float] = DEFAULT_COEFFICIENTS
     ns_eps: float = DEFAULT_EPS
     ns_dtype: Literal["bf16", "fp32"] = "bf16"
+    # "gram": Gram Newton-Schulz where a block's aspect ratio makes it cheaper (standard elsewhere),
+    # in gram_dtype ("auto": fp16 on GPUs, bf16 on CPUs with a native bf16 GEMM, fp32 otherwise).
+    ns_method: Literal["standard", "gram"] = "standard"
+    gram_dtype: Literal["auto", "fp16", "bf16", "fp32"] = "auto"
     bf16_matmul: Literal["auto", "native", "emulated"] = "auto"
     rms_scale: float = 0.2
     weight_decay: float = 0.1
@@ -58,6 +63,9 @@ class OptimConfig:
             raise ConfigError(f"momentum: must be in [0, 1), got {self.momentum}")
         if not 0 <= self.ns_steps < 100:
             raise ConfigError(f"ns_steps: must be in [0, 100), got {self.ns_steps}")
+        for name, allowed in (("ns_method", NS_METHODS), ("gram_dtype", GRAM_DTYPE_NAMES)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name}: must be one of {list(allowed)}, got {getattr(self, name)!r}")
         if len(self.ns_coefficients) != 3:
             raise ConfigError(f"ns_coefficients: need 3 numbers (a, b, c), got {list(self.ns_coefficients)}")
         self.ns_coefficients = tuple(float(x) for x in self.ns_coefficients)

@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from orthon.optim.muon import MatrixWork, orthogonalise_local
-from orthon.optim.newton_schulz import newton_schulz_flops
+from orthon.optim.gram_newton_schulz import block_flops
 
 
 def assign_owners(costs: list[float], world_size: int) -> list[int]:
@@ -101,7 +101,8 @@ class DistributedOrthogonaliser:
         rank = dist.get_rank(self.group)
         if world == 1:
             return orthogonalise_local([dataclasses.replace(w, sharded=False) for w in work], ns)
-        costs = [item.num_blocks * newton_schulz_flops(*item.block_shape) for item in work]
+        costs = [item.num_blocks * block_flops(*item.block_shape, item.ns_key[0], item.ns_key[4], item.ns_key[5],
+                                               item.update.device) for item in work]
         owners = assign_owners(costs, world)
         self.last_owners = owners
         names = [f"parameter {i} of shape {w.global_shape}" for i, w in enumerate(work)]

@@ -131,6 +131,8 @@ def build_optimizer(
             ns_coefficients=cfg.ns_coefficients,
             eps=cfg.ns_eps,
             ns_dtype=cfg.ns_dtype,
+            ns_method=cfg.ns_method,
+            gram_dtype=cfg.gram_dtype,
             rms_scale=cfg.rms_scale,
             bf16_matmul=cfg.bf16_matmul,
             orthogonaliser=orthogonaliser,

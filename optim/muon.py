@@ -35,10 +35,12 @@ from orthon.optim.newton_schulz import (
     DEFAULT_COEFFICIENTS,
     DEFAULT_EPS,
     DEFAULT_STEPS,
+    NS_BATCH_ELEMENTS,
     bf16_gemm_is_native,
     newton_schulz,
     ns_dtype,
 )
+from orthon.optim.gram_newton_schulz import GRAM_DTYPE_NAMES, NS_METHODS, orthogonalise_gram_or_standard
 
 ADJUST_LR_FNS = ("match_rms_adamw", "original", "none")
 BF16_MATMUL_MODES = ("auto", "native", "emulated")
@@ -68,7 +70,8 @@ class MatrixWork:
     DTensor parameter); global_shape: the parameter's full shape; the blocks
     are ``global_shape[-2] // split_rows`` x ``global_shape[-1]`` matrices,
     ``prod(global_shape[:-2]) * split_rows`` of them. ns_key: (steps,
-    coefficients, eps, dtype). param: the parameter (DTensor placements are
+    coefficients, eps, dtype, method, gram dtype name); dtype (index 3) is the
+    one updates travel in between ranks. param: the parameter (DTensor placements are
     read from it).
     """
 
@@ -102,7 +105,10 @@ class Muon(torch.optim.Optimizer):
     """Muon with per-block (split) and per-expert (stack) orthogonalisation.
 
     Group options: lr, weight_decay, momentum, nesterov, ns_steps,
-    ns_coefficients, eps, ns_dtype ("bf16" or "fp32"), adjust_lr_fn,
+    ns_coefficients, eps, ns_dtype ("bf16" or "fp32"), ns_method
+    ("standard", or "gram": Gram Newton-Schulz on the blocks where it pays,
+    see orthon.optim.gram_newton_schulz), gram_dtype ("auto", "fp16",
+    "bf16", "fp32": gram's compute dtype; auto picks per device), adjust_lr_fn,
     rms_scale, split_rows, and optionally param_names (used in errors).
 
     Optimizer-wide: ``bf16_matmul`` ("auto", "native" or "emulated", see
@@ -124,6 +130,8 @@ class Muon(torch.optim.Optimizer):
         ns_coefficients: tuple[float, float, float] = DEFAULT_COEFFICIENTS,
         eps: float = DEFAULT_EPS,
         ns_dtype: str = "bf16",
+        ns_method: str = "standard",
+        gram_dtype: str = "auto",
         adjust_lr_fn: str = "match_rms_adamw",
         rms_scale: float = 0.2,
         split_rows: int = 1,
@@ -147,6 +155,8 @@ class Muon(torch.optim.Optimizer):
             ns_coefficients=tuple(ns_coefficients),
             eps=eps,
             ns_dtype=ns_dtype,
+            ns_method=ns_method,
+            gram_dtype=gram_dtype,
             adjust_lr_fn=adjust_lr_fn,
             rms_scale=rms_scale,
             split_rows=split_rows,
@@ -162,6 +172,10 @@ class Muon(torch.optim.Optimizer):
     def _check_group(self, group: dict) -> None:
         update_scale(1, 1, group["adjust_lr_fn"], group["rms_scale"])  # validates the name
         ns_dtype(group["ns_dtype"])
+        if group["ns_method"] not in NS_METHODS:
+            raise ValueError(f"Muon ns_method must be one of {NS_METHODS}, got {group['ns_method']!r}")
+        if group["gram_dtype"] not in GRAM_DTYPE_NAMES:
+            raise ValueError(f"Muon gram_dtype must be one of {GRAM_DTYPE_NAMES}, got {group['gram_dtype']!r}")
         names = group.get("param_names") or [None] * len(group["params"])
         split = group["split_rows"]
         if not isinstance(split, int) or split < 1:
@@ -183,8 +197,11 @@ class Muon(torch.optim.Optimizer):
         return self.bf16_matmul == "emulated"
 
     def _newton_schulz(self, stack: Tensor, item: MatrixWork) -> Tensor:
-        steps, coefficients, eps, dtype = item.ns_key
-        return newton_schulz(stack, steps, coefficients, dtype, eps, emulate_bf16=self._emulate_bf16(stack.device))
+        steps, coefficients, eps, dtype, method, gram_dtype = item.ns_key
+        emulate = self._emulate_bf16(stack.device)
+        if method == "gram":
+            return orthogonalise_gram_or_standard(stack, steps, coefficients, eps, dtype, gram_dtype, emulate)
+        return newton_schulz(stack, steps, coefficients, dtype, eps, emulate_bf16=emulate)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
@@ -211,7 +228,9 @@ class Muon(torch.optim.Optimizer):
             momentum = group["momentum"]
             torch._foreach_lerp_(bufs, grads, 1 - momentum)
             updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
-            key = (group["ns_steps"], tuple(group["ns_coefficients"]), group["eps"], ns_dtype(group["ns_dtype"]))
+            # ns_method / gram_dtype: absent from groups loaded from older checkpoints.
+            key = (group["ns_steps"], tuple(group["ns_coefficients"]), group["eps"], ns_dtype(group["ns_dtype"]),
+                   group.get("ns_method", "standard"), group.get("gram_dtype", "auto"))
             applies.append((group, local_params, len(work), len(params)))
             for p, update in zip(params, updates):
                 work.append(MatrixWork(update, tuple(p.shape), group["split_rows"], key, is_sharded(p), p))
@@ -238,7 +257,8 @@ class Muon(torch.optim.Optimizer):
 
 
 def orthogonalise_local(work: list[MatrixWork], ns: Callable[[Tensor, MatrixWork], Tensor]) -> list[Tensor]:
-    """Orthogonalise every item here: one batched Newton-Schulz call per block shape and setting."""
+    """Orthogonalise every item here: batched Newton-Schulz calls per block shape and setting, each on
+    about NS_BATCH_ELEMENTS (whole items; large ones alone, unstacked)."""
     for item in work:
         if item.sharded:
             raise RuntimeError(
@@ -246,8 +266,11 @@ def orthogonalise_local(work: list[MatrixWork], ns: Callable[[Tensor, MatrixWork
                 "(orthon.optim.distributed.DistributedOrthogonaliser) to gather its full matrix"
             )
     results: list[Tensor | None] = [None] * len(work)
-    for indices in group_by_block(work).values():
-        stack = stack_blocks([work[i].update for i in indices], work[indices[0]])
+    for indices in (part for group in group_by_block(work).values() for part in batch_parts(work, group)):
+        # Rounded to the Newton-Schulz input dtype before stacking (both methods' first step): half the
+        # bytes to copy in bf16, the same numbers.
+        dtype = work[indices[0]].ns_key[3]
+        stack = stack_blocks([work[i].update.to(dtype) for i in indices], work[indices[0]])
         out = ns(stack, work[indices[0]])
         for i, piece in zip(indices, unstack_blocks(out, [work[i].update for i in indices])):
             results[i] = piece
@@ -260,6 +283,20 @@ def group_by_block(work: list[MatrixWork]) -> dict[tuple, list[int]]:
     for i, item in enumerate(work):
         groups.setdefault((item.block_shape, item.ns_key), []).append(i)
     return groups
+
+
+def batch_parts(work: list[MatrixWork], indices: list[int]) -> list[list[int]]:
+    """``indices`` cut into consecutive runs of at most NS_BATCH_ELEMENTS elements (at least one item each)."""
+    parts: list[list[int]] = [[]]
+    size = 0
+    for i in indices:
+        n = work[i].update.numel()
+        if parts[-1] and size + n > NS_BATCH_ELEMENTS:
+            parts.append([])
+            size = 0
+        parts[-1].append(i)
+        size += n
+    return parts
 
 
 def stack_blocks(tensors: list[Tensor], like: MatrixWork) -> Tensor:

@@ -67,10 +67,16 @@ def train(model, opt, batches, rank=0, world=1):
         opt.step()
 
 
+def optim_config(setting):
+    """"fp32" / "bf16": standard Newton-Schulz in that dtype; "gram": Gram Newton-Schulz (bf16 input, the
+    device's compute dtype) on the blocks where it pays (q_b's 3 x 16 heads; odd and the experts: standard)."""
+    return OptimConfig(ns_method="gram") if setting == "gram" else OptimConfig(ns_dtype=setting)
+
+
 def reference(ns_dtype):
     model = Net()
     model.load_state_dict(initial_state())
-    train(model, build_for_model(model, OptimConfig(ns_dtype=ns_dtype), SCHEDULE), data())
+    train(model, build_for_model(model, optim_config(ns_dtype), SCHEDULE), data())
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -81,7 +87,7 @@ def worker(rank, world, port, out_dir):
     try:
         results = {}
         for mode in ("ddp", "fsdp2"):
-            for ns_dtype in ("fp32", "bf16"):
+            for ns_dtype in ("fp32", "bf16", "gram"):
                 model = Net()
                 model.load_state_dict(initial_state())
                 specs = model.param_specs()
@@ -94,7 +100,7 @@ def worker(rank, world, port, out_dir):
                     wrapped = fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
                     # FSDP2 leaves sharded DTensors for the optimizer: the gather/scatter path runs.
                     assert all(p.placements[0].is_shard() for p in model.parameters())
-                opt = build_for_model(model, OptimConfig(ns_dtype=ns_dtype), SCHEDULE)
+                opt = build_for_model(model, optim_config(ns_dtype), SCHEDULE)
                 assert type(opt.muon.orthogonaliser).__name__ == "DistributedOrthogonaliser"
                 assert set(specs) == {n for n, _ in model.named_parameters()}
                 train(wrapped, opt, data(), rank, world)
@@ -122,7 +128,7 @@ def two_rank_results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-@pytest.mark.parametrize("ns_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("ns_dtype", ["fp32", "bf16", "gram"])
 def test_two_ranks_equal_one_rank_after_5_steps(two_rank_results, mode, ns_dtype):
     expected = reference(ns_dtype)
     initial = initial_state()

@@ -19,6 +19,7 @@ import numpy as np
 
 from orthon.backends.mindspore.newton_schulz import newton_schulz
 from orthon.backends.mindspore.runtime import ms
+from orthon.core.errors import ConfigError
 from orthon.optim.config import OptimConfig, ScheduleConfig
 from orthon.optim.muon import update_scale
 from orthon.optim.routing import RoutingPlan, route_parameters
@@ -108,6 +109,9 @@ class HybridOptimizer:
     pretraining) is left alone, weight decay included, as torch's optimizers skip a grad of None."""
 
     def __init__(self, cell, cfg: OptimConfig, schedule: ScheduleConfig | None):
+        if cfg.ns_method != "standard":
+            raise ConfigError(f"optim.ns_method: {cfg.ns_method!r} is not implemented on the MindSpore backend "
+                              "(only standard Newton-Schulz)")
         self.cfg, self.schedule = cfg, schedule
         self.plan = plan_for_cell(cell, cfg)
         self.groups = build_groups(self.plan, cfg, schedule or ScheduleConfig())
