@@ -21,6 +21,10 @@ from orthon.pretrain.config import ModelConfig, RuntimeOptions
 from orthon.pretrain.layers import RMSNorm, apply_rope
 from orthon.pretrain.topk import deterministic_topk
 
+# Queries per chunk when only the top-k indices are needed: small enough that the causal triangle
+# saves most of the (T, T) scoring work, large enough that each chunk's matmuls stay efficient.
+SELECT_CHUNK = 128
+
 
 # ---------------------------------------------------------------- pure functions
 def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
@@ -28,8 +32,12 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, scale: float
 
     q: (B, C, n, d) indexer queries; w: (B, C, n) head weights; k: (B, S, d) keys -> (B, C, S), fp32.
     """
-    logits = torch.einsum("bcnd,bsd->bcns", q.float(), k.float()) * scale
-    return torch.einsum("bcn,bcns->bcs", w.float(), F.relu(logits))
+    logits = torch.einsum("bcnd,bsd->bcns", q.float(), k.float())
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        logits = F.relu(logits * scale)
+    else:
+        logits = logits.mul_(scale).relu_()  # selection only: the same values, no copies kept for backward
+    return torch.einsum("bcn,bcns->bcs", w.float(), logits)
 
 
 def causal_mask(q_slots: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -172,6 +180,20 @@ def attention_mask(indices, q_slots, num_keys, q_docs=None, k_docs=None):
     return allowed.unsqueeze(1)
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+         scale: float) -> torch.Tensor:
+    """Scaled dot-product attention of (B, T, H, D) queries, (B, S, H, D) keys and (B, S, H, Dv) values
+    -> (B, T, H, Dv). torch's fused CPU kernel (flash, masks included) needs Dv == D and otherwise falls
+    back to the unfused math path (scores, softmax and their backward all materialised, about 1.6x
+    slower here): on CPU the values are zero-padded to D and the padding sliced off the output."""
+    dv = v.shape[-1]
+    if q.device.type == "cpu" and dv < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - dv))
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask, is_causal=causal, scale=scale)
+    return out.transpose(1, 2)[..., :dv]
+
+
 @torch.no_grad()
 def _max_logit(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """max over attended (query, key, head) of q.k * scale; q: (B, T, H, D), k: (B, S, H, D)."""
@@ -254,6 +276,10 @@ class MLAttention(nn.Module):
         differentiable index scores."""
         if self.indexer is None:
             return prev_topk, None
+        if not want_scores:
+            # The indices alone are discrete: nothing to differentiate, so no graph and no saved tensors.
+            with torch.no_grad():
+                return self._pick(*self.indexer.queries(x, q_resid, cos, sin), index_keys, q_slots, q_docs, k_docs), None
         q_idx, w_idx = self.indexer.queries(x, q_resid, cos, sin)
         chunk = self.runtime.query_chunk
         picks, kept = [], []
@@ -264,9 +290,27 @@ class MLAttention(nn.Module):
             slots = q_slots[start : start + chunk]
             visible = None if k_docs is None else document_mask(q_docs[:, start : start + chunk], k_docs, slots)
             picks.append(select_topk(scores.detach(), slots, self.config.index_topk, visible))
-            if want_scores:
-                kept.append(scores)
-        return torch.cat(picks, dim=1), (torch.cat(kept, dim=1) if want_scores else None)
+            kept.append(scores)
+        return torch.cat(picks, dim=1), torch.cat(kept, dim=1)
+
+    def _pick(self, q_idx, w_idx, index_keys, q_slots, q_docs, k_docs):
+        """The top-k indices alone, scoring each query chunk against only the keys it can see when the
+        queries are the whole sequence (slots 0..T-1): causal attention leaves the keys past a chunk's
+        last query invisible, so about half the scores and selection work of a full (T, T) pass is
+        skipped. Keeps at least k columns, so rows with fewer visible keys pad with the same invisible
+        (lowest-position) keys a full-width selection returns: the indices are identical."""
+        T, S, k = q_idx.shape[1], index_keys.shape[1], self.config.index_topk
+        chunk = min(self.runtime.query_chunk, SELECT_CHUNK)
+        picks = []
+        for start in range(0, T, chunk):
+            stop = min(start + chunk, T)
+            width = min(S, max(stop, k)) if S == T else S
+            keys = index_keys[:, :width]
+            scores = index_scores(q_idx[:, start:stop], w_idx[:, start:stop], keys, self.indexer.scale)
+            slots = q_slots[start:stop]
+            visible = None if k_docs is None else document_mask(q_docs[:, start:stop], k_docs[:, :width], slots)
+            picks.append(select_topk(scores, slots, k, visible))
+        return torch.cat(picks, dim=1)
 
     def _expanded(self, q_nope, q_rope, latent, mask, causal=True):
         B, T, H, _ = q_nope.shape
@@ -277,11 +321,7 @@ class MLAttention(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1)
         if self.track_max_logit:
             self.max_logit = _max_logit(q, k, mask, self.scale)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask, is_causal=mask is None and causal, scale=self.scale,
-        )
-        return out.transpose(1, 2)  # (B, T, H, v)
+        return sdpa(q, k, v, mask, mask is None and causal, self.scale)
 
     def kv_b_halves(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK (H, nope, R), W_UV (H, v, R)): the key and value halves of kv_b_proj, per head (views)."""
