@@ -1,0 +1,124 @@
+"""The training step's fast paths compute what the plain paths do: the fused output-head loss, the
+windowed top-k selection and the flash-padded SDPA."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_reference import small_model
+from orthon.pretrain.attention import sdpa
+from orthon.pretrain.loss import chunked_cross_entropy
+
+
+def _reference(hidden, weight, labels):
+    return F.cross_entropy((hidden @ weight.t()).flatten(0, -2), labels.flatten(), ignore_index=-100,
+                           reduction="sum")
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+@pytest.mark.parametrize("grads", [(True, True), (True, False), (False, True)])
+def test_fused_loss_matches_cross_entropy(chunk, grads):
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 11, 16, requires_grad=grads[0])
+    weight = torch.randn(40, 16, requires_grad=grads[1])
+    labels = torch.randint(0, 40, (3, 11))
+    labels[0, :4] = -100
+    labels[2, -1] = -100
+    wanted = [t for t in (hidden, weight) if t.requires_grad]
+    ref = _reference(hidden, weight, labels)
+    ours = chunked_cross_entropy(hidden, weight, labels, chunk)
+    torch.testing.assert_close(ours, ref)
+    for g, r in zip(torch.autograd.grad(ours * 0.5, wanted), torch.autograd.grad(ref * 0.5, wanted)):
+        torch.testing.assert_close(g, r)
+    with torch.no_grad():
+        torch.testing.assert_close(chunked_cross_entropy(hidden, weight, labels, chunk), ref.detach())
+
+
+def test_fused_loss_ignored_rows_get_no_gradient():
+    hidden = torch.randn(6, 8, requires_grad=True)
+    weight = torch.randn(10, 8, requires_grad=True)
+    labels = torch.tensor([3, -100, 1, -100, -100, 9])
+    chunked_cross_entropy(hidden, weight, labels, 4).backward()
+    assert hidden.grad[[1, 3, 4]].abs().sum() == 0
+    assert hidden.grad[[0, 2, 5]].abs().min() > 0
+
+
+def test_fused_loss_under_bf16_autocast_matches_bf16_matmuls():
+    """Under autocast the logits come from bf16 matmuls (as lm_head would give), the softmax in fp32;
+    the gradients come back in the inputs' dtypes."""
+    torch.manual_seed(1)
+    hidden = torch.randn(20, 32, requires_grad=True)
+    weight = torch.randn(50, 32, requires_grad=True)
+    labels = torch.randint(0, 50, (20,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = chunked_cross_entropy(hidden, weight, labels, 7)
+        ref = F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum")
+    ours.backward()
+    g_ours = (hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    ref.backward()
+    assert g_ours[0].dtype == torch.float32 and g_ours[1].dtype == torch.float32
+    torch.testing.assert_close(ours, ref, rtol=2e-2, atol=0.5)
+    for g, r in zip(g_ours, (hidden.grad, weight.grad)):
+        assert (g - r).norm() / r.norm() < 0.02
+
+
+@pytest.mark.parametrize("impl", ["mask", "gather"])
+def test_model_loss_without_logits_equals_loss_from_logits(impl):
+    """return_logits=False (the fused chunked head) gives the loss and every gradient of the plain path."""
+    torch.manual_seed(0)
+    model = small_model("dsa", sparse_impl=impl)
+    ids = torch.randint(0, 257, (2, 30))
+    labels = ids.roll(-1, 1)
+    labels[:, -1] = -100
+    out = model(ids, labels=labels, return_logits=True)
+    ref = torch.autograd.grad(out.loss, list(model.parameters()), allow_unused=True)
+    fused = model(ids, labels=labels, return_logits=False)
+    ours = torch.autograd.grad(fused.loss, list(model.parameters()), allow_unused=True)
+    assert fused.logits is None
+    torch.testing.assert_close(fused.loss, out.loss)
+    for (name, _), g, r in zip(model.named_parameters(), ours, ref):
+        assert (g is None) == (r is None), name
+        if g is not None:
+            torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("docs", [False, True])
+def test_windowed_selection_equals_full_width_selection(docs):
+    """The index-only selection scores each query chunk against its visible keys; the indices equal those
+    of the full (T, T) selection that mid-training's scored path runs, rows shorter than k included."""
+    model = small_model("dsa", index_topk=20, query_chunk=300)
+    attn = model.model.layers[0].self_attn
+    B, T = 2, 300  # more than SELECT_CHUNK queries, so several windows
+    torch.manual_seed(0)
+    x = torch.randn(B, T, model.config.hidden_size)
+    from orthon.pretrain.layers import rope_cos_sin
+
+    cos, sin = rope_cos_sin(torch.arange(T), model.config.qk_rope_head_dim, model.config.rope_theta, x.dtype)
+    q_resid = attn.project(x, cos, sin)[0]
+    keys = attn.indexer.keys(x, cos, sin)
+    slots = torch.arange(T)
+    doc_ids = torch.tensor([[0] * 130 + [1] * 170, [0] * 7 + [1] * 293]) if docs else None
+    fast, none = attn._select(x, q_resid, cos, sin, keys, slots, None, False, doc_ids, doc_ids)
+    full, scores = attn._select(x, q_resid, cos, sin, keys, slots, None, True, doc_ids, doc_ids)
+    assert none is None and scores.shape == (B, T, T)
+    assert fast.shape == (B, T, 20)
+    assert torch.equal(fast, full)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_sdpa_with_narrower_values_matches_softmax_attention(masked):
+    torch.manual_seed(0)
+    B, T, H, D, Dv = 2, 9, 3, 8, 5
+    q, k = torch.randn(B, T, H, D), torch.randn(B, T, H, D)
+    v = torch.randn(B, T, H, Dv)
+    allowed = torch.ones(T, T, dtype=torch.bool).tril()
+    mask = None
+    if masked:
+        allowed = allowed & (torch.rand(B, 1, T, T) < 0.6) | torch.eye(T, dtype=torch.bool)
+        mask = allowed
+    logits = torch.einsum("bthd,bshd->bhts", q, k) * 0.3
+    probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
+    expected = torch.einsum("bhts,bshv->bthv", probs, v)
+    out = sdpa(q, k, v, mask, not masked, 0.3)
+    assert out.shape == (B, T, H, Dv)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
