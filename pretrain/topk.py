@@ -17,9 +17,10 @@ def ordered_key(scores: torch.Tensor) -> torch.Tensor:
     """int64 keys, strictly monotone in (score, -position) along the last dim."""
     s = scores.float() + 0.0  # -0.0 -> +0.0 so the two zeros tie, as they compare equal
     bits = s.contiguous().view(torch.int32)
-    # Negative floats order backwards as signed ints: flip their magnitude bits (in 32 bits, half the
-    # memory traffic of doing it on the int64 keys).
-    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    # Negative floats order backwards as signed ints: flip their magnitude bits. bits >> 31 is all ones
+    # exactly for the negatives, so one xor does it (a vectorised bit op, unlike torch.where on ints;
+    # in 32 bits, half the memory traffic of doing it on the int64 keys).
+    bits = bits ^ (bits >> 31).bitwise_and_(0x7FFFFFFF)
     reversed_positions = _LOW - 1 - torch.arange(scores.shape[-1], device=scores.device, dtype=torch.int64)
     return bits.to(torch.int64).mul_(_LOW).add_(reversed_positions)
 
