@@ -141,3 +141,22 @@ def test_complex_rope_equals_the_pairwise_formula_with_gradients():
     (g_slow,) = torch.autograd.grad((slow * weights).sum(), base)
     torch.testing.assert_close(g_fast, g_slow, atol=1e-6, rtol=0)
     assert g_fast[..., :4].abs().sum() == 0 and g_fast[..., 4:12].abs().min() > 0
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 16), (7, 12)])
+def test_rms_norm_matches_autograd_of_the_plain_formula(shape):
+    from orthon.pretrain.layers import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(shape[-1], eps=1e-5)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(shape, requires_grad=True) * 3
+    out = norm(x)
+    ref = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(out, ref)
+    g = torch.randn(shape)
+    ours = torch.autograd.grad(out, (x, norm.weight), g)
+    theirs = torch.autograd.grad(ref, (x, norm.weight), g)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
