@@ -349,7 +349,8 @@ class MLAttention(nn.Module):
         q_resid, q_nope, q_rope, latent = self.project(x, cos, sin)
         index_keys = None
         if self.indexer is not None and self.runtime.sparse_attention:
-            index_keys = self.indexer.keys(x, cos, sin)
+            with torch.set_grad_enabled(torch.is_grad_enabled() and want_index_scores):  # else selection only
+                index_keys = self.indexer.keys(x, cos, sin)
         k_docs = doc_ids
         if cache is not None:
             latent, index_keys = cache.append(self.layer, latent, index_keys)

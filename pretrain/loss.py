@@ -35,14 +35,13 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 def _chunk_loss_and_logit_grad(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, want_grad: bool):
     """Summed CE of one chunk and, if wanted, d(sum)/d(logits) = softmax - onehot (zero on ignored rows),
     computed in place over the chunk's fp32 logits."""
-    logits = (h @ w.t()).float()
+    logprobs = torch.log_softmax((h @ w.t()).float(), dim=-1)  # one fused pass (max, sum of exp, write)
     counted = y != IGNORE_INDEX
     target = y.clamp(min=0)[:, None]
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    loss = ((lse - logits.gather(1, target)).squeeze(1) * counted).sum()
+    loss = -(logprobs.gather(1, target).squeeze(1) * counted).sum()
     if not want_grad:
         return loss, None
-    probs = logits.sub_(lse).exp_()
+    probs = logprobs.exp_()
     probs.scatter_add_(1, target, -counted[:, None].to(probs.dtype))
     probs.mul_(counted[:, None])
     return loss, probs
