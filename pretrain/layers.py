@@ -42,6 +42,15 @@ class _RMSNorm(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul on t runs in: autocast's for t's device when it is on, else t's own (for the
+    hand-written kernels that must match what F.linear would do)."""
+    device = t.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return t.dtype
+
+
 def rope_inv_freq(dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from orthon.data.loader import IGNORE_INDEX
+from orthon.pretrain.layers import compute_dtype
 
 # Rows per chunk of the fused output-head loss when the caller sets none: a chunk's fp32 logits of a
 # 4k vocabulary are 4 MB, so the passes over them (log-sum-exp, softmax, the two gradient matmuls) run
@@ -22,14 +23,6 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "
     """Next-token cross-entropy in fp32 of (..., V) logits against (...) labels (-100 ignored)."""
     return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX,
                            reduction=reduction)
-
-
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    """The matmul dtype autocast would pick for t's device, else t's own."""
-    device = t.device.type
-    if torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return t.dtype
 
 
 def _chunk_loss_and_logit_grad(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, want_grad: bool):
@@ -49,7 +42,7 @@ def _chunk_loss_and_logit_grad(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor
 
 def _summed_loss(hidden, weight, labels, chunk, need_h, need_w):
     """(sum of CE, d/dhidden or None, d/dweight or None), chunk rows at a time; the gradients in fp32."""
-    dtype = _compute_dtype(hidden)
+    dtype = compute_dtype(hidden)
     with torch.autocast(hidden.device.type, enabled=False):
         w = weight.to(dtype)
         total = hidden.new_zeros((), dtype=torch.float32)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from orthon.pretrain.config import ModelConfig
-from orthon.pretrain.layers import MLP
+from orthon.pretrain.layers import MLP, compute_dtype
 
 
 def route(
@@ -64,6 +65,73 @@ def combine_experts(x: torch.Tensor, token: torch.Tensor, order: torch.Tensor, w
     return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
 
 
+def _swiglu_grads(h: torch.Tensor, grad_act: torch.Tensor, out: torch.Tensor) -> None:
+    """d/dh of silu(g) * u (h = [g, u]) given the gradient of the product, written into ``out``."""
+    g, u = h.chunk(2, dim=-1)
+    torch.mul(grad_act, F.silu(g), out=out[:, g.shape[1]:])
+    torch.ops.aten.silu_backward.grad_input(grad_act.mul_(u), g, grad_input=out[:, : g.shape[1]])
+
+
+class _ExpertLoop(torch.autograd.Function):
+    """The routed experts' SwiGLU on tokens sorted by expert, one matmul pair per expert, with a
+    hand-written backward. Autograd's version of the same loop splits the input, unbinds the stacked
+    weights and concatenates the outputs, and in backward concatenates and stacks them all again (three
+    copies of the activations and one of both weight stacks per layer); here every matmul writes its
+    slice of a preallocated result. Experts without tokens still run on zero rows and get a zero
+    gradient: every parameter takes part in every step (DDP and FSDP see the same gradients on every
+    rank)."""
+
+    @staticmethod
+    def forward(ctx, xs, gate_up, down, counts):
+        ctx.dtypes = (xs.dtype, gate_up.dtype, down.dtype)
+        dtype = compute_dtype(xs)  # autocast's, as F.linear would run under it
+        with torch.autocast(xs.device.type, enabled=False):
+            return _ExpertLoop._forward(ctx, xs.to(dtype), gate_up.to(dtype), down.to(dtype), counts)
+
+    @staticmethod
+    def _forward(ctx, xs, gate_up, down, counts):
+        rows = [0]
+        for n in counts:
+            rows.append(rows[-1] + n)
+        two_i = gate_up.shape[1]
+        h = xs.new_empty(xs.shape[0], two_i)
+        act = xs.new_empty(xs.shape[0], two_i // 2)
+        ys = xs.new_empty(xs.shape[0], down.shape[1])
+        for e in range(len(counts)):
+            a, b = rows[e], rows[e + 1]
+            torch.mm(xs[a:b], gate_up[e].t(), out=h[a:b])
+            g, u = h[a:b].chunk(2, dim=-1)
+            torch.mul(F.silu(g), u, out=act[a:b])
+            torch.mm(act[a:b], down[e].t(), out=ys[a:b])
+        ctx.save_for_backward(xs, gate_up, down, h, act)
+        ctx.rows = rows
+        return ys
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_ys):
+        xs, gate_up, down, h, act = ctx.saved_tensors
+        rows = ctx.rows
+        grad_ys = grad_ys.to(xs.dtype).contiguous()
+        need_x, need_gu, need_down = ctx.needs_input_grad[:3]
+        grad_x = torch.empty_like(xs) if need_x else None
+        grad_gu = torch.empty_like(gate_up) if need_gu else None
+        grad_down = torch.empty_like(down) if need_down else None
+        grad_h = torch.empty_like(h)
+        for e in range(len(rows) - 1):
+            a, b = rows[e], rows[e + 1]
+            gy = grad_ys[a:b]
+            if need_down:
+                torch.mm(gy.t(), act[a:b], out=grad_down[e])
+            _swiglu_grads(h[a:b], gy @ down[e], grad_h[a:b])
+            if need_gu:
+                torch.mm(grad_h[a:b].t(), xs[a:b], out=grad_gu[e])
+            if need_x:
+                torch.mm(grad_h[a:b], gate_up[e], out=grad_x[a:b])
+        grads = (grad_x, grad_gu, grad_down)
+        return (*(None if g is None else g.to(d) for g, d in zip(grads, ctx.dtypes)), None)
+
+
 def grouped_experts(
     x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
@@ -82,15 +150,7 @@ def grouped_experts(
         g, u = h.chunk(2, dim=-1)
         ys = F.grouped_mm(F.silu(g) * u, down.to(bf16).transpose(1, 2), offs=offs)
     else:
-        pieces = []
-        # unbind once: indexing gate_up[e] per expert would make autograd build a full-size
-        # zero gradient for every expert.
-        # Experts without tokens still run (on zero rows): every parameter stays in the graph, so
-        # DDP and FSDP see the same set of gradients on every rank and step.
-        for part, w_gu, w_down in zip(xs.split(counts.tolist()), gate_up.unbind(0), down.unbind(0)):
-            g, u = F.linear(part, w_gu).chunk(2, dim=-1)
-            pieces.append(F.linear(F.silu(g) * u, w_down))
-        ys = torch.cat(pieces)
+        ys = _ExpertLoop.apply(xs, gate_up, down, counts.tolist())
     return combine_experts(x, token, order, weights, ys)
 
 
