@@ -45,15 +45,17 @@ def causal_mask(q_slots: torch.Tensor, num_keys: int) -> torch.Tensor:
     return torch.arange(num_keys, device=q_slots.device) <= q_slots[:, None]
 
 
-def select_topk(scores: torch.Tensor, q_slots: torch.Tensor, k: int, visible: torch.Tensor | None = None) -> torch.Tensor:
-    """Top-k key indices per query among visible keys (ties to the lower position). (B, C, S) -> (B, C, k).
+def select_topk(scores: torch.Tensor, q_slots: torch.Tensor, k: int, visible: torch.Tensor | None = None,
+                ordered: bool = True) -> torch.Tensor:
+    """Top-k key indices per query among visible keys (ties to the lower position). (B, C, S) -> (B, C, k),
+    from the highest score down unless ``ordered`` is False (the same set, in any order).
 
     visible: (B, C, S) bool, default causal. Rows with fewer than k visible keys also return some
     invisible keys; attention masks those out.
     """
     if visible is None:
         visible = causal_mask(q_slots, scores.shape[-1])
-    return deterministic_topk(scores.masked_fill(~visible, float("-inf")), k)
+    return deterministic_topk(scores.masked_fill(~visible, float("-inf")), k, ordered)
 
 
 def document_mask(q_docs: torch.Tensor, k_docs: torch.Tensor, q_slots: torch.Tensor) -> torch.Tensor:
@@ -271,15 +273,17 @@ class MLAttention(nn.Module):
         latent = torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_rope, cos, sin)], dim=-1)
         return q_resid, q_nope, apply_rope(q_rope, cos, sin), latent
 
-    def _select(self, x, q_resid, cos, sin, index_keys, q_slots, prev_topk, want_scores, q_docs=None, k_docs=None):
+    def _select(self, x, q_resid, cos, sin, index_keys, q_slots, prev_topk, want_scores, q_docs=None, k_docs=None,
+                ordered=True):
         """Top-k indices for this layer (own indexer or the shared previous one) and, when asked, the
-        differentiable index scores."""
+        differentiable index scores. ordered=False: the selected set in any order (for the masked path)."""
         if self.indexer is None:
             return prev_topk, None
         if not want_scores:
             # The indices alone are discrete: nothing to differentiate, so no graph and no saved tensors.
             with torch.no_grad():
-                return self._pick(*self.indexer.queries(x, q_resid, cos, sin), index_keys, q_slots, q_docs, k_docs), None
+                q_idx, w_idx = self.indexer.queries(x, q_resid, cos, sin)
+                return self._pick(q_idx, w_idx, index_keys, q_slots, q_docs, k_docs, ordered), None
         q_idx, w_idx = self.indexer.queries(x, q_resid, cos, sin)
         chunk = self.runtime.query_chunk
         picks, kept = [], []
@@ -293,7 +297,7 @@ class MLAttention(nn.Module):
             kept.append(scores)
         return torch.cat(picks, dim=1), torch.cat(kept, dim=1)
 
-    def _pick(self, q_idx, w_idx, index_keys, q_slots, q_docs, k_docs):
+    def _pick(self, q_idx, w_idx, index_keys, q_slots, q_docs, k_docs, ordered=True):
         """The top-k indices alone, scoring each query chunk against only the keys it can see when the
         queries are the whole sequence (slots 0..T-1): causal attention leaves the keys past a chunk's
         last query invisible, so about half the scores and selection work of a full (T, T) pass is
@@ -309,7 +313,7 @@ class MLAttention(nn.Module):
             scores = index_scores(q_idx[:, start:stop], w_idx[:, start:stop], keys, self.indexer.scale)
             slots = q_slots[start:stop]
             visible = None if k_docs is None else document_mask(q_docs[:, start:stop], k_docs[:, :width], slots)
-            picks.append(select_topk(scores, slots, k, visible))
+            picks.append(select_topk(scores, slots, k, visible, ordered))
         return torch.cat(picks, dim=1)
 
     def _expanded(self, q_nope, q_rope, latent, mask, causal=True):
@@ -358,7 +362,9 @@ class MLAttention(nn.Module):
         S = latent.shape[1]
         topk, scores = None, None
         if self.runtime.sparse_attention and (S > self.config.index_topk or want_index_scores):
-            topk, scores = self._select(x, q_resid, cos, sin, index_keys, q_slots, prev_topk, want_index_scores, doc_ids, k_docs)
+            masked = cache is None and not self._use_gather(T)  # marks the selection: its order is free
+            topk, scores = self._select(x, q_resid, cos, sin, index_keys, q_slots, prev_topk, want_index_scores,
+                                        doc_ids, k_docs, ordered=not masked)
             if S <= self.config.index_topk:
                 topk = None  # every causal key is selected: plain causal attention
         if cache is not None or (topk is not None and self._use_gather(T)):

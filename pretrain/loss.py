@@ -25,10 +25,10 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "
                            reduction=reduction)
 
 
-def _chunk_loss_and_logit_grad(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, want_grad: bool):
+def _chunk_loss_and_logit_grad(h: torch.Tensor, w_t: torch.Tensor, y: torch.Tensor, want_grad: bool):
     """Summed CE of one chunk and, if wanted, d(sum)/d(logits) = softmax - onehot (zero on ignored rows),
-    computed in place over the chunk's fp32 logits."""
-    logprobs = torch.log_softmax((h @ w.t()).float(), dim=-1)  # one fused pass (max, sum of exp, write)
+    computed in place over the chunk's fp32 logits. w_t: the output head transposed, (D, V)."""
+    logprobs = torch.log_softmax((h @ w_t).float(), dim=-1)  # one fused pass (max, sum of exp, write)
     counted = y != IGNORE_INDEX
     target = y.clamp(min=0)[:, None]
     loss = -(logprobs.gather(1, target).squeeze(1) * counted).sum()
@@ -45,12 +45,14 @@ def _summed_loss(hidden, weight, labels, chunk, need_h, need_w):
     dtype = compute_dtype(hidden)
     with torch.autocast(hidden.device.type, enabled=False):
         w = weight.to(dtype)
+        # A contiguous (D, V) copy once: a few rows times the transposed view is about 25% slower on CPU.
+        w_t = w.t().contiguous()
         total = hidden.new_zeros((), dtype=torch.float32)
         grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start : start + chunk].to(dtype)
-            loss, probs = _chunk_loss_and_logit_grad(h, w, labels[start : start + chunk], need_h or need_w)
+            loss, probs = _chunk_loss_and_logit_grad(h, w_t, labels[start : start + chunk], need_h or need_w)
             total += loss
             if probs is None:
                 continue

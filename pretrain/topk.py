@@ -25,8 +25,9 @@ def ordered_key(scores: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int64).mul_(_LOW).add_(reversed_positions)
 
 
-def deterministic_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+def deterministic_topk(scores: torch.Tensor, k: int, ordered: bool = True) -> torch.Tensor:
     """Indices (int64) of the k largest scores along the last dim, ties to the lower position,
-    ordered from the largest score down."""
+    ordered from the largest score down (``ordered=False``: the same set in any order, about 1.5x
+    faster, for callers that only mark the selected keys)."""
     k = min(k, scores.shape[-1])
-    return ordered_key(scores).topk(k, dim=-1).indices
+    return ordered_key(scores).topk(k, dim=-1, sorted=ordered).indices

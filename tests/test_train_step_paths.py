@@ -103,6 +103,8 @@ def test_windowed_selection_equals_full_width_selection(docs):
     assert none is None and scores.shape == (B, T, T)
     assert fast.shape == (B, T, 20)
     assert torch.equal(fast, full)
+    unordered, _ = attn._select(x, q_resid, cos, sin, keys, slots, None, False, doc_ids, doc_ids, ordered=False)
+    assert torch.equal(unordered.sort(-1).values, full.sort(-1).values)
 
 
 @pytest.mark.parametrize("masked", [False, True])
