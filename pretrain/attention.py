@@ -165,21 +165,22 @@ def absorbed_attention(
     return torch.cat(outputs, dim=1)
 
 
-def attention_mask(indices, q_slots, num_keys, q_docs=None, k_docs=None):
-    """(B or 1, 1, T, S) bool SDPA mask: causal, within the document if docs are given, the selected keys
-    if indices; None when plain causal attention does."""
+def attention_mask(indices, q_slots, num_keys, q_docs=None, k_docs=None, dtype=torch.float32):
+    """SDPA mask, (B or 1, 1, T, S): None when plain causal attention does; with top-k indices an additive
+    mask (0 on the selected keys each query may see, -inf elsewhere) in ``dtype``, built from the k
+    indices alone (the fused CPU kernel takes it as it is, where a bool mask is converted first: two
+    passes over (B, T, S)); else a bool mask, causal within documents."""
     if indices is None and k_docs is None:
         return None
-    if k_docs is None:
-        allowed = causal_mask(q_slots, num_keys)[None]
-    else:
-        allowed = document_mask(q_docs, k_docs, q_slots)
-    if indices is not None:
-        B, T, _ = indices.shape
-        chosen = torch.zeros(B, T, num_keys, dtype=torch.bool, device=indices.device)
-        chosen.scatter_(-1, indices, True)
-        allowed = allowed & chosen
-    return allowed.unsqueeze(1)
+    if indices is None:
+        return document_mask(q_docs, k_docs, q_slots).unsqueeze(1)
+    B, T, _ = indices.shape
+    seen = indices <= q_slots[None, :, None]  # rows short of k visible keys also hold invisible ones
+    if k_docs is not None:
+        seen = seen & (k_docs.gather(1, indices.reshape(B, -1)).view_as(indices) == q_docs[..., None])
+    blocked = torch.full((B, T, num_keys), float("-inf"), dtype=dtype, device=indices.device)
+    open_ = torch.zeros((), dtype=dtype, device=indices.device)
+    return blocked.scatter_(-1, indices, torch.where(seen, open_, blocked[:, :, :1])).unsqueeze(1)
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
@@ -190,7 +191,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     slower here): on CPU the values are zero-padded to D and the padding sliced off the output."""
     dv = v.shape[-1]
     if q.device.type == "cpu" and dv < q.shape[-1]:
-        v = F.pad(v, (0, q.shape[-1] - dv))
+        v = torch.cat([v, v.new_zeros(()).expand(*v.shape[:-1], q.shape[-1] - dv)], dim=-1)  # one write
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=mask, is_causal=causal, scale=scale)
     return out.transpose(1, 2)[..., :dv]
@@ -202,6 +203,8 @@ def _max_logit(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scal
     logits = torch.einsum("bthd,bshd->bhts", q, k) * scale
     if mask is None:
         mask = causal_mask(torch.arange(q.shape[1], device=q.device), k.shape[1])
+    if mask.dtype != torch.bool:  # additive
+        return (logits + mask).amax()
     return logits.masked_fill(~mask, float("-inf")).amax()
 
 
@@ -370,7 +373,7 @@ class MLAttention(nn.Module):
         if cache is not None or (topk is not None and self._use_gather(T)):
             out = self._absorbed(q_nope, q_rope, latent, q_slots, topk, doc_ids, k_docs)
         else:
-            out = self._expanded(q_nope, q_rope, latent, attention_mask(topk, q_slots, S, doc_ids, k_docs))
+            out = self._expanded(q_nope, q_rope, latent, attention_mask(topk, q_slots, S, doc_ids, k_docs, q_nope.dtype))
         return self.o_proj(out.reshape(B, T, -1)), topk, scores
 
     def _use_gather(self, T: int) -> bool:

@@ -207,3 +207,22 @@ def test_expert_loop_under_bf16_autocast_runs_in_bf16_and_returns_fp32_grads():
     torch.testing.assert_close(ours, ref)
     ours.float().sum().backward()
     assert xs.grad.dtype == gate_up.grad.dtype == down.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("docs", [False, True])
+def test_additive_topk_mask_opens_exactly_the_visible_selected_keys(docs):
+    from orthon.pretrain.attention import _max_logit, attention_mask, causal_mask, document_mask
+
+    torch.manual_seed(0)
+    B, T, k = 2, 12, 5
+    slots = torch.arange(T)
+    indices = torch.stack([torch.randperm(T)[:k] for _ in range(B * T)]).view(B, T, k)
+    q_docs = k_docs = torch.tensor([[0] * 4 + [1] * 8, [0] * 12]) if docs else None
+    mask = attention_mask(indices, slots, T, q_docs, k_docs)
+    assert mask.dtype == torch.float32 and mask.shape == (B, 1, T, T)
+    chosen = torch.zeros(B, T, T, dtype=torch.bool).scatter_(-1, indices, True)
+    allowed = (document_mask(q_docs, k_docs, slots) if docs else causal_mask(slots, T)[None]) & chosen
+    assert torch.equal(mask[:, 0] == 0, allowed)
+    assert torch.all(mask[:, 0][~allowed] == float("-inf"))
+    q, key = torch.randn(B, T, 3, 4), torch.randn(B, T, 3, 4)
+    assert _max_logit(q, key, mask, 0.5) == _max_logit(q, key, allowed.unsqueeze(1), 0.5)
