@@ -107,12 +107,17 @@ def test_windowed_selection_equals_full_width_selection(docs):
     assert torch.equal(unordered.sort(-1).values, full.sort(-1).values)
 
 
+@pytest.mark.parametrize("chunk", [4, 1 << 30])
 @pytest.mark.parametrize("masked", [False, True])
-def test_sdpa_with_narrower_values_matches_softmax_attention(masked):
+def test_sdpa_with_narrower_values_matches_softmax_attention(masked, chunk, monkeypatch):
+    """Also in causal query chunks (each over the keys it can see): the same values and gradients."""
+    import orthon.pretrain.attention as attention
+
+    monkeypatch.setattr(attention, "CAUSAL_QUERY_CHUNK", chunk)
     torch.manual_seed(0)
     B, T, H, D, Dv = 2, 9, 3, 8, 5
-    q, k = torch.randn(B, T, H, D), torch.randn(B, T, H, D)
-    v = torch.randn(B, T, H, Dv)
+    q, k = torch.randn(B, T, H, D, requires_grad=True), torch.randn(B, T, H, D, requires_grad=True)
+    v = torch.randn(B, T, H, Dv, requires_grad=True)
     allowed = torch.ones(T, T, dtype=torch.bool).tril()
     mask = None
     if masked:
@@ -121,9 +126,12 @@ def test_sdpa_with_narrower_values_matches_softmax_attention(masked):
     logits = torch.einsum("bthd,bshd->bhts", q, k) * 0.3
     probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
     expected = torch.einsum("bhts,bshv->bthv", probs, v)
-    out = sdpa(q, k, v, mask, not masked, 0.3)
+    out = sdpa(q, k, v, mask, True, 0.3)
     assert out.shape == (B, T, H, Dv)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(expected, (q, k, v), g)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_complex_rope_equals_the_pairwise_formula_with_gradients():
