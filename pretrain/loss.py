@@ -36,7 +36,9 @@ def _chunk_loss_and_logit_grad(h: torch.Tensor, w_t: torch.Tensor, y: torch.Tens
         return loss, None
     probs = logprobs.exp_()
     probs.scatter_add_(1, target, -counted[:, None].to(probs.dtype))
-    probs.mul_(counted[:, None])
+    ignored = (~counted).nonzero().squeeze(1)
+    if ignored.numel():  # zero the ignored rows alone, not a pass over the whole chunk
+        probs.index_fill_(0, ignored, 0.0)
     return loss, probs
 
 
