@@ -57,11 +57,12 @@ def sort_by_expert(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
     return order, order // indices.shape[1], torch.bincount(flat, minlength=num_experts)
 
 
-def combine_experts(x: torch.Tensor, token: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
+def combine_experts(x: torch.Tensor, token: torch.Tensor, order: torch.Tensor, weights: torch.Tensor | None,
                     ys: torch.Tensor) -> torch.Tensor:
     """Sum the expert outputs ys (N*k, H), in sort_by_expert's order, into their rows, each times its
-    routing weight. Returns (N, H) in x's dtype."""
-    ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
+    routing weight (weights None: ys are weighted already). Returns (N, H) in x's dtype."""
+    if weights is not None:
+        ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
     return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
 
 
@@ -73,23 +74,25 @@ def _swiglu_grads(h: torch.Tensor, grad_act: torch.Tensor, out: torch.Tensor) ->
 
 
 class _ExpertLoop(torch.autograd.Function):
-    """The routed experts' SwiGLU on tokens sorted by expert, one matmul pair per expert, with a
-    hand-written backward. Autograd's version of the same loop splits the input, unbinds the stacked
-    weights and concatenates the outputs, and in backward concatenates and stacks them all again (three
-    copies of the activations and one of both weight stacks per layer); here every matmul writes its
-    slice of a preallocated result. Experts without tokens still run on zero rows and get a zero
-    gradient: every parameter takes part in every step (DDP and FSDP see the same gradients on every
-    rank)."""
+    """The routed experts' SwiGLU on tokens sorted by expert, each output row times its routing weight,
+    one matmul pair per expert, with a hand-written backward. Autograd's version of the same loop splits
+    the input, unbinds the stacked weights and concatenates the outputs, and in backward concatenates and
+    stacks them all again (three copies of the activations and one of both weight stacks per layer),
+    and weights the outputs in separate passes over all of them; here every matmul writes its slice of
+    a preallocated result and the weighting runs on that slice while it is still in cache. Experts
+    without tokens still run on zero rows and get a zero gradient: every parameter takes part in every
+    step (DDP and FSDP see the same gradients on every rank)."""
 
     @staticmethod
-    def forward(ctx, xs, gate_up, down, counts):
-        ctx.dtypes = (xs.dtype, gate_up.dtype, down.dtype)
+    def forward(ctx, xs, gate_up, down, weights, counts):
+        ctx.dtypes = (xs.dtype, gate_up.dtype, down.dtype, weights.dtype)
         dtype = compute_dtype(xs)  # autocast's, as F.linear would run under it
         with torch.autocast(xs.device.type, enabled=False):
-            return _ExpertLoop._forward(ctx, xs.to(dtype), gate_up.to(dtype), down.to(dtype), counts)
+            return _ExpertLoop._forward(ctx, xs.to(dtype), gate_up.to(dtype), down.to(dtype), weights.to(dtype),
+                                        counts)
 
     @staticmethod
-    def _forward(ctx, xs, gate_up, down, counts):
+    def _forward(ctx, xs, gate_up, down, weights, counts):
         rows = [0]
         for n in counts:
             rows.append(rows[-1] + n)
@@ -102,33 +105,37 @@ class _ExpertLoop(torch.autograd.Function):
             torch.mm(xs[a:b], gate_up[e].t(), out=h[a:b])
             g, u = h[a:b].chunk(2, dim=-1)
             torch.mul(F.silu(g), u, out=act[a:b])
-            torch.mm(act[a:b], down[e].t(), out=ys[a:b])
-        ctx.save_for_backward(xs, gate_up, down, h, act)
+            torch.mm(act[a:b], down[e].t(), out=ys[a:b]).mul_(weights[a:b, None])
+        ctx.save_for_backward(xs, gate_up, down, weights, h, act)
         ctx.rows = rows
         return ys
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_ys):
-        xs, gate_up, down, h, act = ctx.saved_tensors
+        xs, gate_up, down, weights, h, act = ctx.saved_tensors
         rows = ctx.rows
         grad_ys = grad_ys.to(xs.dtype).contiguous()
-        need_x, need_gu, need_down = ctx.needs_input_grad[:3]
+        need_x, need_gu, need_down, need_w = ctx.needs_input_grad[:4]
         grad_x = torch.empty_like(xs) if need_x else None
         grad_gu = torch.empty_like(gate_up) if need_gu else None
         grad_down = torch.empty_like(down) if need_down else None
+        grad_w = torch.empty_like(weights) if need_w else None
         grad_h = torch.empty_like(h)
         for e in range(len(rows) - 1):
             a, b = rows[e], rows[e + 1]
-            gy = grad_ys[a:b]
+            gy, w = grad_ys[a:b], weights[a:b, None]
+            grad_act = gy @ down[e]  # of the unweighted product act @ down^T, before the weight
+            if need_w:
+                torch.sum(grad_act * act[a:b], dim=-1, out=grad_w[a:b])
             if need_down:
-                torch.mm(gy.t(), act[a:b], out=grad_down[e])
-            _swiglu_grads(h[a:b], gy @ down[e], grad_h[a:b])
+                torch.mm(gy.t(), act[a:b].mul_(w), out=grad_down[e])  # act is not needed after this
+            _swiglu_grads(h[a:b], grad_act.mul_(w), grad_h[a:b])
             if need_gu:
                 torch.mm(grad_h[a:b].t(), xs[a:b], out=grad_gu[e])
             if need_x:
                 torch.mm(grad_h[a:b], gate_up[e], out=grad_x[a:b])
-        grads = (grad_x, grad_gu, grad_down)
+        grads = (grad_x, grad_gu, grad_down, grad_w)
         return (*(None if g is None else g.to(d) for g, d in zip(grads, ctx.dtypes)), None)
 
 
@@ -150,7 +157,8 @@ def grouped_experts(
         g, u = h.chunk(2, dim=-1)
         ys = F.grouped_mm(F.silu(g) * u, down.to(bf16).transpose(1, 2), offs=offs)
     else:
-        ys = _ExpertLoop.apply(xs, gate_up, down, counts.tolist())
+        ys = _ExpertLoop.apply(xs, gate_up, down, weights.reshape(-1)[order], counts.tolist())
+        return combine_experts(x, token, order, None, ys)
     return combine_experts(x, token, order, weights, ys)
 
 

@@ -172,12 +172,12 @@ def test_rms_norm_matches_autograd_of_the_plain_formula(shape):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def _autograd_expert_loop(xs, gate_up, down, counts):
+def _autograd_expert_loop(xs, gate_up, down, weights, counts):
     pieces = []
     for part, w_gu, w_down in zip(xs.split(counts), gate_up.unbind(0), down.unbind(0)):
         g, u = F.linear(part, w_gu).chunk(2, dim=-1)
         pieces.append(F.linear(F.silu(g) * u, w_down))
-    return torch.cat(pieces)
+    return torch.cat(pieces) * weights[:, None]
 
 
 @pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 0, 9, 0]])
@@ -189,12 +189,13 @@ def test_expert_loop_matches_autograd_including_empty_experts(counts):
     xs = torch.randn(sum(counts), H, requires_grad=True)
     gate_up = torch.randn(E, 2 * I, H, requires_grad=True)
     down = torch.randn(E, H, I, requires_grad=True)
+    weights = torch.rand(sum(counts), requires_grad=True)
     g = torch.randn(sum(counts), H)
-    ours = _ExpertLoop.apply(xs, gate_up, down, counts)
-    ref = _autograd_expert_loop(xs, gate_up, down, counts)
+    ours = _ExpertLoop.apply(xs, gate_up, down, weights, counts)
+    ref = _autograd_expert_loop(xs, gate_up, down, weights, counts)
     torch.testing.assert_close(ours, ref)
-    got = torch.autograd.grad(ours, (xs, gate_up, down), g)
-    want = torch.autograd.grad(ref, (xs, gate_up, down), g)
+    got = torch.autograd.grad(ours, (xs, gate_up, down, weights), g)
+    want = torch.autograd.grad(ref, (xs, gate_up, down, weights), g)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     empty = [e for e, n in enumerate(counts) if n == 0]
@@ -208,9 +209,10 @@ def test_expert_loop_under_bf16_autocast_runs_in_bf16_and_returns_fp32_grads():
     xs = torch.randn(7, 8, requires_grad=True)
     gate_up = torch.randn(2, 6, 8, requires_grad=True)
     down = torch.randn(2, 8, 3, requires_grad=True)
+    weights = torch.rand(7)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        ours = _ExpertLoop.apply(xs, gate_up, down, [4, 3])
-        ref = _autograd_expert_loop(xs, gate_up, down, [4, 3])
+        ours = _ExpertLoop.apply(xs, gate_up, down, weights, [4, 3])
+        ref = _autograd_expert_loop(xs, gate_up, down, weights.bfloat16(), [4, 3])
     assert ours.dtype == ref.dtype == torch.bfloat16
     torch.testing.assert_close(ours, ref)
     ours.float().sum().backward()
