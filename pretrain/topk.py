@@ -21,7 +21,8 @@ def ordered_key(scores: torch.Tensor) -> torch.Tensor:
     # exactly for the negatives, so one xor does it (a vectorised bit op, unlike torch.where on ints;
     # in 32 bits, half the memory traffic of doing it on the int64 keys).
     bits = bits ^ (bits >> 31).bitwise_and_(0x7FFFFFFF)
-    reversed_positions = _LOW - 1 - torch.arange(scores.shape[-1], device=scores.device, dtype=torch.int64)
+    reversed_positions = torch.arange(_LOW - 1, _LOW - 1 - scores.shape[-1], -1, device=scores.device,
+                                      dtype=torch.int64)
     return bits.to(torch.int64).mul_(_LOW).add_(reversed_positions)
 
 
