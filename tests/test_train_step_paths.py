@@ -134,25 +134,6 @@ def test_sdpa_with_narrower_values_matches_softmax_attention(masked, chunk, monk
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_complex_rope_equals_the_pairwise_formula_with_gradients():
-    from orthon.pretrain.layers import apply_rope, rope_cos_sin
-
-    torch.manual_seed(0)
-    cos, sin = rope_cos_sin(torch.arange(7), 8, 10000.0, torch.float32)
-    base = torch.randn(2, 7, 3, 20, requires_grad=True)
-    x = base[..., 4:12]  # a strided slice, as the rope half of a head
-    fast = apply_rope(x, cos, sin)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    slow = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-    torch.testing.assert_close(fast, slow, atol=1e-6, rtol=0)
-    weights = torch.randn_like(slow)
-    (g_fast,) = torch.autograd.grad((fast * weights).sum(), base)
-    (g_slow,) = torch.autograd.grad((slow * weights).sum(), base)
-    torch.testing.assert_close(g_fast, g_slow, atol=1e-6, rtol=0)
-    assert g_fast[..., :4].abs().sum() == 0 and g_fast[..., 4:12].abs().min() > 0
-
-
 @pytest.mark.parametrize("shape", [(3, 5, 16), (7, 12)])
 def test_rms_norm_matches_autograd_of_the_plain_formula(shape):
     from orthon.pretrain.layers import RMSNorm
