@@ -134,6 +134,10 @@ def run(recipe, hf_lr: float, eval_every: int, log=print) -> dict:
         trainer = Trainer(recipe, Path(tmp) / "run", log=lambda *a: None)
         save_weights(trainer.model, Path(tmp) / "init")
         reference = Reference(recipe, str(Path(tmp) / "init"), hf_lr)
+        return _alternate(trainer, reference, recipe, eval_every, log)
+
+
+def _alternate(trainer, reference, recipe, eval_every, log):
     micro = recipe.train.micro_batch_size
     clock = {"orthon": 0.0, "transformers": 0.0}
 
