@@ -178,7 +178,8 @@ def plot(curves: dict, target: float, out_png: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
     for (name, points), color in zip(curves.items(), ("tab:blue", "tab:orange")):
-        ax.plot([p[0] for p in points], [p[2] for p in points], color=color, marker="o", markersize=3, label=name)
+        label = {"orthon": "orthon, tiny recipe (Muon + Split)", "transformers": "transformers + AdamW"}[name]
+        ax.plot([p[0] for p in points], [p[2] for p in points], color=color, marker="o", markersize=3, label=label)
     ax.axhline(target, color="gray", linestyle="--", linewidth=1, label="transformers + AdamW final")
     ax.set_xlabel("wall seconds (training steps only)")
     ax.set_ylabel("held-out loss (nats)")
