@@ -183,8 +183,8 @@ def attention_mask(indices, q_slots, num_keys, q_docs=None, k_docs=None, dtype=t
     return blocked.scatter_(-1, indices, torch.where(seen, open_, blocked[:, :, :1])).unsqueeze(1)
 
 
-# Queries per SDPA call when a causal mask is given: rows [a, b) see no key at or past b, so each call
-# takes only keys [0, b) (the fused kernel cannot skip masked blocks itself). Measured on CPU: the
+# Queries per SDPA call on CPU when a causal mask is given: rows [a, b) see no key at or past b, so each
+# call takes only keys [0, b) (the fused kernel cannot skip masked blocks itself). Measured on CPU: the
 # attention layer's step 9% faster at T = 1024; smaller chunks, or chunking T = 256, cost more than
 # they save.
 CAUSAL_QUERY_CHUNK = 256
@@ -203,7 +203,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
         v = torch.cat([v, v.new_zeros(()).expand(*v.shape[:-1], q.shape[-1] - dv)], dim=-1)  # one write
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     T = q.shape[2]
-    if mask is None or not causal or T != k.shape[2] or T <= CAUSAL_QUERY_CHUNK:
+    if mask is None or not causal or T != k.shape[2] or T <= CAUSAL_QUERY_CHUNK or q.device.type != "cpu":
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                              scale=scale)
     else:
