@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import median_time, report, tiny_pair  # noqa: E402
+from common import cpu_kind, median_time, report, tiny_pair  # noqa: E402
 
 
 
@@ -49,6 +49,7 @@ def main():
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    print(f"CPU: {cpu_kind()}")
     ours, theirs = tiny_pair()
     ours.train(), theirs.train()
     config = ours.config

@@ -21,6 +21,10 @@ from orthon.pretrain.config import ModelConfig, RuntimeOptions
 from orthon.pretrain.layers import RMSNorm, apply_rope
 from orthon.pretrain.topk import deterministic_topk
 
+# Queries per chunk when only the top-k indices are needed: small enough that the causal triangle
+# saves most of the (T, T) scoring work, large enough that each chunk's matmuls stay efficient.
+SELECT_CHUNK = 128
+
 
 # ---------------------------------------------------------------- pure functions
 def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
@@ -28,8 +32,12 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, scale: float
 
     q: (B, C, n, d) indexer queries; w: (B, C, n) head weights; k: (B, S, d) keys -> (B, C, S), fp32.
     """
-    logits = torch.einsum("bcnd,bsd->bcns", q.float(), k.float()) * scale
-    return torch.einsum("bcn,bcns->bcs", w.float(), F.relu(logits))
+    logits = torch.einsum("bcnd,bsd->bcns", q.float(), k.float())
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        logits = F.relu(logits * scale)
+    else:
+        logits = logits.mul_(scale).relu_()  # selection only: the same values, no copies kept for backward
+    return torch.einsum("bcn,bcns->bcs", w.float(), logits)
 
 
 def causal_mask(q_slots: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -37,15 +45,17 @@ def causal_mask(q_slots: torch.Tensor, num_keys: int) -> torch.Tensor:
     return torch.arange(num_keys, device=q_slots.device) <= q_slots[:, None]
 
 
-def select_topk(scores: torch.Tensor, q_slots: torch.Tensor, k: int, visible: torch.Tensor | None = None) -> torch.Tensor:
-    """Top-k key indices per query among visible keys (ties to the lower position). (B, C, S) -> (B, C, k).
+def select_topk(scores: torch.Tensor, q_slots: torch.Tensor, k: int, visible: torch.Tensor | None = None,
+                ordered: bool = True) -> torch.Tensor:
+    """Top-k key indices per query among visible keys (ties to the lower position). (B, C, S) -> (B, C, k),
+    from the highest score down unless ``ordered`` is False (the same set, in any order).
 
     visible: (B, C, S) bool, default causal. Rows with fewer than k visible keys also return some
     invisible keys; attention masks those out.
     """
     if visible is None:
         visible = causal_mask(q_slots, scores.shape[-1])
-    return deterministic_topk(scores.masked_fill(~visible, float("-inf")), k)
+    return deterministic_topk(scores.masked_fill(~visible, float("-inf")), k, ordered)
 
 
 def document_mask(q_docs: torch.Tensor, k_docs: torch.Tensor, q_slots: torch.Tensor) -> torch.Tensor:
@@ -155,21 +165,56 @@ def absorbed_attention(
     return torch.cat(outputs, dim=1)
 
 
-def attention_mask(indices, q_slots, num_keys, q_docs=None, k_docs=None):
-    """(B or 1, 1, T, S) bool SDPA mask: causal, within the document if docs are given, the selected keys
-    if indices; None when plain causal attention does."""
+def attention_mask(indices, q_slots, num_keys, q_docs=None, k_docs=None, dtype=torch.float32):
+    """SDPA mask, (B or 1, 1, T, S): None when plain causal attention does; with top-k indices an additive
+    mask (0 on the selected keys each query may see, -inf elsewhere) in ``dtype``, built from the k
+    indices alone (the fused CPU kernel takes it as it is, where a bool mask is converted first: two
+    passes over (B, T, S)); else a bool mask, causal within documents."""
     if indices is None and k_docs is None:
         return None
-    if k_docs is None:
-        allowed = causal_mask(q_slots, num_keys)[None]
+    if indices is None:
+        return document_mask(q_docs, k_docs, q_slots).unsqueeze(1)
+    B, T, _ = indices.shape
+    seen = indices <= q_slots[None, :, None]  # rows short of k visible keys also hold invisible ones
+    if k_docs is not None:
+        seen = seen & (k_docs.gather(1, indices.reshape(B, -1)).view_as(indices) == q_docs[..., None])
+    blocked = torch.full((B, T, num_keys), float("-inf"), dtype=dtype, device=indices.device)
+    open_ = torch.zeros((), dtype=dtype, device=indices.device)
+    return blocked.scatter_(-1, indices, torch.where(seen, open_, blocked[:, :, :1])).unsqueeze(1)
+
+
+# Queries per SDPA call on CPU when a causal mask is given: rows [a, b) see no key at or past b, so each
+# call takes only keys [0, b) (the fused kernel cannot skip masked blocks itself). Measured on CPU: the
+# attention layer's step 9% faster at T = 1024; smaller chunks, or chunking T = 256, cost more than
+# they save.
+CAUSAL_QUERY_CHUNK = 256
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+         scale: float) -> torch.Tensor:
+    """Scaled dot-product attention of (B, T, H, D) queries, (B, S, H, D) keys and (B, S, H, Dv) values
+    -> (B, T, H, Dv). causal: no query sees a later key (queries and keys the same positions, T == S);
+    with a mask too, the mask must say so as well (it is then trusted, and the key range cut per query
+    chunk). torch's fused CPU kernel (flash, masks included) needs Dv == D and otherwise falls back to
+    the unfused math path (scores, softmax and their backward all materialised, about 1.6x slower
+    here): on CPU the values are zero-padded to D and the padding sliced off the output."""
+    dv = v.shape[-1]
+    if q.device.type == "cpu" and dv < q.shape[-1]:
+        v = torch.cat([v, v.new_zeros(()).expand(*v.shape[:-1], q.shape[-1] - dv)], dim=-1)  # one write
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    T = q.shape[2]
+    if mask is None or not causal or T != k.shape[2] or T <= CAUSAL_QUERY_CHUNK or q.device.type != "cpu":
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                             scale=scale)
     else:
-        allowed = document_mask(q_docs, k_docs, q_slots)
-    if indices is not None:
-        B, T, _ = indices.shape
-        chosen = torch.zeros(B, T, num_keys, dtype=torch.bool, device=indices.device)
-        chosen.scatter_(-1, indices, True)
-        allowed = allowed & chosen
-    return allowed.unsqueeze(1)
+        out = torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, :b], v[:, :, :b],
+                                                        attn_mask=mask[..., a:b, :b], scale=scale)
+                         for a, b in _chunks(T, CAUSAL_QUERY_CHUNK)], dim=2)
+    return out.transpose(1, 2)[..., :dv]
+
+
+def _chunks(n: int, size: int):
+    return [(a, min(a + size, n)) for a in range(0, n, size)]
 
 
 @torch.no_grad()
@@ -178,6 +223,8 @@ def _max_logit(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scal
     logits = torch.einsum("bthd,bshd->bhts", q, k) * scale
     if mask is None:
         mask = causal_mask(torch.arange(q.shape[1], device=q.device), k.shape[1])
+    if mask.dtype != torch.bool:  # additive
+        return (logits + mask).amax()
     return logits.masked_fill(~mask, float("-inf")).amax()
 
 
@@ -249,11 +296,17 @@ class MLAttention(nn.Module):
         latent = torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_rope, cos, sin)], dim=-1)
         return q_resid, q_nope, apply_rope(q_rope, cos, sin), latent
 
-    def _select(self, x, q_resid, cos, sin, index_keys, q_slots, prev_topk, want_scores, q_docs=None, k_docs=None):
+    def _select(self, x, q_resid, cos, sin, index_keys, q_slots, prev_topk, want_scores, q_docs=None, k_docs=None,
+                ordered=True):
         """Top-k indices for this layer (own indexer or the shared previous one) and, when asked, the
-        differentiable index scores."""
+        differentiable index scores. ordered=False: the selected set in any order (for the masked path)."""
         if self.indexer is None:
             return prev_topk, None
+        if not want_scores:
+            # The indices alone are discrete: nothing to differentiate, so no graph and no saved tensors.
+            with torch.no_grad():
+                q_idx, w_idx = self.indexer.queries(x, q_resid, cos, sin)
+                return self._pick(q_idx, w_idx, index_keys, q_slots, q_docs, k_docs, ordered), None
         q_idx, w_idx = self.indexer.queries(x, q_resid, cos, sin)
         chunk = self.runtime.query_chunk
         picks, kept = [], []
@@ -264,9 +317,27 @@ class MLAttention(nn.Module):
             slots = q_slots[start : start + chunk]
             visible = None if k_docs is None else document_mask(q_docs[:, start : start + chunk], k_docs, slots)
             picks.append(select_topk(scores.detach(), slots, self.config.index_topk, visible))
-            if want_scores:
-                kept.append(scores)
-        return torch.cat(picks, dim=1), (torch.cat(kept, dim=1) if want_scores else None)
+            kept.append(scores)
+        return torch.cat(picks, dim=1), torch.cat(kept, dim=1)
+
+    def _pick(self, q_idx, w_idx, index_keys, q_slots, q_docs, k_docs, ordered=True):
+        """The top-k indices alone, scoring each query chunk against only the keys it can see when the
+        queries are the whole sequence (slots 0..T-1): causal attention leaves the keys past a chunk's
+        last query invisible, so about half the scores and selection work of a full (T, T) pass is
+        skipped. Keeps at least k columns, so rows with fewer visible keys pad with the same invisible
+        (lowest-position) keys a full-width selection returns: the indices are identical."""
+        T, S, k = q_idx.shape[1], index_keys.shape[1], self.config.index_topk
+        chunk = min(self.runtime.query_chunk, SELECT_CHUNK)
+        picks = []
+        for start in range(0, T, chunk):
+            stop = min(start + chunk, T)
+            width = min(S, max(stop, k)) if S == T else S
+            keys = index_keys[:, :width]
+            scores = index_scores(q_idx[:, start:stop], w_idx[:, start:stop], keys, self.indexer.scale)
+            slots = q_slots[start:stop]
+            visible = None if k_docs is None else document_mask(q_docs[:, start:stop], k_docs[:, :width], slots)
+            picks.append(select_topk(scores, slots, k, visible, ordered))
+        return torch.cat(picks, dim=1)
 
     def _expanded(self, q_nope, q_rope, latent, mask, causal=True):
         B, T, H, _ = q_nope.shape
@@ -277,11 +348,7 @@ class MLAttention(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1)
         if self.track_max_logit:
             self.max_logit = _max_logit(q, k, mask, self.scale)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask, is_causal=mask is None and causal, scale=self.scale,
-        )
-        return out.transpose(1, 2)  # (B, T, H, v)
+        return sdpa(q, k, v, mask, causal, self.scale)
 
     def kv_b_halves(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK (H, nope, R), W_UV (H, v, R)): the key and value halves of kv_b_proj, per head (views)."""
@@ -309,7 +376,8 @@ class MLAttention(nn.Module):
         q_resid, q_nope, q_rope, latent = self.project(x, cos, sin)
         index_keys = None
         if self.indexer is not None and self.runtime.sparse_attention:
-            index_keys = self.indexer.keys(x, cos, sin)
+            with torch.set_grad_enabled(torch.is_grad_enabled() and want_index_scores):  # else selection only
+                index_keys = self.indexer.keys(x, cos, sin)
         k_docs = doc_ids
         if cache is not None:
             latent, index_keys = cache.append(self.layer, latent, index_keys)
@@ -317,13 +385,15 @@ class MLAttention(nn.Module):
         S = latent.shape[1]
         topk, scores = None, None
         if self.runtime.sparse_attention and (S > self.config.index_topk or want_index_scores):
-            topk, scores = self._select(x, q_resid, cos, sin, index_keys, q_slots, prev_topk, want_index_scores, doc_ids, k_docs)
+            masked = cache is None and not self._use_gather(T)  # marks the selection: its order is free
+            topk, scores = self._select(x, q_resid, cos, sin, index_keys, q_slots, prev_topk, want_index_scores,
+                                        doc_ids, k_docs, ordered=not masked)
             if S <= self.config.index_topk:
                 topk = None  # every causal key is selected: plain causal attention
         if cache is not None or (topk is not None and self._use_gather(T)):
             out = self._absorbed(q_nope, q_rope, latent, q_slots, topk, doc_ids, k_docs)
         else:
-            out = self._expanded(q_nope, q_rope, latent, attention_mask(topk, q_slots, S, doc_ids, k_docs))
+            out = self._expanded(q_nope, q_rope, latent, attention_mask(topk, q_slots, S, doc_ids, k_docs, q_nope.dtype))
         return self.o_proj(out.reshape(B, T, -1)), topk, scores
 
     def _use_gather(self, T: int) -> bool:

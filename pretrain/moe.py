@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from orthon.pretrain.config import ModelConfig
-from orthon.pretrain.layers import MLP
+from orthon.pretrain.layers import MLP, compute_dtype
 
 
 def route(
@@ -56,12 +57,86 @@ def sort_by_expert(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
     return order, order // indices.shape[1], torch.bincount(flat, minlength=num_experts)
 
 
-def combine_experts(x: torch.Tensor, token: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
+def combine_experts(x: torch.Tensor, token: torch.Tensor, order: torch.Tensor, weights: torch.Tensor | None,
                     ys: torch.Tensor) -> torch.Tensor:
     """Sum the expert outputs ys (N*k, H), in sort_by_expert's order, into their rows, each times its
-    routing weight. Returns (N, H) in x's dtype."""
-    ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
+    routing weight (weights None: ys are weighted already). Returns (N, H) in x's dtype."""
+    if weights is not None:
+        ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
     return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
+
+
+def _swiglu_grads(h: torch.Tensor, grad_act: torch.Tensor, out: torch.Tensor) -> None:
+    """d/dh of silu(g) * u (h = [g, u]) given the gradient of the product, written into ``out``."""
+    g, u = h.chunk(2, dim=-1)
+    torch.mul(grad_act, F.silu(g), out=out[:, g.shape[1]:])
+    torch.ops.aten.silu_backward.grad_input(grad_act.mul_(u), g, grad_input=out[:, : g.shape[1]])
+
+
+class _ExpertLoop(torch.autograd.Function):
+    """The routed experts' SwiGLU on tokens sorted by expert, each output row times its routing weight,
+    one matmul pair per expert, with a hand-written backward. Autograd's version of the same loop splits
+    the input, unbinds the stacked weights and concatenates the outputs, and in backward concatenates and
+    stacks them all again (three copies of the activations and one of both weight stacks per layer),
+    and weights the outputs in separate passes over all of them; here every matmul writes its slice of
+    a preallocated result and the weighting runs on that slice while it is still in cache. Experts
+    without tokens still run on zero rows and get a zero gradient: every parameter takes part in every
+    step (DDP and FSDP see the same gradients on every rank)."""
+
+    @staticmethod
+    def forward(ctx, xs, gate_up, down, weights, counts):
+        ctx.dtypes = (xs.dtype, gate_up.dtype, down.dtype, weights.dtype)
+        dtype = compute_dtype(xs)  # autocast's, as F.linear would run under it
+        with torch.autocast(xs.device.type, enabled=False):
+            return _ExpertLoop._forward(ctx, xs.to(dtype), gate_up.to(dtype), down.to(dtype), weights.to(dtype),
+                                        counts)
+
+    @staticmethod
+    def _forward(ctx, xs, gate_up, down, weights, counts):
+        rows = [0]
+        for n in counts:
+            rows.append(rows[-1] + n)
+        two_i = gate_up.shape[1]
+        h = xs.new_empty(xs.shape[0], two_i)
+        act = xs.new_empty(xs.shape[0], two_i // 2)
+        ys = xs.new_empty(xs.shape[0], down.shape[1])
+        for e in range(len(counts)):
+            a, b = rows[e], rows[e + 1]
+            torch.mm(xs[a:b], gate_up[e].t(), out=h[a:b])
+            g, u = h[a:b].chunk(2, dim=-1)
+            torch.mul(F.silu(g), u, out=act[a:b])
+            torch.mm(act[a:b], down[e].t(), out=ys[a:b]).mul_(weights[a:b, None])
+        ctx.save_for_backward(xs, gate_up, down, weights, h, act)
+        ctx.rows = rows
+        return ys
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_ys):
+        xs, gate_up, down, weights, h, act = ctx.saved_tensors
+        rows = ctx.rows
+        grad_ys = grad_ys.to(xs.dtype).contiguous()
+        need_x, need_gu, need_down, need_w = ctx.needs_input_grad[:4]
+        grad_x = torch.empty_like(xs) if need_x else None
+        grad_gu = torch.empty_like(gate_up) if need_gu else None
+        grad_down = torch.empty_like(down) if need_down else None
+        grad_w = torch.empty_like(weights) if need_w else None
+        grad_h = torch.empty_like(h)
+        for e in range(len(rows) - 1):
+            a, b = rows[e], rows[e + 1]
+            gy, w = grad_ys[a:b], weights[a:b, None]
+            grad_act = gy @ down[e]  # of the unweighted product act @ down^T, before the weight
+            if need_w:
+                torch.sum(grad_act * act[a:b], dim=-1, out=grad_w[a:b])
+            if need_down:
+                torch.mm(gy.t(), act[a:b].mul_(w), out=grad_down[e])  # act is not needed after this
+            _swiglu_grads(h[a:b], grad_act.mul_(w), grad_h[a:b])
+            if need_gu:
+                torch.mm(grad_h[a:b].t(), xs[a:b], out=grad_gu[e])
+            if need_x:
+                torch.mm(grad_h[a:b], gate_up[e], out=grad_x[a:b])
+        grads = (grad_x, grad_gu, grad_down, grad_w)
+        return (*(None if g is None else g.to(d) for g, d in zip(grads, ctx.dtypes)), None)
 
 
 def grouped_experts(
@@ -82,15 +157,8 @@ def grouped_experts(
         g, u = h.chunk(2, dim=-1)
         ys = F.grouped_mm(F.silu(g) * u, down.to(bf16).transpose(1, 2), offs=offs)
     else:
-        pieces = []
-        # unbind once: indexing gate_up[e] per expert would make autograd build a full-size
-        # zero gradient for every expert.
-        # Experts without tokens still run (on zero rows): every parameter stays in the graph, so
-        # DDP and FSDP see the same set of gradients on every rank and step.
-        for part, w_gu, w_down in zip(xs.split(counts.tolist()), gate_up.unbind(0), down.unbind(0)):
-            g, u = F.linear(part, w_gu).chunk(2, dim=-1)
-            pieces.append(F.linear(F.silu(g) * u, w_down))
-        ys = torch.cat(pieces)
+        ys = _ExpertLoop.apply(xs, gate_up, down, weights.reshape(-1)[order], counts.tolist())
+        return combine_experts(x, token, order, None, ys)
     return combine_experts(x, token, order, weights, ys)
 
 

@@ -16,15 +16,19 @@ _LOW = 1 << 32
 def ordered_key(scores: torch.Tensor) -> torch.Tensor:
     """int64 keys, strictly monotone in (score, -position) along the last dim."""
     s = scores.float() + 0.0  # -0.0 -> +0.0 so the two zeros tie, as they compare equal
-    bits = s.contiguous().view(torch.int32).to(torch.int64)
-    # Negative floats order backwards as signed ints: flip their magnitude bits.
-    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    positions = torch.arange(scores.shape[-1], device=scores.device, dtype=torch.int64)
-    return key * _LOW + (_LOW - 1 - positions)
+    bits = s.contiguous().view(torch.int32)
+    # Negative floats order backwards as signed ints: flip their magnitude bits. bits >> 31 is all ones
+    # exactly for the negatives, so one xor does it (a vectorised bit op, unlike torch.where on ints;
+    # in 32 bits, half the memory traffic of doing it on the int64 keys).
+    bits = bits ^ (bits >> 31).bitwise_and_(0x7FFFFFFF)
+    reversed_positions = torch.arange(_LOW - 1, _LOW - 1 - scores.shape[-1], -1, device=scores.device,
+                                      dtype=torch.int64)
+    return bits.to(torch.int64).mul_(_LOW).add_(reversed_positions)
 
 
-def deterministic_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+def deterministic_topk(scores: torch.Tensor, k: int, ordered: bool = True) -> torch.Tensor:
     """Indices (int64) of the k largest scores along the last dim, ties to the lower position,
-    ordered from the largest score down."""
+    ordered from the largest score down (``ordered=False``: the same set in any order, about 1.5x
+    faster, for callers that only mark the selected keys)."""
     k = min(k, scores.shape[-1])
-    return ordered_key(scores).topk(k, dim=-1).indices
+    return ordered_key(scores).topk(k, dim=-1, sorted=ordered).indices
