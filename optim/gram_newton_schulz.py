@@ -45,7 +45,6 @@ from orthon.optim.newton_schulz import (
     DEFAULT_COEFFICIENTS,
     DEFAULT_EPS,
     DEFAULT_STEPS,
-    NS_BATCH_ELEMENTS,
     bf16_gemm_is_native,
     newton_schulz,
     newton_schulz_flops,
@@ -218,20 +217,12 @@ def orthogonalise_gram_or_standard(
 
     Gram Newton-Schulz in the device's compute dtype where it pays for this block
     shape (``gram_pays``), standard Newton-Schulz (in ``ns_dtype``, as
-    ``ns_method: standard`` runs it) elsewhere; in chunks of about NS_BATCH_ELEMENTS.
-    Both round the input to ``ns_dtype`` first, so distributed Muon, which sends
+    ``ns_method: standard`` runs it) elsewhere. Both round the input to ``ns_dtype`` first, so distributed Muon, which sends
     updates in it, computes what one rank does.
     """
     rows, cols = stack.shape[-2:]
     compute = gram_compute_dtype(gram_dtype, stack.device)
     restarts = default_restarts(steps, compute)
     if gram_pays(rows, cols, steps, restarts):
-        def run(chunk: Tensor) -> Tensor:
-            return gram_newton_schulz(chunk, steps, coefficients, compute, eps, restarts, input_dtype=ns_dtype)
-    else:
-        def run(chunk: Tensor) -> Tensor:
-            return newton_schulz(chunk, steps, coefficients, ns_dtype, eps, emulate_bf16=emulate_bf16)
-    per_chunk = max(1, NS_BATCH_ELEMENTS // (rows * cols))
-    if stack.shape[0] <= per_chunk:
-        return run(stack)
-    return torch.cat([run(chunk) for chunk in stack.split(per_chunk)])
+        return gram_newton_schulz(stack, steps, coefficients, compute, eps, restarts, input_dtype=ns_dtype)
+    return newton_schulz(stack, steps, coefficients, ns_dtype, eps, emulate_bf16=emulate_bf16)

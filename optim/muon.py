@@ -197,11 +197,20 @@ class Muon(torch.optim.Optimizer):
         return self.bf16_matmul == "emulated"
 
     def _newton_schulz(self, stack: Tensor, item: MatrixWork) -> Tensor:
+        """Either method on a stack of blocks, in pieces of about NS_BATCH_ELEMENTS (a large expert stack
+        too: its GEMMs stay in cache; batching is per block, so pieces change no result)."""
         steps, coefficients, eps, dtype, method, gram_dtype = item.ns_key
         emulate = self._emulate_bf16(stack.device)
-        if method == "gram":
-            return orthogonalise_gram_or_standard(stack, steps, coefficients, eps, dtype, gram_dtype, emulate)
-        return newton_schulz(stack, steps, coefficients, dtype, eps, emulate_bf16=emulate)
+
+        def run(piece: Tensor) -> Tensor:
+            if method == "gram":
+                return orthogonalise_gram_or_standard(piece, steps, coefficients, eps, dtype, gram_dtype, emulate)
+            return newton_schulz(piece, steps, coefficients, dtype, eps, emulate_bf16=emulate)
+
+        per_piece = max(1, NS_BATCH_ELEMENTS // (stack.shape[-2] * stack.shape[-1]))
+        if stack.shape[0] <= per_piece:
+            return run(stack)
+        return torch.cat([run(piece) for piece in stack.split(per_piece)])
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
