@@ -246,7 +246,8 @@ class Indexer(nn.Module):
 
     def rope_first(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # The indexer rotates its first rope_dim numbers and passes the rest.
-        return torch.cat([apply_rope(x[..., : self.rope_dim], cos, sin), x[..., self.rope_dim :]], dim=-1)
+        rope, rest = x.split([self.rope_dim, x.shape[-1] - self.rope_dim], dim=-1)
+        return torch.cat([apply_rope(rope, cos, sin), rest], dim=-1)
 
     def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """(B, T, d) indexer keys of new tokens (what the cache stores)."""

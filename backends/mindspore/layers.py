@@ -92,9 +92,10 @@ def rope_cos_sin(positions: np.ndarray, dim: int, theta: float):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate interleaved pairs of the last dim; the result holds the rotated evens then the rotated
-    odds (orthon.pretrain.layers.apply_rope's layout). x: (B, T, d) or (B, T, heads, d)."""
+    """Rotate interleaved pairs of the last dim, each pair in place (orthon.pretrain.layers.apply_rope's
+    layout). x: (B, T, d) or (B, T, heads, d)."""
     if x.ndim == 4:
         cos, sin = cos.expand_dims(-2), sin.expand_dims(-2)
     x1, x2 = x[..., 0::2], x[..., 1::2]
-    return ops.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
+    rotated = ops.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
+    return rotated.reshape(*rotated.shape[:-2], -1)
