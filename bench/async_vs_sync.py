@@ -1,6 +1,6 @@
 """Asynchronous against synchronous RL on Ray: the same task, engines and reward latency, one run each.
 
-    python bench/async_vs_sync.py --from runs/tiny_arith [--latency 0.2] [--engines 2] [--iterations 12]
+    python bench/async_vs_sync.py --from runs/tiny_arith [--latency 0.2] [--engines 2] [--iterations 60]
 
 Both runs are ``orthon rl`` on a Ray cluster (rl.cluster.enabled) from the same start, with a reward
 that waits ``--latency`` seconds per sample (the cost of a sandboxed check) scored by reward worker
@@ -9,7 +9,12 @@ engines wait while it trains. Asynchronous: generation and scoring go on while t
 Printed per mode: samples trained per second (over the iterations, evaluation excluded), the trainer's
 idle fraction (time waiting for groups over iteration time), the staleness of the trained groups
 (weight versions behind the trainer) and the held-out reward at the start and end; then the ratio
-async / sync of the throughput. Run it alone: it measures wall time.
+async / sync of the throughput. Both sample as configs/rl_tiny.yaml does (DAPO's dynamic sampling: groups
+whose rewards are all equal are dropped and up to ``--rounds`` rollout rounds refill the step), so the
+samples counted are the informative ones the trainer learns from. Without it (``--rounds 0``: every
+group trained, as generated) 60 iterations of 16 prompts moved the held-out reward by nothing in either
+mode: most groups of this task are all right or all wrong, and their zero advantages dilute the step.
+Run it alone: it measures wall time.
 """
 from __future__ import annotations
 
@@ -35,7 +40,8 @@ def run_mode(mode: str, source: Path, args, run_dir: Path) -> dict:
     from orthon.rl.recipe import load_rl_recipe
 
     overrides = [f"rl.mode={mode}", f"rl.iterations={args.iterations}", "rl.eval_interval=0",
-                 f"rl.prompts_per_iteration={args.prompts}", "rl.drop_zero_std_groups=false", "rl.max_sampling_rounds=1",
+                 f"rl.prompts_per_iteration={args.prompts}", f"rl.drop_zero_std_groups={args.rounds > 0}",
+                 f"rl.max_sampling_rounds={max(args.rounds, 1)}",
                  "rl.cluster.enabled=true", f"rl.cluster.engines={args.engines}", f"rl.cluster.weight_sync={args.sync}",
                  f"rl.cluster.reward_workers={args.reward_workers}", "rl.reward.name=orthon.rl.tasks.arithmetic_reward",
                  f"rl.reward.latency_s={args.latency}", "rl.reward.concurrency=8",
@@ -69,10 +75,12 @@ def main():
                         help="a pretraining run directory (its final/ weights and config.yaml's tokenizer)")
     parser.add_argument("--latency", type=float, default=0.2, help="seconds each reward call waits")
     parser.add_argument("--engines", type=int, default=2)
-    parser.add_argument("--iterations", type=int, default=12)
-    parser.add_argument("--prompts", type=int, default=16, help="prompts per iteration (G = 8 samples each)")
+    parser.add_argument("--iterations", type=int, default=60)
+    parser.add_argument("--prompts", type=int, default=32, help="prompts per iteration (G = 8 samples each)")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="dynamic sampling: rollout rounds to fill a step with informative groups (0: off)")
     parser.add_argument("--reward-workers", type=int, default=4, help="reward actors (each scores 8 calls at once)")
-    parser.add_argument("--eval-size", type=int, default=100, help="held-out prompts (2 samples each)")
+    parser.add_argument("--eval-size", type=int, default=200, help="held-out prompts (2 samples each)")
     parser.add_argument("--rollout-workers", type=int, default=8, help="async: prompts in flight at once")
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--sync", default="disk", choices=["disk", "distributed", "shared"], help="weight-sync path")
