@@ -17,14 +17,14 @@ def resume_command(args, name) -> str | None:
 def run(args, name):
     from orthon.core.errors import CheckpointError
     from orthon.data.tokenizer import load_tokenizer
-    from orthon.pretrain.recipe import load_recipe
     from orthon.rl.posttrain import load_plan, run_posttrain
+    from orthon.rl.recipe import source_tokenizer
 
     source = Path(args.source)
     if not (source / "final" / "config.json").is_file():
         raise CheckpointError(f"{source}: no final/ weights (is it a finished pretraining run directory?)")
     plan = load_plan(args.config)
-    tokenizer = load_tokenizer(load_recipe(source / "config.yaml").data.tokenizer)
+    tokenizer = load_tokenizer(source_tokenizer(source))
     summary = run_posttrain(plan, Path(args.config), source, tokenizer)
     for stage in summary["stages"]:
         print(f"{stage['name']:>14} ({stage['kind']}): {stage['time_s']:.0f} s")

@@ -10,7 +10,8 @@ from orthon.launch.args import add_recipe_args, check_model_fits
 
 def register(parser, name):
     add_recipe_args(parser)
-    parser.add_argument("--from", dest="source", help="pretraining run directory (its final/ weights and tokenizer)")
+    parser.add_argument("--from", dest="source", help="the run to start from (its final/ weights and tokenizer): "
+                        "pretraining, mid-training, RL, distillation or a post-training stage")
     parser.add_argument("--resume", action="store_true", help="continue train.run_dir from its last good checkpoint")
 
 
@@ -27,10 +28,9 @@ def resume_command(args, name) -> str | None:
 def run(args, name):
     from orthon.core.files import atomic_write_text
     from orthon.data.tokenizer import load_tokenizer
-    from orthon.pretrain.recipe import load_recipe
     from orthon.pretrain.trainer import write_run_config
     from orthon.pretrain.weights import load_config, load_runtime
-    from orthon.rl.recipe import load_rl_recipe
+    from orthon.rl.recipe import load_rl_recipe, source_tokenizer
     from orthon.rl.trainer import RLTrainer
 
     recipe = load_rl_recipe(args.config, args.overrides)
@@ -44,13 +44,12 @@ def run(args, name):
         if not (run_dir / "source.txt").is_file():
             raise SystemExit("orthon rl: give --from PRETRAIN_RUN_DIR")
         source = Path((run_dir / "source.txt").read_text().strip())
-    pre = load_recipe(source / "config.yaml")
-    if not pre.data.tokenizer:
-        raise SystemExit(f"orthon rl: {source}/config.yaml names no tokenizer (data.tokenizer)")
+    tokenizer = recipe.data.tokenizer or source_tokenizer(source)
     policy = source / "final"
     # The policy's architecture and runtime are the source run's; the RL recipe's model section is not used.
+    # The tokenizer is recorded in the run's config, so this run can be the --from of the next.
     recipe = replace(recipe, model=load_config(policy), runtime=load_runtime(policy),
-                     train=replace(recipe.train, init_from=str(policy)))
+                     data=replace(recipe.data, tokenizer=tokenizer), train=replace(recipe.train, init_from=str(policy)))
     check_model_fits(recipe.model, recipe.train.parallel, "train with RL")
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "source.txt", str(source.resolve()) + "\n")
@@ -59,9 +58,9 @@ def run(args, name):
     if recipe.rl.cluster.enabled:  # the same loop with its parts as Ray actors (orthon.rl.cluster)
         from orthon.rl import cluster
 
-        result = cluster.run(recipe, pre.data.tokenizer, resume=args.resume)
+        result = cluster.run(recipe, tokenizer, resume=args.resume)
     else:
-        trainer = RLTrainer(recipe, load_tokenizer(pre.data.tokenizer))
+        trainer = RLTrainer(recipe, load_tokenizer(tokenizer))
         if args.resume and not trainer.resume():
             print(f"no usable RL checkpoint in {run_dir}; starting at iteration 0")
         result = trainer.fit()

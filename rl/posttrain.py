@@ -118,6 +118,8 @@ def run_posttrain(plan: PosttrainPlan, plan_path: Path, source: Path, tokenizer,
     start = source / "final"
     for stage in plan.stages:
         recipe = stage_recipe(plan, Path(plan_path), stage, start, finals)
+        if getattr(tokenizer, "path", None):  # recorded, so a stage can be the --from of a later run
+            recipe = replace(recipe, data=replace(recipe.data, tokenizer=str(tokenizer.path)))
         run_dir = Path(recipe.train.run_dir)
         began = time.perf_counter()
         if (run_dir / "final" / "config.json").is_file():

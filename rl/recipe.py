@@ -7,9 +7,10 @@ the run settings of a short run."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from orthon.core import config as config_io
-from orthon.core.errors import ConfigError
+from orthon.core.errors import CheckpointError, ConfigError
 from orthon.optim.config import OptimConfig, ScheduleConfig
 from orthon.pretrain.recipe import Recipe
 from orthon.pretrain.train_config import TrainConfig
@@ -49,3 +50,19 @@ class RLRecipe(Recipe):
 
 def load_rl_recipe(path=None, overrides=()) -> RLRecipe:
     return config_io.load(RLRecipe, path, overrides)
+
+
+def source_tokenizer(source) -> str:
+    """The tokenizer of the model in run directory ``source`` (pretraining, mid-training, RL, distillation
+    or a post-training stage): its config's data.tokenizer, or, for an RL run that did not record it,
+    that of the run it started from (source.txt)."""
+    config = Path(source) / "config.yaml"
+    if not config.is_file():
+        raise CheckpointError(f"{source}: no config.yaml (not a run directory)")
+    tokenizer = load_rl_recipe(config).data.tokenizer  # reads pretraining recipes too
+    if tokenizer:
+        return tokenizer
+    origin = Path(source) / "source.txt"
+    if origin.is_file():
+        return source_tokenizer(origin.read_text().strip())
+    raise ConfigError(f"{config} names no tokenizer (data.tokenizer): give data.tokenizer=PATH")

@@ -20,7 +20,7 @@ import torch
 
 from orthon.core.errors import DataError
 from orthon.core.files import atomic_write_text
-from orthon.core.metrics import MetricsLogger, plot_curves, read_metrics
+from orthon.core.metrics import MetricsLogger, moving_average, plot_curves, read_metrics
 from orthon.engine.in_process import InProcessEngine
 from orthon.pretrain.trainer import Trainer
 from orthon.pretrain.weights import load_weights, save_weights
@@ -223,8 +223,21 @@ class RLTrainer:
         records = read_metrics(self.run_dir / "metrics.jsonl")
         plot_curves(records, ["reward_mean", "eval_reward", "eval_greedy"], self.run_dir / "reward.png",
                     title="GRPO + IcePop: mean reward (train samples; held-out sampled and greedy)")
+        plot_opd_kl(records, self.run_dir / "opd_kl.png")
         evals = [r["eval_reward"] for r in records if "eval_reward" in r]
         greedy = [r["eval_greedy"] for r in records if "eval_greedy" in r]
         return {"iterations": self.iteration, "eval_start": evals[0] if evals else math.nan,
                 "eval_end": evals[-1] if evals else math.nan, "eval_best": max(evals) if evals else math.nan,
                 "greedy_start": greedy[0] if greedy else math.nan, "greedy_end": greedy[-1] if greedy else math.nan}
+
+
+def plot_opd_kl(records: list[dict], out_png: Path, window: int = 10) -> None:
+    """On-policy distillation's per-iteration reverse-KL estimate and its trailing mean, when logged."""
+    points = [r for r in records if isinstance(r.get("opd_reverse_kl"), (int, float))]
+    if not points:
+        return
+    smooth = moving_average([r["opd_reverse_kl"] for r in points], window)
+    curves = [{"step": r["step"], "opd_reverse_kl": r["opd_reverse_kl"], f"mean of the last {window}": m}
+              for r, m in zip(points, smooth)]
+    plot_curves(curves, ["opd_reverse_kl", f"mean of the last {window}"], out_png,
+                title="OPD: reverse KL(student || teacher) per token, student samples")

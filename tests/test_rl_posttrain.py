@@ -12,7 +12,7 @@ from orthon.core.errors import ConfigError
 from orthon.pretrain import GLMForCausalLM, ModelConfig
 from orthon.pretrain.weights import save_weights
 from orthon.rl.posttrain import PosttrainPlan, load_plan, run_posttrain, stage_mapping
-from orthon.rl.recipe import RLRecipe
+from orthon.rl.recipe import RLRecipe, source_tokenizer
 from pretrain_support import MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,5 +81,8 @@ def test_every_stage_runs_and_the_plan_resumes(tmp_path, chat_tokenizer):
     # Each stage started from the previous one's weights: the OPD stage's student began as general RL's.
     opd_config = yaml.safe_load((tmp_path / "post" / "opd" / "config.yaml").read_text())
     assert opd_config["train"]["init_from"] == str(tmp_path / "post" / "general_rl" / "final")
+    # Every stage records its tokenizer, so any stage can be the --from of `orthon rl` / `orthon distill`.
+    for stage in summary["stages"]:
+        assert source_tokenizer(tmp_path / "post" / stage["name"]) == str(tok.path)
     again = run_posttrain(loaded, tmp_path / "plan.yaml", source, tok, log=lambda *a: None)
     assert all(s.get("skipped") for s in again["stages"])
