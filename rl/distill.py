@@ -108,3 +108,7 @@ def opd_rollout(ctx: RolloutContext, prompts) -> list[Sample]:
             sample.teacher_log_probs = lp
             sample.validate()
     return samples
+
+
+# Held-out rewards need the student's answers only, not the teachers' scores.
+opd_rollout.for_evaluation = single_turn

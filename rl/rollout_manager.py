@@ -242,16 +242,20 @@ class RolloutManager:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Held-out rewards: the mean over eval_samples sampled answers per prompt (a fixed seed, so every
-        evaluation draws the same uniforms) and the greedy answer's."""
-        n = self.cfg.eval_samples
-        prompts = [p for p in self.eval_prompts for _ in range(n)]
-        sampled = self.engine.generate([p.ids for p in prompts], self.sampling(seed=self.seed + 7_919))
-        greedy = self.engine.generate([p.ids for p in self.eval_prompts], self.sampling(greedy=True))
+        evaluation draws the same uniforms) and the greedy answer's. The prompts are answered as training
+        answers them, through the rollout plug-in (a tool task's evaluation runs its tools), or through
+        the plug-in's ``for_evaluation`` where it names one (OPD: no teacher is needed to score)."""
+        rollout = getattr(self.rollout_fn, "for_evaluation", self.rollout_fn)
+        concurrency = self.cfg.reward.concurrency if self.cfg.reward else 1
 
-        def mean_reward(prompts, results):
-            return sum(self.reward(self.tokenizer.decode(r.tokens), p.label) for p, r in zip(prompts, results)) / len(results)
+        def mean_reward(sampling, group_size: int) -> float:
+            ctx = RolloutContext(self.engine, self.tokenizer, self.reward, sampling, group_size, concurrency,
+                                 self.cfg.rollout_args, collections.Counter())  # the training counters stay the training's
+            samples = rollout(ctx, self.eval_prompts)
+            return sum(s.reward for s in samples) / len(samples)
 
-        return {"eval_reward": mean_reward(prompts, sampled), "eval_greedy": mean_reward(self.eval_prompts, greedy)}
+        return {"eval_reward": mean_reward(self.sampling(seed=self.seed + 7_919), self.cfg.eval_samples),
+                "eval_greedy": mean_reward(self.sampling(greedy=True), 1)}
 
     # ------------------------------------------------------------ state
     def state_dict(self) -> dict:

@@ -205,3 +205,44 @@ def test_python_tool_runs_in_the_sandbox():
     assert calculator("print(123456*789)") == "97406784"
     with pytest.raises(ValueError, match="exponent"):
         calculator("2**100000")
+
+
+class ToolUser:
+    """Speaks the Engine protocol as a perfect tool user would: its first turn calls the calculator on
+    the question's expression, its second copies the observation."""
+
+    weight_version = 1
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+
+    def generate(self, prompts, sampling=None, routing_keys=None):
+        results = []
+        for prompt in prompts:
+            text = self.tok.decode(list(prompt))
+            if "<|observation|>" in text:
+                answer = text.rsplit("<|observation|>", 1)[1].split("<|assistant|>")[0].strip()
+                reply = f"{answer}<|user|>"
+            else:
+                expression = text.split("Q: ", 1)[1].split("=?", 1)[0]
+                reply = f"```python tool_name=calculator\nprint({expression})\n```<|observation|>"
+            tokens = self.tok.encode(reply)
+            results.append(GenerationResult(list(prompt), tokens, -0.1 * torch.ones(len(tokens)), "stop", 1))
+        return results
+
+
+def test_evaluation_answers_through_the_rollout_plug_in(chat_tokenizer):
+    """A tool task's held-out reward is measured with its tools, as training rolls out (it was single-turn:
+    the call's text scored 0 whatever the model did)."""
+    from orthon.rl.rollout_manager import RolloutManager
+    from orthon.rl.train_config import RLConfig
+
+    cfg = RLConfig(task="orthon.rl.tool_tasks.ToolArithmeticTask", task_args={"eval_size": 3}, eval_samples=2,
+                   max_new_tokens=40, rollout="orthon.rl.multi_turn.tool_rollout",
+                   rollout_args={"tools": {"calculator": "orthon.rl.tools.calculator"}, "max_turns": 3})
+    manager = RolloutManager(cfg, chat_tokenizer, ToolUser(chat_tokenizer), seed=0)
+    assert manager.evaluate() == {"eval_reward": 1.0, "eval_greedy": 1.0}
+    assert not manager.counters  # evaluation's tool counters stay out of training's
+    single = RolloutManager(RLConfig(task="orthon.rl.tool_tasks.ToolArithmeticTask", task_args={"eval_size": 3}),
+                            chat_tokenizer, ToolUser(chat_tokenizer), seed=0)
+    assert single.evaluate() == {"eval_reward": 0.0, "eval_greedy": 0.0}  # a call is not an answer
