@@ -42,7 +42,7 @@ def run(args, name):
     source = Path(args.source) if args.source else None
     if source is None:
         if not (run_dir / "source.txt").is_file():
-            raise SystemExit("orthon rl: give --from PRETRAIN_RUN_DIR")
+            raise SystemExit(f"orthon {name}: give --from RUN_DIR (the run whose final/ weights to start from)")
         source = Path((run_dir / "source.txt").read_text().strip())
     tokenizer = recipe.data.tokenizer or source_tokenizer(source)
     policy = source / "final"

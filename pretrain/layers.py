@@ -90,7 +90,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def _complex_viewable(x: torch.Tensor) -> bool:
     """Whether view_as_complex takes x's pairs as they lie (fp32/fp64, pairs adjacent, even strides and
-    offset); half precision has no complex matmul-free multiply worth using, so it takes the real form."""
+    offset). bf16 / fp16 have no complex dtype to multiply in, so they take the real form."""
     return (x.dtype in (torch.float32, torch.float64) and x.stride(-1) == 1 and x.storage_offset() % 2 == 0
             and all(s % 2 == 0 for s in x.stride()[:-1]))
 
