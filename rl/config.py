@@ -66,6 +66,10 @@ class TeacherConfig:
     task: str = "orthon.rl.tasks.ArithmeticTask"
     task_args: dict[str, Any] = field(default_factory=dict)
     ratio: float = 1.0  # relative share of the prompts
+    # How the student answers this set's prompts (a rollout plug-in and its settings): single-turn, or a
+    # tool set's multi-turn rollout, whose observation tokens the teacher scores but nothing trains on.
+    rollout: str = "orthon.rl.rollout.single_turn"
+    rollout_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.name or "/" in self.name:

@@ -3,14 +3,16 @@
 ``MixedTask`` is the prompt source: one task per teacher (``rl.opd.teachers``), prompts drawn from
 the sets by their ratios with a seeded generator, each prompt tagged with its set (``Prompt.source``,
 and the set's name leads its instance id). ``opd_rollout`` is the rollout plug-in: the student
-samples ``group_size`` (1 in the recipe) responses per prompt through the engine, then the teacher of
-the prompt's set, and only that teacher, gives the fp32 log-prob of every sampled token
-(``Sample.teacher_log_probs``). The policy step turns them into per-token advantages (form 2:
+samples ``group_size`` (1 in the recipe) responses per prompt through the engine, each set's prompts
+through that set's own rollout (single-turn, or a tool set's multi-turn rollout), then the teacher of
+the prompt's set, and only that teacher, gives the fp32 log-prob of every response token
+(``Sample.teacher_log_probs``; a tool observation's tokens are scored too but masked out of the loss). The policy step turns them into per-token advantages (form 2:
 sg[log pi_T - log pi_S]; reverse KL, mode seeking) with no outcome reward. Teachers run in the
 rollout's process (``orthon.pretrain.logprobs.sequence_log_probs`` on their weights, loaded once).
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 
@@ -91,10 +93,10 @@ def teacher_log_probs(model, samples: list[Sample]) -> list[torch.Tensor]:
 
 
 def opd_rollout(ctx: RolloutContext, prompts) -> list[Sample]:
-    """Sample through the engine (single_turn), then score every sample with its prompt's teacher.
+    """The student's samples (``student_samples``), then every sample scored by its prompt's teacher.
     ``ctx.options["teachers"]``: {set name: weights directory} (the trainer fills it from rl.opd)."""
     teachers = ctx.options.get("teachers") or {}
-    samples = single_turn(ctx, prompts)
+    samples = student_samples(ctx, prompts)
     by_teacher: dict[str, list[Sample]] = {}
     for prompt, sample in zip((p for p in prompts for _ in range(ctx.group_size)), samples):
         if prompt.source not in teachers:
@@ -110,5 +112,24 @@ def opd_rollout(ctx: RolloutContext, prompts) -> list[Sample]:
     return samples
 
 
+def student_samples(ctx: RolloutContext, prompts) -> list[Sample]:
+    """``group_size`` samples of each prompt, in the prompts' order, each set's prompts answered through
+    its own rollout plug-in with its own settings (``ctx.options["rollouts"]``: {set name: [dotted path,
+    settings]}; single-turn for a set without one)."""
+    rollouts = ctx.options.get("rollouts") or {}
+    by_set: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        by_set.setdefault(prompt.source, []).append(i)
+    G = ctx.group_size
+    out: list[Sample | None] = [None] * (len(prompts) * G)
+    for name, rows in by_set.items():
+        path, settings = rollouts.get(name, (None, {}))
+        rollout = resolve(path, f"rl.opd.teachers.{name}.rollout") if path else single_turn
+        got = rollout(dataclasses.replace(ctx, options=dict(settings)), [prompts[i] for i in rows])
+        for j, i in enumerate(rows):
+            out[i * G:(i + 1) * G] = got[j * G:(j + 1) * G]
+    return out
+
+
 # Held-out rewards need the student's answers only, not the teachers' scores.
-opd_rollout.for_evaluation = single_turn
+opd_rollout.for_evaluation = student_samples

@@ -87,7 +87,8 @@ class RLConfig:
             self.task_args = {"sets": [{"name": t.name, "task": t.task, "task_args": dict(t.task_args), "ratio": t.ratio}
                                        for t in self.opd.teachers], "eval_size": self.task_args.get("eval_size")}
             self.rollout = "orthon.rl.distill.opd_rollout"
-            self.rollout_args = {**self.rollout_args, "teachers": {t.name: t.weights for t in self.opd.teachers}}
+            self.rollout_args = {**self.rollout_args, "teachers": {t.name: t.weights for t in self.opd.teachers},
+                                 "rollouts": {t.name: [t.rollout, dict(t.rollout_args)] for t in self.opd.teachers}}
             self.buffer.num_repeat_per_sample = self.opd.group_size
         if self.max_sampling_rounds > 1 and not self.drop_zero_std_groups:
             raise ConfigError("max_sampling_rounds: refill rounds only make sense with drop_zero_std_groups: true")

@@ -157,3 +157,41 @@ def test_form1_runs_with_the_teacher_models(tmp_path, world):
     before = [p.clone() for p in trainer.model.parameters()]
     trainer.fit()
     assert any(not torch.equal(p, q) for p, q in zip(before, trainer.model.parameters()))
+
+
+def _tagging_rollout(ctx, prompts):
+    """A rollout plug-in for the dispatch test: one Sample per request, recording the settings it got."""
+    from orthon.rl.sample import Sample, SampleStatus
+
+    return [Sample(p.instance_id, list(p.ids) + [7], response_length=1, loss_mask=[1], status=SampleStatus.COMPLETED,
+                   rollout_log_probs=torch.tensor([-0.5]),
+                   metadata={"set": p.source, "settings": dict(ctx.options)})
+            for p in prompts for _ in range(ctx.group_size)]
+
+
+def test_each_set_is_answered_through_its_own_rollout_in_prompt_order():
+    """A tool set's prompts go through its multi-turn rollout with its settings, the others single-turn,
+    and the samples come back in the prompts' order (each prompt's group together)."""
+    from orthon.rl.distill import student_samples
+    from orthon.rl.tasks import Prompt
+
+    prompts = [Prompt(f"{name}/{i}", "q", [1, 2], "3", source=name)
+               for i, name in enumerate(["tools", "plain", "tools", "plain"])]
+    ctx = RolloutContext(engine=None, tokenizer=None, reward=None, sampling=None, group_size=2,
+                         options={"teachers": {"tools": "w1", "plain": "w2"},
+                                  "rollouts": {"tools": ["test_rl_distill._tagging_rollout", {"max_turns": 3}],
+                                               "plain": ["test_rl_distill._tagging_rollout", {}]}})
+    samples = student_samples(ctx, prompts)
+    assert [s.instance_id for s in samples] == ["tools/0", "tools/0", "plain/1", "plain/1",
+                                                "tools/2", "tools/2", "plain/3", "plain/3"]
+    assert all(s.metadata["settings"] == ({"max_turns": 3} if s.metadata["set"] == "tools" else {}) for s in samples)
+
+
+def test_teacher_rollout_settings_reach_the_rollout_options():
+    cfg = build(RLConfig, {"opd": {"teachers": [
+        {"name": "tools", "weights": "w", "task": "orthon.rl.tool_tasks.ToolArithmeticTask",
+         "rollout": "orthon.rl.multi_turn.tool_rollout", "rollout_args": {"max_turns": 2}},
+        {"name": "plain", "weights": "v"}]}})
+    assert cfg.rollout == "orthon.rl.distill.opd_rollout"
+    assert cfg.rollout_args["rollouts"] == {"tools": ["orthon.rl.multi_turn.tool_rollout", {"max_turns": 2}],
+                                            "plain": ["orthon.rl.rollout.single_turn", {}]}
