@@ -6,8 +6,9 @@ and the set's name leads its instance id). ``opd_rollout`` is the rollout plug-i
 samples ``group_size`` (1 in the recipe) responses per prompt through the engine, each set's prompts
 through that set's own rollout (single-turn, or a tool set's multi-turn rollout), then the teacher of
 the prompt's set, and only that teacher, gives the fp32 log-prob of every response token
-(``Sample.teacher_log_probs``; a tool observation's tokens are scored too but masked out of the loss). The policy step turns them into per-token advantages (form 2:
-sg[log pi_T - log pi_S]; reverse KL, mode seeking) with no outcome reward. Teachers run in the
+(``Sample.teacher_log_probs``; a tool observation's tokens are scored too but masked out of the loss).
+The policy step turns them into per-token advantages (form 2: sg[log pi_T - log pi_S]; reverse KL,
+mode seeking) with no outcome reward. Teachers run in the
 rollout's process (``orthon.pretrain.logprobs.sequence_log_probs`` on their weights, loaded once).
 """
 from __future__ import annotations

@@ -87,12 +87,16 @@ class RolloutManager:
             while end < len(items) and items[end].index == items[end - 1].index + 1:
                 end += 1
             seed = self.seed * SEED_STRIDE + items[start].index * self.group_size
-            ctx = RolloutContext(self.engine, self.tokenizer, self.reward, self.sampling(seed=seed), self.group_size,
-                                 self.cfg.reward.concurrency if self.cfg.reward else 1, self.cfg.rollout_args,
-                                 self.counters)
+            ctx = self._context(self.sampling(seed=seed), self.group_size, self.counters)
             samples += self.rollout_fn(ctx, [item.prompt for item in items[start:end]])
             start = end
         return samples
+
+    def _context(self, sampling: SamplingParams, group_size: int, counters: collections.Counter) -> RolloutContext:
+        """What a rollout plug-in gets: the engine, tokenizer and reward, this call's sampling and group
+        size, the plug-in's settings, and the counters its events go to."""
+        return RolloutContext(self.engine, self.tokenizer, self.reward, sampling, group_size,
+                              self.cfg.reward.concurrency if self.cfg.reward else 1, self.cfg.rollout_args, counters)
 
     def _store(self, items: list[_Item], samples: list[Sample]) -> None:
         """Samples into the buffer; a prompt with an aborted sample is queued again instead, whole."""
@@ -246,12 +250,10 @@ class RolloutManager:
         answers them, through the rollout plug-in (a tool task's evaluation runs its tools), or through
         the plug-in's ``for_evaluation`` where it names one (OPD: no teacher is needed to score)."""
         rollout = getattr(self.rollout_fn, "for_evaluation", self.rollout_fn)
-        concurrency = self.cfg.reward.concurrency if self.cfg.reward else 1
 
         def mean_reward(sampling, group_size: int) -> float:
-            ctx = RolloutContext(self.engine, self.tokenizer, self.reward, sampling, group_size, concurrency,
-                                 self.cfg.rollout_args, collections.Counter())  # the training counters stay the training's
-            samples = rollout(ctx, self.eval_prompts)
+            # Its own counters: evaluation's tool calls and parse errors stay out of training's.
+            samples = rollout(self._context(sampling, group_size, collections.Counter()), self.eval_prompts)
             return sum(s.reward for s in samples) / len(samples)
 
         return {"eval_reward": mean_reward(self.sampling(seed=self.seed + 7_919), self.cfg.eval_samples),
