@@ -31,11 +31,17 @@ import torch.nn.functional as F
 
 from orthon.pretrain.attention import MLAttention, gather_rows, head_matmul, latent_attention
 from orthon.pretrain.cache import KVCache
-from orthon.pretrain.layers import MLP, apply_rope, rope_cos_sin
+from orthon.pretrain.layers import MLP, rope_cos_sin, rotate
 from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.moe import MoE, combine_experts, route, sort_by_expert
-from orthon.pretrain.thin_gemm import PackedLinear
+from orthon.pretrain.thin_gemm import PackedExperts, PackedLinear, rms_norm
 from orthon.pretrain.topk import deterministic_topk
+
+
+def _rotate_first(x: torch.Tensor, rope_dim: int, rotation: torch.Tensor) -> torch.Tensor:
+    """The indexer's RoPE (Indexer.rope_first): its first rope_dim numbers rotated, the rest passed."""
+    rope, rest = x.split([rope_dim, x.shape[-1] - rope_dim], dim=-1)
+    return torch.cat([rotate(rope, rotation), rest], dim=-1)
 
 
 def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -46,15 +52,16 @@ def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _Layer:
-    w_in: PackedLinear  # (q_lora + rank + rope [+ idx_dim + idx_heads], hidden)
-    w_q: PackedLinear  # (H * rank + H * rope [+ idx_heads * idx_dim], q_lora)
+    w_in: PackedLinear  # (q_lora + rank + rope [+ idx_dim + idx_heads], hidden), input_layernorm folded in
+    w_q: PackedLinear  # (H * rank + H * rope [+ idx_heads * idx_dim], q_lora), q_a_layernorm folded in
     w_out: PackedLinear  # (hidden, H * rank)
-    norms: dict  # name -> the norm module
+    norms: dict  # name -> the norm module ("kv_a", "post"), for the norms that run on their own
     indexer: object | None  # the Indexer module (k_norm, scale), None without DSA or on a shared layer
-    mlp_in: PackedLinear  # dense: gate and up (2I, hidden); MoE: router and shared gate/up (E + 2Is, hidden)
+    mlp_in: PackedLinear  # dense: gate and up (2I, hidden), post_attention_layernorm folded in; MoE: router
+    #                       and shared gate/up (E + 2Is, hidden), on the normed input the experts read too
     mlp_down: PackedLinear | None  # dense: (hidden, I); MoE: the shared expert's (hidden, Is)
     moe: MoE | None
-    experts: list[tuple[PackedLinear, PackedLinear]] | None = None  # MoE: each routed expert's gate/up, down
+    experts: PackedExperts | None = None  # MoE: the routed experts' gate/up and down
 
 
 class DecodeWeights:
@@ -99,20 +106,19 @@ class DecodeWeights:
             w_out = head_matmul(attn.o_proj.weight.view(-1, H, v), w_uv).reshape(-1, H * rank)
             mlp, experts = block.mlp, None
             if isinstance(mlp, MLP):
-                mlp_in = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+                mlp_in = PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), block.post_attention_layernorm)
                 mlp_down, moe = PackedLinear(mlp.down_proj.weight), None
             else:
                 shared, mlp_down = [], None
                 if mlp.shared_experts is not None:
                     shared = [mlp.shared_experts.gate_proj.weight, mlp.shared_experts.up_proj.weight]
                     mlp_down = PackedLinear(mlp.shared_experts.down_proj.weight)
-                mlp_in, moe = torch.cat([mlp.gate.weight, *shared]), mlp
-                experts = [(PackedLinear(gu), PackedLinear(d))
-                           for gu, d in zip(mlp.experts.gate_up_proj.unbind(0), mlp.experts.down_proj.unbind(0))]
-            norms = {"input": block.input_layernorm, "post": block.post_attention_layernorm,
-                     "q_a": attn.q_a_layernorm, "kv_a": attn.kv_a_layernorm}
-            layers.append(_Layer(PackedLinear(torch.cat(ins)), PackedLinear(torch.cat(qs)), PackedLinear(w_out), norms,
-                                 idx, PackedLinear(mlp_in), mlp_down, moe, experts))
+                mlp_in, moe = PackedLinear(torch.cat([mlp.gate.weight, *shared])), mlp
+                experts = PackedExperts(mlp.experts.gate_up_proj, mlp.experts.down_proj)
+            norms = {"post": block.post_attention_layernorm, "kv_a": attn.kv_a_layernorm}
+            layers.append(_Layer(PackedLinear(torch.cat(ins), block.input_layernorm),
+                                 PackedLinear(torch.cat(qs), attn.q_a_layernorm), PackedLinear(w_out), norms,
+                                 idx, mlp_in, mlp_down, moe, experts))
         self.layers = layers
         self.lm_head = PackedLinear(self.model.lm_head.weight)
         self._built_from = self._fingerprint()
@@ -127,8 +133,10 @@ class DecodeWeights:
         model._check_ids(tokens)
         positions = cache.slots(1, tokens.device) if positions is None else positions
         x = model.model.embed_tokens(tokens)[:, 0]  # (B, hidden)
-        cos, sin = rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, x.dtype)  # (B or 1, 1, rope/2)
-        cos, sin = cos[:, 0], sin[:, 0]
+        # RoPE's cos + i sin (B or 1, rope/2), made once for every rotation of the step.
+        cos, sin = rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta,
+                                torch.float64 if x.dtype == torch.float64 else torch.float32)
+        rotation = torch.complex(cos[:, 0], sin[:, 0])
         q_doc = cache.write_docs(None, 1)
         S = cache.length + 1
         visible = None
@@ -136,39 +144,39 @@ class DecodeWeights:
             visible = cache.docs[:, :S] == q_doc  # left padding is document -1
         chosen = None  # the last full indexer's top-k, which IndexShare's shared layers reuse
         for i, layer in enumerate(self.layers):
-            attn, chosen = self._attention(i, layer, layer.norms["input"](x), cos, sin, cache, S, visible, chosen)
+            attn, chosen = self._attention(i, layer, x, rotation, cache, S, visible, chosen)
             x = x + attn
-            h = layer.norms["post"](x)
-            x = x + (self._moe(layer, h) if layer.moe is not None else self._mlp(layer, h))
+            x = x + (self._moe(layer, rms_norm(x, layer.norms["post"])) if layer.moe is not None else self._mlp(layer, x))
         cache.advance(1)
-        return model.model.norm(x)
+        return rms_norm(x, model.model.norm)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head of the step's hidden states, fp32 (B, vocab)."""
         return self.lm_head(hidden).float()
 
-    def _attention(self, i, layer: _Layer, x, cos, sin, cache: KVCache, S: int, visible, chosen):
-        """The layer's attention output (B, hidden) and the top-k it attended (None: every key)."""
+    def _attention(self, i, layer: _Layer, x, rotation, cache: KVCache, S: int, visible, chosen):
+        """The layer's attention output (B, hidden) for its input x (before input_layernorm, which w_in
+        applies) and the top-k it attended (None: every key). rotation: RoPE's cos + i sin (B or 1, rope/2)."""
         c = self.model.config
         B = x.shape[0]
         H, rope, rank, ql = c.num_attention_heads, c.qk_rope_head_dim, c.kv_lora_rank, c.q_lora_rank
         idx = layer.indexer
         sizes = [ql, rank, rope] + ([idx.head_dim, idx.n_heads] if idx is not None else [])
         parts = layer.w_in(x).split(sizes, dim=-1)
-        q_resid = layer.norms["q_a"](parts[0])
-        latent = torch.cat([layer.norms["kv_a"](parts[1]), apply_rope(parts[2], cos, sin)], dim=-1)
+        latent = torch.cat([rms_norm(parts[1], layer.norms["kv_a"]), rotate(parts[2], rotation)], dim=-1)
         index_key = None
         if idx is not None:
-            index_key = idx.rope_first(idx.k_norm(parts[3]), cos, sin)
+            index_key = _rotate_first(idx.k_norm(parts[3]), idx.rope_dim, rotation)
         latents, index_keys = cache.append(i, latent[:, None], None if index_key is None else index_key[:, None])
         qsizes = [H * rank, H * rope] + ([idx.n_heads * idx.head_dim] if idx is not None else [])
-        qparts = layer.w_q(q_resid).split(qsizes, dim=-1)
-        q = torch.cat([qparts[0].view(B, H, rank), apply_rope(qparts[1].view(B, H, rope), cos[:, None], sin[:, None])], dim=-1)
+        qparts = layer.w_q(parts[0]).split(qsizes, dim=-1)
+        head_rotation = rotation[:, None]
+        q = torch.cat([qparts[0].view(B, H, rank), rotate(qparts[1].view(B, H, rope), head_rotation)], dim=-1)
         keys = latents  # (B, S, D)
         mask = visible
         sparse = self.model.runtime.sparse_attention and S > c.index_topk
         if sparse and idx is not None:
-            iq = idx.rope_first(qparts[2].view(B, idx.n_heads, idx.head_dim), cos[:, None], sin[:, None])
+            iq = _rotate_first(qparts[2].view(B, idx.n_heads, idx.head_dim), idx.rope_dim, head_rotation)
             w = parts[4] * idx.n_heads**-0.5
             logits = torch.relu(torch.bmm(index_keys, iq.transpose(1, 2)) * idx.scale)  # (B, S, n)
             scores = torch.bmm(logits, w[:, :, None]).squeeze(-1)  # (B, S)
@@ -183,6 +191,7 @@ class DecodeWeights:
 
     @staticmethod
     def _mlp(layer: _Layer, x):
+        """The dense MLP of x before post_attention_layernorm (mlp_in applies it)."""
         return layer.mlp_down(_swiglu(layer.mlp_in(x)))
 
     def _moe(self, layer: _Layer, x):
@@ -192,13 +201,17 @@ class DecodeWeights:
         router = layer.moe.gate
         weights, chosen = route(logits.float(), router.e_score_correction_bias.float(), c.num_experts_per_tok,
                                 c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
-        # Rows grouped by expert; only the chosen experts' weights are read.
-        order, token, counts = sort_by_expert(chosen, E)
-        pieces = []
-        for (gate_up, down), part in zip(layer.experts, x.index_select(0, token).split(counts.tolist())):
-            if part.shape[0]:
-                pieces.append(down(_swiglu(gate_up(part))))
-        y = combine_experts(x, token, order, weights, torch.cat(pieces))
+        experts = layer.experts
+        if experts.applies(x):
+            y = experts(x, chosen, weights)
+        else:  # rows grouped by expert; only the chosen experts' weights are read
+            order, token, counts = sort_by_expert(chosen, E)
+            pieces = []
+            for (gate_up, down), part in zip(zip(experts.gate_up, experts.down),
+                                             x.index_select(0, token).split(counts.tolist())):
+                if part.shape[0]:
+                    pieces.append(down(_swiglu(gate_up(part))))
+            y = combine_experts(x, token, order, weights, torch.cat(pieces))
         if layer.mlp_down is not None:
             y = y + layer.mlp_down(_swiglu(shared_in))
         return y

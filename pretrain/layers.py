@@ -82,8 +82,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if x.dim() == 4:
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     if _complex_viewable(x):
-        rotation = torch.complex(cos.to(x.dtype), sin.to(x.dtype))
+        return rotate(x, torch.complex(cos.to(x.dtype), sin.to(x.dtype)))
+    return _rotate_real(x, cos, sin)
+
+
+_COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128}
+
+
+def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """apply_rope with the rotation cos + i sin made once (a decode step rotates about a dozen tensors
+    by the same angles); rotation: complex, broadcasting against x's pairs (..., dim // 2)."""
+    if _complex_viewable(x) and rotation.dtype == _COMPLEX[x.dtype]:
         return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * rotation).flatten(-2)
+    return _rotate_real(x, rotation.real.to(x.dtype), rotation.imag.to(x.dtype))
+
+
+def _rotate_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
 

@@ -85,6 +85,68 @@ void thin_linear(const float* x, const float* p, float* y, long M, long N, long 
         }
     }
 }
+
+/* rstd[m] = 1 / sqrt(mean(x[m, :K]^2) + eps), rows ldx apart, summed in double. */
+static void row_rstd(const float* x, float* rstd, long M, long K, long ldx, float eps) {
+    for (long m = 0; m < M; m++) {
+        const float* r = x + m * ldx;
+        double s = 0.0;
+        for (long k = 0; k < K; k++) s += (double)r[k] * r[k];
+        rstd[m] = (float)(1.0 / __builtin_sqrt(s / K + eps));
+    }
+}
+
+/* y (M x K) = x * rstd(x) * w: RMSNorm of rows ldx apart. */
+void thin_rms_norm(const float* x, const float* w, float* y, long M, long K, long ldx, float eps) {
+    float rstd[64];
+    for (long m0 = 0; m0 < M; m0 += 64) {
+        long mb = M - m0 < 64 ? M - m0 : 64;
+        row_rstd(x + m0 * ldx, rstd, mb, K, ldx, eps);
+        for (long m = 0; m < mb; m++)
+            for (long k = 0; k < K; k++) y[(m0 + m) * K + k] = x[(m0 + m) * ldx + k] * rstd[m] * w[k];
+    }
+}
+
+/* y = rms_norm(x) @ w^T for a weight packed with the norm's scale folded in: the linear map of x,
+   each row's output times that row's rstd (M <= 64). */
+void thin_norm_linear(const float* x, const float* p, float* y, long M, long N, long K, float eps) {
+    float rstd[64];
+    row_rstd(x, rstd, M, K, K, eps);
+    thin_linear(x, p, y, M, N, K);
+    for (long m = 0; m < M; m++)
+        for (long n = 0; n < N; n++) y[m * N + n] *= rstd[m];
+}
+
+/* Routed experts of a few rows: y (M x H) += sum over each row's top-k choices of
+   weight * down_e(silu(gate_e x) * up_e x), the rows grouped by expert so each chosen expert's
+   packed weights are read once. chosen / weights: (M x topk); gate_up[e]: (2I x H) packed,
+   down[e]: (H x I) packed; scratch: M * (H + 3 I + H) floats. */
+#include <math.h>
+void thin_moe(const float* x, const long* chosen, const float* weights, float* y, long M, long topk, long H,
+              long I, long E, const float* const* gate_up, const float* const* down, float* scratch) {
+    float* xb = scratch;            /* n x H */
+    float* h = xb + M * H;          /* n x 2I */
+    float* act = h + M * 2 * I;     /* n x I */
+    float* out = act + M * I;       /* n x H */
+    long rows[64]; float w[64];
+    for (long e = 0; e < E; e++) {
+        long n = 0;
+        for (long m = 0; m < M; m++)
+            for (long j = 0; j < topk; j++)
+                if (chosen[m * topk + j] == e) { rows[n] = m; w[n] = weights[m * topk + j]; n++; }
+        if (n == 0) continue;
+        for (long r = 0; r < n; r++) memcpy(xb + r * H, x + rows[r] * H, sizeof(float) * H);
+        thin_linear(xb, gate_up[e], h, n, 2 * I, H);
+        for (long r = 0; r < n; r++)
+            for (long i = 0; i < I; i++) {
+                float g = h[r * 2 * I + i];
+                act[r * I + i] = g / (1.0f + expf(-g)) * h[r * 2 * I + I + i];
+            }
+        thin_linear(act, down[e], out, n, H, I);
+        for (long r = 0; r < n; r++)
+            for (long k = 0; k < H; k++) y[rows[r] * H + k] += w[r] * out[r * H + k];
+    }
+}
 """
 
 _lock = threading.Lock()
@@ -119,6 +181,9 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(target))
     lib.thin_pack.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
     lib.thin_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+    lib.thin_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_float]
+    lib.thin_norm_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_float]
+    lib.thin_moe.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5 + [ctypes.c_void_p] * 3
     return lib
 
 
@@ -147,10 +212,20 @@ def library() -> ctypes.CDLL | None:
 
 
 class PackedLinear:
-    """A weight (N, K) as ``F.linear`` takes it, plus its panel-packed copy when the kernel applies."""
+    """A weight (N, K) as ``F.linear`` takes it, plus its panel-packed copy when the kernel applies.
 
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight.detach().contiguous()
+    ``norm``: the RMSNorm whose output this linear reads (its ``weight`` and ``eps``). Its scale is
+    folded into the weight's columns, and the call normalises x itself: ``W (w * x * rstd(x))`` is
+    ``(W diag(w)) x`` times each row's rstd, so the norm costs one pass over x inside the kernel call.
+    """
+
+    def __init__(self, weight: torch.Tensor, norm: torch.nn.Module | None = None):
+        weight = weight.detach()
+        self.eps = None
+        if norm is not None:
+            weight = weight * norm.weight.detach()[None, :]
+            self.eps = float(norm.eps)
+        self.weight = weight.contiguous()
         self.out_features, self.in_features = self.weight.shape
         self.panels = None
         lib = library()
@@ -160,12 +235,68 @@ class PackedLinear:
             lib.thin_pack(self.weight.data_ptr(), self.panels.data_ptr(), N, K)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., K) -> (..., N) = x @ weight^T."""
+        """x (..., K) -> (..., N) = x @ weight^T (of rms_norm(x) without its scale, with ``norm``)."""
         rows = x.numel() // self.in_features if x.numel() else 0
         if self.panels is None or not 0 < rows <= MAX_ROWS or x.dtype != torch.float32 or x.requires_grad:
+            if self.eps is not None:
+                x = F.rms_norm(x, (self.in_features,), None, self.eps)
             return F.linear(x, self.weight)
         flat = x.reshape(rows, self.in_features).contiguous()
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
-        _lib.thin_linear(flat.data_ptr(), self.panels.data_ptr(), y.data_ptr(), rows, self.out_features,
-                         self.in_features)
+        if self.eps is None:
+            _lib.thin_linear(flat.data_ptr(), self.panels.data_ptr(), y.data_ptr(), rows, self.out_features,
+                             self.in_features)
+        else:
+            _lib.thin_norm_linear(flat.data_ptr(), self.panels.data_ptr(), y.data_ptr(), rows, self.out_features,
+                                  self.in_features, self.eps)
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    """``norm(x)`` for an RMSNorm module in inference: one kernel call for the few fp32 rows of a decode
+    step (torch's CPU rms_norm runs about ten ops), torch's kernel otherwise. Rows of x may lie apart
+    (a split of a wider tensor), as long as each row is contiguous."""
+    K = x.shape[-1]
+    rows = x.numel() // K if x.numel() else 0
+    strided_rows = x.dim() == 2 and x.stride(-1) == 1
+    lib = _lib if _tried else library()
+    if (lib is None or not 0 < rows <= MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu"
+            or norm.weight.dtype != torch.float32 or torch.is_grad_enabled()
+            or not (strided_rows or x.is_contiguous())):
+        return F.rms_norm(x, (K,), norm.weight, norm.eps)
+    y = torch.empty(x.shape, dtype=torch.float32)
+    lib.thin_rms_norm(x.data_ptr(), norm.weight.data_ptr(), y.data_ptr(), rows, K,
+                       x.stride(0) if strided_rows else K, float(norm.eps))
+    return y
+
+
+class PackedExperts:
+    """A stack of SwiGLU experts (gate_up (E, 2I, H), down (E, H, I)) packed for ``thin_moe``: the routed
+    experts of a decode step's few rows in one kernel call. ``available`` is False where the kernel is
+    not (the caller then runs the experts itself)."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
+        self.gate_up = [PackedLinear(w) for w in gate_up.unbind(0)]
+        self.down = [PackedLinear(w) for w in down.unbind(0)]
+        self.num_experts, self.hidden, self.intermediate = gate_up.shape[0], gate_up.shape[2], down.shape[2]
+        self.available = all(p.panels is not None for p in self.gate_up + self.down)
+        if self.available:
+            pointers = ctypes.c_void_p * self.num_experts
+            self._gate_up_ptrs = pointers(*(p.panels.data_ptr() for p in self.gate_up))
+            self._down_ptrs = pointers(*(p.panels.data_ptr() for p in self.down))
+
+    def applies(self, x: torch.Tensor) -> bool:
+        return self.available and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.float32
+
+    def __call__(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """(M, H): each row's routed-expert sum. x (M, H) fp32 with ``applies(x)``; chosen (M, k) expert
+        indices; weights (M, k) their routing weights."""
+        M, k = chosen.shape
+        x = x.contiguous()
+        chosen = chosen.to(torch.long).contiguous()
+        weights = weights.to(torch.float32).contiguous()
+        y = torch.zeros(M, self.hidden, dtype=torch.float32)
+        scratch = torch.empty(M * (2 * self.hidden + 3 * self.intermediate), dtype=torch.float32)
+        _lib.thin_moe(x.data_ptr(), chosen.data_ptr(), weights.data_ptr(), y.data_ptr(), M, k, self.hidden,
+                      self.intermediate, self.num_experts, self._gate_up_ptrs, self._down_ptrs, scratch.data_ptr())
+        return y
