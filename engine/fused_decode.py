@@ -34,14 +34,31 @@ from orthon.pretrain.cache import KVCache
 from orthon.pretrain.layers import MLP, rope_cos_sin, rotate
 from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.moe import MoE, combine_experts, route, sort_by_expert
-from orthon.pretrain.thin_gemm import PackedExperts, PackedLinear, rms_norm
+from orthon.pretrain.thin_gemm import (PackedExperts, PackedLinear, index_topk, latent_attention_step, rms_norm,
+                                       rope_rows)
 from orthon.pretrain.topk import deterministic_topk
 
 
-def _rotate_first(x: torch.Tensor, rope_dim: int, rotation: torch.Tensor) -> torch.Tensor:
-    """The indexer's RoPE (Indexer.rope_first): its first rope_dim numbers rotated, the rest passed."""
-    rope, rest = x.split([rope_dim, x.shape[-1] - rope_dim], dim=-1)
-    return torch.cat([rotate(rope, rotation), rest], dim=-1)
+class _Rotation:
+    """RoPE at one decode step's positions: cos, sin (B or 1, rope/2). ``rotation(x, rope_dim)`` rotates
+    the first rope_dim numbers (default all) of each vector of x (B, dim) or (B, n, dim) and passes the
+    rest (the indexer's layout): one kernel call, or the complex multiply where the kernel does not apply."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        self.cos, self.sin = cos, sin
+        self._complex = None
+
+    def __call__(self, x: torch.Tensor, rope_dim: int | None = None) -> torch.Tensor:
+        y = rope_rows(x, self.cos, self.sin, rope_dim)
+        if y is not None:
+            return y
+        if self._complex is None:
+            self._complex = torch.complex(self.cos, self.sin)
+        rotation = self._complex if x.dim() == 2 else self._complex[:, None]
+        if rope_dim is None or rope_dim == x.shape[-1]:
+            return rotate(x, rotation)
+        rope, rest = x.split([rope_dim, x.shape[-1] - rope_dim], dim=-1)
+        return torch.cat([rotate(rope, rotation), rest], dim=-1)
 
 
 def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -133,10 +150,10 @@ class DecodeWeights:
         model._check_ids(tokens)
         positions = cache.slots(1, tokens.device) if positions is None else positions
         x = model.model.embed_tokens(tokens)[:, 0]  # (B, hidden)
-        # RoPE's cos + i sin (B or 1, rope/2), made once for every rotation of the step.
+        # RoPE's cos and sin (B or 1, rope/2), made once for every rotation of the step.
         cos, sin = rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta,
                                 torch.float64 if x.dtype == torch.float64 else torch.float32)
-        rotation = torch.complex(cos[:, 0], sin[:, 0])
+        rotation = _Rotation(cos[:, 0].contiguous(), sin[:, 0].contiguous())
         q_doc = cache.write_docs(None, 1)
         S = cache.length + 1
         visible = None
@@ -156,37 +173,40 @@ class DecodeWeights:
 
     def _attention(self, i, layer: _Layer, x, rotation, cache: KVCache, S: int, visible, chosen):
         """The layer's attention output (B, hidden) for its input x (before input_layernorm, which w_in
-        applies) and the top-k it attended (None: every key). rotation: RoPE's cos + i sin (B or 1, rope/2)."""
+        applies) and the top-k it attended (None: every key). rotation: the step's RoPE."""
         c = self.model.config
         B = x.shape[0]
         H, rope, rank, ql = c.num_attention_heads, c.qk_rope_head_dim, c.kv_lora_rank, c.q_lora_rank
         idx = layer.indexer
         sizes = [ql, rank, rope] + ([idx.head_dim, idx.n_heads] if idx is not None else [])
         parts = layer.w_in(x).split(sizes, dim=-1)
-        latent = torch.cat([rms_norm(parts[1], layer.norms["kv_a"]), rotate(parts[2], rotation)], dim=-1)
+        latent = torch.cat([rms_norm(parts[1], layer.norms["kv_a"]), rotation(parts[2])], dim=-1)
         index_key = None
         if idx is not None:
-            index_key = _rotate_first(idx.k_norm(parts[3]), idx.rope_dim, rotation)
+            index_key = rotation(idx.k_norm(parts[3]), idx.rope_dim)
         latents, index_keys = cache.append(i, latent[:, None], None if index_key is None else index_key[:, None])
         qsizes = [H * rank, H * rope] + ([idx.n_heads * idx.head_dim] if idx is not None else [])
         qparts = layer.w_q(parts[0]).split(qsizes, dim=-1)
-        head_rotation = rotation[:, None]
-        q = torch.cat([qparts[0].view(B, H, rank), rotate(qparts[1].view(B, H, rope), head_rotation)], dim=-1)
-        keys = latents  # (B, S, D)
-        mask = visible
+        q = torch.cat([qparts[0].view(B, H, rank), rotation(qparts[1].view(B, H, rope))], dim=-1)
         sparse = self.model.runtime.sparse_attention and S > c.index_topk
         if sparse and idx is not None:
-            iq = _rotate_first(qparts[2].view(B, idx.n_heads, idx.head_dim), idx.rope_dim, head_rotation)
+            iq = rotation(qparts[2].view(B, idx.n_heads, idx.head_dim), idx.rope_dim)
             w = parts[4] * idx.n_heads**-0.5
-            logits = torch.relu(torch.bmm(index_keys, iq.transpose(1, 2)) * idx.scale)  # (B, S, n)
-            scores = torch.bmm(logits, w[:, :, None]).squeeze(-1)  # (B, S)
-            if visible is not None:
-                scores = scores.masked_fill(~visible, float("-inf"))
-            chosen = deterministic_topk(scores, c.index_topk)  # (B, k)
-        if sparse:  # the selected latents, read from the whole cache buffer (no copy of the live prefix)
-            keys = gather_rows(cache.latent[i], chosen)
-            mask = None if visible is None else visible.gather(1, chosen)
-        o = latent_attention(q, keys, c.qk_head_dim**-0.5, rank, None if mask is None else mask[:, None])  # (B, H, rank)
+            chosen = index_topk(cache.index_keys[i], S, iq, w, idx.scale, c.index_topk, visible)
+            if chosen is None:  # no kernel: the same selection in torch ops
+                logits = torch.relu(torch.bmm(index_keys, iq.transpose(1, 2)) * idx.scale)  # (B, S, n)
+                scores = torch.bmm(logits, w[:, :, None]).squeeze(-1)  # (B, S)
+                if visible is not None:
+                    scores = scores.masked_fill(~visible, float("-inf"))
+                chosen = deterministic_topk(scores, c.index_topk)  # (B, k)
+        scale = c.qk_head_dim**-0.5
+        o = latent_attention_step(q, cache.latent[i], S, scale, rank, chosen if sparse else None, visible)
+        if o is None:
+            keys, mask = latents, visible  # (B, S, D)
+            if sparse:  # the selected latents, read from the whole cache buffer (no copy of the live prefix)
+                keys = gather_rows(cache.latent[i], chosen)
+                mask = None if visible is None else visible.gather(1, chosen)
+            o = latent_attention(q, keys, scale, rank, None if mask is None else mask[:, None])  # (B, H, rank)
         return layer.w_out(o.reshape(B, H * rank)), (chosen if sparse else None)
 
     @staticmethod

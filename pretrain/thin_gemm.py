@@ -147,6 +147,127 @@ void thin_moe(const float* x, const long* chosen, const float* weights, float* y
             for (long k = 0; k < H; k++) y[rows[r] * H + k] += w[r] * out[r * H + k];
     }
 }
+
+static inline float dot(const float* a, const float* b, long n) {
+    __m256 acc = _mm256_setzero_ps();
+    long i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    float s = _mm_cvtss_f32(_mm_add_ss(half, _mm_shuffle_ps(half, half, 1)));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* RoPE on the interleaved pairs of B x Hn vectors of dim numbers (row b, vector h at x + b*ldb + h*ldh):
+   the first `pairs` pairs rotated by (cos, sin)[b * cs_stride + i], the rest copied; y (B, Hn, dim). */
+void thin_rope(const float* x, long B, long Hn, long ldb, long ldh, long dim, long pairs, const float* cos,
+               const float* sin, long cs_stride, float* y) {
+    for (long b = 0; b < B; b++) {
+        const float* c = cos + b * cs_stride;
+        const float* sn = sin + b * cs_stride;
+        for (long h = 0; h < Hn; h++) {
+            const float* v = x + b * ldb + h * ldh;
+            float* o = y + (b * Hn + h) * dim;
+            for (long i = 0; i < pairs; i++) {
+                float x0 = v[2 * i], x1 = v[2 * i + 1];
+                o[2 * i] = x0 * c[i] - x1 * sn[i];
+                o[2 * i + 1] = x1 * c[i] + x0 * sn[i];
+            }
+            for (long i = 2 * pairs; i < dim; i++) o[i] = v[i];
+        }
+    }
+}
+
+/* (score, position) a before b: the larger score, ties to the lower position (orthon.pretrain.topk). */
+static inline int before(float sa, long pa, float sb, long pb) { return sa > sb || (sa == sb && pa < pb); }
+
+/* The DSA indexer's top-k of one decode step, per row b: score[s] = sum_h w[b, h] * relu(scale *
+   keys[b, s] . q[b, h]) over the S cached keys (rows key_stride apart per b, d numbers each), -inf where
+   visible[b, s] is 0 (visible may be NULL); out[b, :k] the k best positions, best first.
+   scratch: S floats + k longs. */
+void thin_index_topk(const float* keys, long key_stride, const float* q, const float* w,
+                     const unsigned char* visible, long B, long S, long n, long d, float scale, long k,
+                     long* out, float* scores, long* heap) {
+    for (long b = 0; b < B; b++) {
+        const float* kb = keys + b * key_stride;
+        for (long s = 0; s < S; s++) {
+            float acc = 0.0f;
+            for (long h = 0; h < n; h++) {
+                float l = scale * dot(kb + s * d, q + (b * n + h) * d, d);
+                acc += (l > 0.0f ? l : 0.0f) * w[b * n + h];
+            }
+            scores[s] = (visible && !visible[b * S + s]) ? -INFINITY : acc + 0.0f;
+        }
+        /* A heap of the k best so far, its root the worst of them. */
+        long size = 0;
+        for (long s = 0; s < S; s++) {
+            if (size < k) {
+                long i = size++;
+                heap[i] = s;
+                while (i > 0) {
+                    long parent = (i - 1) / 2;
+                    if (!before(scores[heap[parent]], heap[parent], scores[heap[i]], heap[i])) break;
+                    long t = heap[parent]; heap[parent] = heap[i]; heap[i] = t; i = parent;
+                }
+            } else if (before(scores[s], s, scores[heap[0]], heap[0])) {
+                heap[0] = s;
+                long i = 0;
+                for (;;) {
+                    long l = 2 * i + 1, r = l + 1, worst = i;
+                    if (l < size && before(scores[heap[worst]], heap[worst], scores[heap[l]], heap[l])) worst = l;
+                    if (r < size && before(scores[heap[worst]], heap[worst], scores[heap[r]], heap[r])) worst = r;
+                    if (worst == i) break;
+                    long t = heap[worst]; heap[worst] = heap[i]; heap[i] = t; i = worst;
+                }
+            }
+        }
+        /* Best first: pop the worst into the back. */
+        for (long end = size - 1; end >= 0; end--) {
+            out[b * k + end] = heap[0];
+            heap[0] = heap[end];
+            long i = 0, sz = end;
+            for (;;) {
+                long l = 2 * i + 1, r = l + 1, worst = i;
+                if (l < sz && before(scores[heap[worst]], heap[worst], scores[heap[l]], heap[l])) worst = l;
+                if (r < sz && before(scores[heap[worst]], heap[worst], scores[heap[r]], heap[r])) worst = r;
+                if (worst == i) break;
+                long t = heap[worst]; heap[worst] = heap[i]; heap[i] = t; i = worst;
+            }
+        }
+    }
+}
+
+/* Absorbed-MLA attention of one decode step: per row b and head h, softmax over keys j of
+   scale * q[b, h] . key_j, out[b, h] = sum_j p_j key_j[:rank]. Keys: the first S rows of the row's
+   cache (key_stride floats apart per b, D each), or with idx the rows idx[b, :S]; visible[b, pos]
+   (row length vis_len, may be NULL) masks positions out. scratch: S floats. */
+void thin_latent_attention(const float* q, const float* cache, long key_stride, const long* idx,
+                           const unsigned char* visible, long vis_len, long B, long H, long D, long rank,
+                           long S, float scale, float* out, float* p) {
+    for (long b = 0; b < B; b++) {
+        const float* cb = cache + b * key_stride;
+        for (long h = 0; h < H; h++) {
+            const float* qh = q + (b * H + h) * D;
+            float* o = out + (b * H + h) * rank;
+            float mx = -INFINITY;
+            for (long j = 0; j < S; j++) {
+                long pos = idx ? idx[b * S + j] : j;
+                p[j] = (visible && !visible[b * vis_len + pos]) ? -INFINITY : scale * dot(qh, cb + pos * D, D);
+                if (p[j] > mx) mx = p[j];
+            }
+            float total = 0.0f;
+            for (long j = 0; j < S; j++) { p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - mx); total += p[j]; }
+            for (long r = 0; r < rank; r++) o[r] = 0.0f;
+            for (long j = 0; j < S; j++) {
+                if (p[j] == 0.0f) continue;
+                const float* key = cb + (idx ? idx[b * S + j] : j) * D;
+                float pj = p[j] / total;
+                for (long r = 0; r < rank; r++) o[r] += pj * key[r];
+            }
+        }
+    }
+}
 """
 
 _lock = threading.Lock()
@@ -184,6 +305,11 @@ def _build() -> ctypes.CDLL:
     lib.thin_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_float]
     lib.thin_norm_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_float]
     lib.thin_moe.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5 + [ctypes.c_void_p] * 3
+    lib.thin_rope.argtypes = [ctypes.c_void_p] + [ctypes.c_long] * 6 + [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p]
+    lib.thin_index_topk.argtypes = ([ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 4
+                                    + [ctypes.c_float, ctypes.c_long] + [ctypes.c_void_p] * 3)
+    lib.thin_latent_attention.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 2
+                                          + [ctypes.c_long] * 6 + [ctypes.c_float] + [ctypes.c_void_p] * 2)
     return lib
 
 
@@ -300,3 +426,71 @@ class PackedExperts:
         _lib.thin_moe(x.data_ptr(), chosen.data_ptr(), weights.data_ptr(), y.data_ptr(), M, k, self.hidden,
                       self.intermediate, self.num_experts, self._gate_up_ptrs, self._down_ptrs, scratch.data_ptr())
         return y
+
+
+def _decode_kernel_applies(*tensors: torch.Tensor) -> bool:
+    lib = _lib if _tried else library()
+    return (lib is not None and not torch.is_grad_enabled()
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors))
+
+
+def index_topk(keys: torch.Tensor, length: int, q: torch.Tensor, w: torch.Tensor, scale: float, k: int,
+               visible: torch.Tensor | None) -> torch.Tensor | None:
+    """The DSA indexer's top-k positions (B, k), best first, ties to the lower position (as
+    ``deterministic_topk`` orders them) of one decode step: keys (B, capacity, d) the cache's index-key
+    buffer, of which the first ``length`` rows are live; q (B, n, d) the step's index queries; w (B, n)
+    their head weights; visible (B, length) bool or None. None where the kernel does not apply."""
+    B, n, d = q.shape
+    if not (_decode_kernel_applies(keys, q, w) and keys.is_contiguous() and 0 < k <= length <= keys.shape[1]):
+        return None
+    q, w = q.contiguous(), w.contiguous()
+    if visible is not None:
+        visible = visible.contiguous()
+    out = torch.empty(B, k, dtype=torch.long)
+    scores, heap = torch.empty(length, dtype=torch.float32), torch.empty(k, dtype=torch.long)
+    _lib.thin_index_topk(keys.data_ptr(), keys.stride(0), q.data_ptr(), w.data_ptr(),
+                         None if visible is None else visible.data_ptr(), B, length, n, d, float(scale), k,
+                         out.data_ptr(), scores.data_ptr(), heap.data_ptr())
+    return out
+
+
+def latent_attention_step(q: torch.Tensor, cache: torch.Tensor, length: int, scale: float, rank: int,
+                          chosen: torch.Tensor | None, visible: torch.Tensor | None) -> torch.Tensor | None:
+    """Absorbed-MLA attention of one decode step (``orthon.pretrain.attention.latent_attention`` over the
+    cached latents): q (B, H, D); cache (B, capacity, D) the layer's latent buffer, the first ``length``
+    rows live; chosen (B, K) the positions to attend (None: all ``length``); visible (B, length) bool or
+    None. Returns (B, H, rank), or None where the kernel does not apply."""
+    B, H, D = q.shape
+    if not (_decode_kernel_applies(q, cache) and cache.is_contiguous() and length <= cache.shape[1]):
+        return None
+    q = q.contiguous()
+    if chosen is not None:
+        chosen = chosen.to(torch.long).contiguous()
+    if visible is not None:
+        visible = visible.contiguous()
+    keys = length if chosen is None else chosen.shape[1]
+    out = torch.empty(B, H, rank, dtype=torch.float32)
+    p = torch.empty(keys, dtype=torch.float32)
+    _lib.thin_latent_attention(q.data_ptr(), cache.data_ptr(), cache.stride(0),
+                               None if chosen is None else chosen.data_ptr(),
+                               None if visible is None else visible.data_ptr(), length, B, H, D, rank, keys,
+                               float(scale), out.data_ptr(), p.data_ptr())
+    return out
+
+
+def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int | None = None) -> torch.Tensor | None:
+    """``apply_rope`` of a decode step's vectors in one kernel call: x (B, dim) or (B, n, dim), each vector
+    contiguous (a split or a head view of a wider tensor will do); cos / sin (B or 1, rope_dim // 2)
+    contiguous. rope_dim (default dim): rotate only the first rope_dim numbers and pass the rest (the
+    indexer's layout). Returns a new contiguous tensor, or None where the kernel does not apply."""
+    if not (_decode_kernel_applies(x, cos, sin) and x.dim() in (2, 3) and x.stride(-1) == 1
+            and cos.is_contiguous() and sin.is_contiguous()):
+        return None
+    squeeze = x.dim() == 2
+    x3 = x[:, None] if squeeze else x
+    B, n, dim = x3.shape
+    pairs = (dim if rope_dim is None else rope_dim) // 2
+    y = torch.empty(B, n, dim, dtype=torch.float32)
+    _lib.thin_rope(x3.data_ptr(), B, n, x3.stride(0), x3.stride(1), dim, pairs, cos.data_ptr(), sin.data_ptr(),
+                   pairs if cos.shape[0] > 1 else 0, y.data_ptr())
+    return y[:, 0] if squeeze else y
