@@ -34,7 +34,7 @@ from orthon.pretrain.cache import KVCache
 from orthon.pretrain.layers import MLP, rope_cos_sin, rotate
 from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.moe import MoE, combine_experts, route, sort_by_expert
-from orthon.pretrain.thin_gemm import (PackedExperts, PackedLinear, index_topk, latent_attention_step, rms_norm,
+from orthon.pretrain.thin_gemm import (PackedMoE, PackedLinear, index_topk, latent_attention_step, rms_norm,
                                        rope_rows)
 from orthon.pretrain.topk import deterministic_topk
 
@@ -78,7 +78,7 @@ class _Layer:
     #                       and shared gate/up (E + 2Is, hidden), on the normed input the experts read too
     mlp_down: PackedLinear | None  # dense: (hidden, I); MoE: the shared expert's (hidden, Is)
     moe: MoE | None
-    experts: PackedExperts | None = None  # MoE: the routed experts' gate/up and down
+    experts: PackedMoE | None = None  # MoE: the routed experts and the shared expert's down projection
 
 
 class DecodeWeights:
@@ -131,7 +131,9 @@ class DecodeWeights:
                     shared = [mlp.shared_experts.gate_proj.weight, mlp.shared_experts.up_proj.weight]
                     mlp_down = PackedLinear(mlp.shared_experts.down_proj.weight)
                 mlp_in, moe = PackedLinear(torch.cat([mlp.gate.weight, *shared])), mlp
-                experts = PackedExperts(mlp.experts.gate_up_proj, mlp.experts.down_proj)
+                routing = dict(top_k=c.num_experts_per_tok, n_group=c.n_group, topk_group=c.topk_group,
+                               norm_topk_prob=c.norm_topk_prob, scaling=c.routed_scaling_factor)
+                experts = PackedMoE(mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp_down, routing)
             norms = {"post": block.post_attention_layernorm, "kv_a": attn.kv_a_layernorm}
             layers.append(_Layer(PackedLinear(torch.cat(ins), block.input_layernorm),
                                  PackedLinear(torch.cat(qs), attn.q_a_layernorm), PackedLinear(w_out), norms,
@@ -215,23 +217,23 @@ class DecodeWeights:
         return layer.mlp_down(_swiglu(layer.mlp_in(x)))
 
     def _moe(self, layer: _Layer, x):
+        """The MoE block of x (after post_attention_layernorm)."""
         c = self.model.config
         E = c.n_routed_experts
         logits, shared_in = layer.mlp_in(x).split([E, layer.mlp_in.out_features - E], dim=-1)
-        router = layer.moe.gate
-        weights, chosen = route(logits.float(), router.e_score_correction_bias.float(), c.num_experts_per_tok,
-                                c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
-        experts = layer.experts
-        if experts.applies(x):
-            y = experts(x, chosen, weights)
-        else:  # rows grouped by expert; only the chosen experts' weights are read
-            order, token, counts = sort_by_expert(chosen, E)
-            pieces = []
-            for (gate_up, down), part in zip(zip(experts.gate_up, experts.down),
-                                             x.index_select(0, token).split(counts.tolist())):
-                if part.shape[0]:
-                    pieces.append(down(_swiglu(gate_up(part))))
-            y = combine_experts(x, token, order, weights, torch.cat(pieces))
+        bias = layer.moe.gate.e_score_correction_bias
+        moe = layer.experts
+        if moe.applies(x) and logits.dtype == torch.float32:
+            return moe(x, logits, bias, shared_in if layer.mlp_down is not None else None)[0]
+        weights, chosen = route(logits.float(), bias.float(), c.num_experts_per_tok, c.n_group, c.topk_group,
+                                c.norm_topk_prob, c.routed_scaling_factor)
+        # Rows grouped by expert; only the chosen experts' weights are read.
+        order, token, counts = sort_by_expert(chosen, E)
+        pieces = []
+        for (gate_up, down), part in zip(zip(moe.gate_up, moe.down), x.index_select(0, token).split(counts.tolist())):
+            if part.shape[0]:
+                pieces.append(down(_swiglu(gate_up(part))))
+        y = combine_experts(x, token, order, weights, torch.cat(pieces))
         if layer.mlp_down is not None:
             y = y + layer.mlp_down(_swiglu(shared_in))
         return y

@@ -34,6 +34,7 @@ PANEL = 16
 
 _SOURCE = r"""
 #include <immintrin.h>
+#include <math.h>
 #include <string.h>
 
 /* p[(n / 16) * K * 16 + k * 16 + n % 16] = w[n * K + k]; columns padded with zeros to a multiple of 16. */
@@ -64,17 +65,113 @@ static inline void block##MB(const float* x, const float* panel, float* y, long 
         memcpy(y + m * ldy, tmp, sizeof(float) * ncols); \
     } \
 }
-BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6)
+BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6)
 
-/* y (M x N) = x (M x K) @ w^T, w packed by thin_pack; rows in blocks of up to 6 (12 accumulators). */
-void thin_linear(const float* x, const float* p, float* y, long M, long N, long K) {
+/* One or two rows: too few independent FMA chains to hide the FMA latency, so each row's sum runs in
+   KS interleaved sets over k (8 accumulators in all), added at the end. */
+#define BLOCK_SPLIT_K(MB, KS) \
+static inline void block##MB(const float* x, const float* panel, float* y, long K, long ldy, long ncols) { \
+    __m256 a0[MB][KS], a1[MB][KS]; \
+    for (int m = 0; m < MB; m++) \
+        for (int s = 0; s < KS; s++) { a0[m][s] = _mm256_setzero_ps(); a1[m][s] = _mm256_setzero_ps(); } \
+    long k = 0; \
+    for (; k + KS <= K; k += KS) \
+        for (int s = 0; s < KS; s++) { \
+            __m256 w0 = _mm256_loadu_ps(panel + (k + s) * 16), w1 = _mm256_loadu_ps(panel + (k + s) * 16 + 8); \
+            for (int m = 0; m < MB; m++) { \
+                __m256 b = _mm256_broadcast_ss(x + m * K + k + s); \
+                a0[m][s] = _mm256_fmadd_ps(b, w0, a0[m][s]); \
+                a1[m][s] = _mm256_fmadd_ps(b, w1, a1[m][s]); \
+            } \
+        } \
+    for (; k < K; k++) { \
+        __m256 w0 = _mm256_loadu_ps(panel + k * 16), w1 = _mm256_loadu_ps(panel + k * 16 + 8); \
+        for (int m = 0; m < MB; m++) { \
+            __m256 b = _mm256_broadcast_ss(x + m * K + k); \
+            a0[m][0] = _mm256_fmadd_ps(b, w0, a0[m][0]); \
+            a1[m][0] = _mm256_fmadd_ps(b, w1, a1[m][0]); \
+        } \
+    } \
+    for (int m = 0; m < MB; m++) { \
+        for (int s = 1; s < KS; s++) { a0[m][0] = _mm256_add_ps(a0[m][0], a0[m][s]); a1[m][0] = _mm256_add_ps(a1[m][0], a1[m][s]); } \
+        float tmp[16]; \
+        _mm256_storeu_ps(tmp, a0[m][0]); _mm256_storeu_ps(tmp + 8, a1[m][0]); \
+        memcpy(y + m * ldy, tmp, sizeof(float) * ncols); \
+    } \
+}
+BLOCK_SPLIT_K(1, 4) BLOCK_SPLIT_K(2, 2)
+
+/* AVX-512 (where the CPU has it): a panel's 16 columns are one register, so up to 8 rows go in one
+   block, each row's sum in KS interleaved sets over k (KS * MB <= 16 accumulators). */
+#define ZBLOCK(MB, KS) \
+__attribute__((target("avx512f"))) \
+static void zblock##MB(const float* x, const float* panel, float* y, long K, long ldy, long ncols) { \
+    __m512 a[MB][KS]; \
+    for (int m = 0; m < MB; m++) for (int s = 0; s < KS; s++) a[m][s] = _mm512_setzero_ps(); \
+    long k = 0; \
+    for (; k + KS <= K; k += KS) \
+        for (int s = 0; s < KS; s++) { \
+            __m512 w = _mm512_loadu_ps(panel + (k + s) * 16); \
+            for (int m = 0; m < MB; m++) a[m][s] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k + s]), w, a[m][s]); \
+        } \
+    for (; k < K; k++) { \
+        __m512 w = _mm512_loadu_ps(panel + k * 16); \
+        for (int m = 0; m < MB; m++) a[m][0] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), w, a[m][0]); \
+    } \
+    for (int m = 0; m < MB; m++) { \
+        for (int s = 1; s < KS; s++) a[m][0] = _mm512_add_ps(a[m][0], a[m][s]); \
+        _mm512_mask_storeu_ps(y + m * ldy, (__mmask16)((1u << ncols) - 1), a[m][0]); \
+    } \
+}
+ZBLOCK(1, 8) ZBLOCK(2, 4) ZBLOCK(3, 4) ZBLOCK(4, 4) ZBLOCK(5, 2) ZBLOCK(6, 2) ZBLOCK(7, 2) ZBLOCK(8, 2)
+
+__attribute__((target("avx512f")))
+static void thin_linear_avx512(const float* x, const float* p, float* y, long M, long N, long K) {
     for (long nb = 0; nb < (N + 15) / 16; nb++) {
         const float* panel = p + nb * K * 16;
         long n0 = nb * 16, ncols = N - n0 < 16 ? N - n0 : 16;
-        for (long m0 = 0; m0 < M; m0 += 6) {
+        for (long m0 = 0; m0 < M; m0 += 8) {
             const float* xs = x + m0 * K;
             float* ys = y + m0 * N + n0;
-            switch (M - m0 < 6 ? M - m0 : 6) {
+            switch (M - m0 < 8 ? M - m0 : 8) {
+                case 1: zblock1(xs, panel, ys, K, N, ncols); break;
+                case 2: zblock2(xs, panel, ys, K, N, ncols); break;
+                case 3: zblock3(xs, panel, ys, K, N, ncols); break;
+                case 4: zblock4(xs, panel, ys, K, N, ncols); break;
+                case 5: zblock5(xs, panel, ys, K, N, ncols); break;
+                case 6: zblock6(xs, panel, ys, K, N, ncols); break;
+                case 7: zblock7(xs, panel, ys, K, N, ncols); break;
+                default: zblock8(xs, panel, ys, K, N, ncols); break;
+            }
+        }
+    }
+}
+
+static void thin_linear_avx2(const float* x, const float* p, float* y, long M, long N, long K);
+
+/* y (M x N) = x (M x K) @ w^T, w packed by thin_pack: the AVX-512 kernel where the CPU has it. */
+static int avx512 = -1;
+
+/* 1: the AVX-512 kernel where the CPU has it (the default); 0: AVX2 (tests compare the two). */
+void thin_use_avx512(int on) { avx512 = on && __builtin_cpu_supports("avx512f"); }
+
+void thin_linear(const float* x, const float* p, float* y, long M, long N, long K) {
+    if (avx512 < 0) thin_use_avx512(1);
+    if (avx512) thin_linear_avx512(x, p, y, M, N, K);
+    else thin_linear_avx2(x, p, y, M, N, K);
+}
+
+/* AVX2: rows in equal blocks of up to 6 (12 accumulators: 8 rows go 4 + 4, not 6 + 2, whose 2-row
+   block would use a third of the FMA units' width). */
+static void thin_linear_avx2(const float* x, const float* p, float* y, long M, long N, long K) {
+    long blocks = (M + 5) / 6, rows = blocks ? (M + blocks - 1) / blocks : 0;
+    for (long nb = 0; nb < (N + 15) / 16; nb++) {
+        const float* panel = p + nb * K * 16;
+        long n0 = nb * 16, ncols = N - n0 < 16 ? N - n0 : 16;
+        for (long m0 = 0; m0 < M; m0 += rows) {
+            const float* xs = x + m0 * K;
+            float* ys = y + m0 * N + n0;
+            switch (M - m0 < rows ? M - m0 : rows) {
                 case 1: block1(xs, panel, ys, K, N, ncols); break;
                 case 2: block2(xs, panel, ys, K, N, ncols); break;
                 case 3: block3(xs, panel, ys, K, N, ncols); break;
@@ -117,18 +214,69 @@ void thin_norm_linear(const float* x, const float* p, float* y, long M, long N, 
         for (long n = 0; n < N; n++) y[m * N + n] *= rstd[m];
 }
 
-/* Routed experts of a few rows: y (M x H) += sum over each row's top-k choices of
-   weight * down_e(silu(gate_e x) * up_e x), the rows grouped by expert so each chosen expert's
-   packed weights are read once. chosen / weights: (M x topk); gate_up[e]: (2I x H) packed,
-   down[e]: (H x I) packed; scratch: M * (H + 3 I + H) floats. */
-#include <math.h>
-void thin_moe(const float* x, const long* chosen, const float* weights, float* y, long M, long topk, long H,
-              long I, long E, const float* const* gate_up, const float* const* down, float* scratch) {
+/* The noaux_tc routing of one row (orthon.pretrain.moe.route): sigmoid scores, chosen by score + bias
+   among the topk_group best groups (a group scores the sum of its two best), the chosen experts'
+   scores (normalised to sum 1 if norm_topk) times scaling; ties to the lower index. */
+static void route_row(const float* logits, const float* bias, long E, long topk, long n_group, long topk_group,
+                      int norm_topk, float scaling, long* chosen, float* weights) {
+    float score[256], choice[256];
+    for (long e = 0; e < E; e++) {
+        score[e] = 1.0f / (1.0f + expf(-logits[e]));
+        choice[e] = score[e] + bias[e];
+    }
+    if (n_group > 1) {
+        long size = E / n_group;
+        float group[256];
+        for (long g = 0; g < n_group; g++) {
+            float a = -INFINITY, b = -INFINITY;
+            for (long e = g * size; e < (g + 1) * size; e++) {
+                if (choice[e] > a) { b = a; a = choice[e]; } else if (choice[e] > b) b = choice[e];
+            }
+            group[g] = a + b;
+        }
+        for (long kept = 0; kept < n_group; kept++) {  /* drop all but the topk_group best groups */
+            long rank = 0;
+            for (long g = 0; g < n_group; g++)
+                if (group[g] > group[kept] || (group[g] == group[kept] && g < kept)) rank++;
+            if (rank >= topk_group)
+                for (long e = kept * size; e < (kept + 1) * size; e++) choice[e] = -INFINITY;
+        }
+    }
+    float total = 0.0f;
+    for (long j = 0; j < topk; j++) {
+        long best = -1;
+        for (long e = 0; e < E; e++) {
+            int taken = 0;
+            for (long i = 0; i < j; i++) taken |= chosen[i] == e;
+            if (!taken && (best < 0 || choice[e] > choice[best])) best = e;
+        }
+        chosen[j] = best;
+        weights[j] = score[best];
+        total += score[best];
+    }
+    for (long j = 0; j < topk; j++)
+        weights[j] = (norm_topk ? weights[j] / (total + 1e-20f) : weights[j]) * scaling;
+}
+
+/* The MoE block of a few rows (M <= 64, E <= 256): routing (route_row on logits, ld_logits apart), then
+   y (M x H) = sum over each row's choices of weight * down_e(silu(gate_e x) * up_e x), the rows grouped by
+   expert so each chosen expert's packed weights are read once, plus the shared expert's
+   shared_down(silu(g) * u) of shared_in = [g, u] (M x 2 Is, ld_shared apart; skipped when shared_down is
+   NULL). gate_up[e]: (2I x H) packed, down[e]: (H x I) packed. chosen / weights: (M x topk) out.
+   scratch: M * (2 H + 3 I + Is) floats. */
+void thin_moe(const float* x, long M, long H, long I, long E, const float* logits, long ld_logits,
+              const float* bias, long topk, long n_group, long topk_group, long norm_topk, float scaling,
+              const float* const* gate_up, const float* const* down, const float* shared_in, long ld_shared,
+              long Is, const float* shared_down, float* y, long* chosen, float* weights, float* scratch) {
     float* xb = scratch;            /* n x H */
     float* h = xb + M * H;          /* n x 2I */
-    float* act = h + M * 2 * I;     /* n x I */
-    float* out = act + M * I;       /* n x H */
+    float* act = h + M * 2 * I;     /* n x I, then M x Is */
+    float* out = act + M * (I > Is ? I : Is);  /* n x H */
     long rows[64]; float w[64];
+    for (long m = 0; m < M; m++)
+        route_row(logits + m * ld_logits, bias, E, topk, n_group, topk_group, (int)norm_topk, scaling,
+                  chosen + m * topk, weights + m * topk);
+    memset(y, 0, sizeof(float) * M * H);
     for (long e = 0; e < E; e++) {
         long n = 0;
         for (long m = 0; m < M; m++)
@@ -145,6 +293,15 @@ void thin_moe(const float* x, const long* chosen, const float* weights, float* y
         thin_linear(act, down[e], out, n, H, I);
         for (long r = 0; r < n; r++)
             for (long k = 0; k < H; k++) y[rows[r] * H + k] += w[r] * out[r * H + k];
+    }
+    if (shared_down) {
+        for (long m = 0; m < M; m++)
+            for (long i = 0; i < Is; i++) {
+                float g = shared_in[m * ld_shared + i];
+                act[m * Is + i] = g / (1.0f + expf(-g)) * shared_in[m * ld_shared + Is + i];
+            }
+        thin_linear(act, shared_down, out, M, H, Is);
+        for (long k = 0; k < M * H; k++) y[k] += out[k];
     }
 }
 
@@ -302,9 +459,12 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(target))
     lib.thin_pack.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
     lib.thin_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+    lib.thin_use_avx512.argtypes = [ctypes.c_int]
     lib.thin_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_float]
     lib.thin_norm_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_float]
-    lib.thin_moe.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5 + [ctypes.c_void_p] * 3
+    lib.thin_moe.argtypes = ([ctypes.c_void_p] + [ctypes.c_long] * 4 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+                             + [ctypes.c_long] * 4 + [ctypes.c_float] + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2
+                             + [ctypes.c_void_p] * 5)
     lib.thin_rope.argtypes = [ctypes.c_void_p] + [ctypes.c_long] * 6 + [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p]
     lib.thin_index_topk.argtypes = ([ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 4
                                     + [ctypes.c_float, ctypes.c_long] + [ctypes.c_void_p] * 3)
@@ -396,16 +556,20 @@ def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     return y
 
 
-class PackedExperts:
-    """A stack of SwiGLU experts (gate_up (E, 2I, H), down (E, H, I)) packed for ``thin_moe``: the routed
-    experts of a decode step's few rows in one kernel call. ``available`` is False where the kernel is
-    not (the caller then runs the experts itself)."""
+class PackedMoE:
+    """An MoE block's routed experts (gate_up (E, 2I, H), down (E, H, I)) and shared expert's down
+    projection packed for ``thin_moe``: a decode step's routing, routed experts and shared expert in one
+    kernel call. ``gate_up`` / ``down`` keep each routed expert's PackedLinear for callers that run the
+    experts themselves; ``available`` is False where the kernel is not."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, shared_down: PackedLinear | None, routing: dict):
         self.gate_up = [PackedLinear(w) for w in gate_up.unbind(0)]
         self.down = [PackedLinear(w) for w in down.unbind(0)]
+        self.shared_down = shared_down
         self.num_experts, self.hidden, self.intermediate = gate_up.shape[0], gate_up.shape[2], down.shape[2]
-        self.available = all(p.panels is not None for p in self.gate_up + self.down)
+        self.routing = routing  # top_k, n_group, topk_group, norm_topk_prob, scaling
+        packed = self.gate_up + self.down + ([self.shared_down] if self.shared_down is not None else [])
+        self.available = self.num_experts <= 256 and all(p.panels is not None for p in packed)
         if self.available:
             pointers = ctypes.c_void_p * self.num_experts
             self._gate_up_ptrs = pointers(*(p.panels.data_ptr() for p in self.gate_up))
@@ -414,18 +578,27 @@ class PackedExperts:
     def applies(self, x: torch.Tensor) -> bool:
         return self.available and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.float32
 
-    def __call__(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """(M, H): each row's routed-expert sum. x (M, H) fp32 with ``applies(x)``; chosen (M, k) expert
-        indices; weights (M, k) their routing weights."""
-        M, k = chosen.shape
-        x = x.contiguous()
-        chosen = chosen.to(torch.long).contiguous()
-        weights = weights.to(torch.float32).contiguous()
-        y = torch.zeros(M, self.hidden, dtype=torch.float32)
-        scratch = torch.empty(M * (2 * self.hidden + 3 * self.intermediate), dtype=torch.float32)
-        _lib.thin_moe(x.data_ptr(), chosen.data_ptr(), weights.data_ptr(), y.data_ptr(), M, k, self.hidden,
-                      self.intermediate, self.num_experts, self._gate_up_ptrs, self._down_ptrs, scratch.data_ptr())
-        return y
+    def __call__(self, x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor,
+                 shared_in: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (M, H) the normed rows (``applies(x)``), logits (M, E) their router logits and bias (E,) the
+        router's score-correction bias, fp32, rows contiguous; shared_in (M, 2 Is) the shared expert's
+        gate/up outputs (None without one). Returns the block's output (M, H) and the routing:
+        chosen experts (M, k) and their weights (M, k)."""
+        r = self.routing
+        M, k = x.shape[0], r["top_k"]
+        x, bias = x.contiguous(), bias.float().contiguous()
+        y = torch.empty(M, self.hidden, dtype=torch.float32)
+        chosen = torch.empty(M, k, dtype=torch.long)
+        weights = torch.empty(M, k, dtype=torch.float32)
+        Is = 0 if self.shared_down is None else self.shared_down.in_features
+        scratch = torch.empty(M * (2 * self.hidden + 3 * self.intermediate + Is), dtype=torch.float32)
+        _lib.thin_moe(x.data_ptr(), M, self.hidden, self.intermediate, self.num_experts, logits.data_ptr(),
+                      logits.stride(0), bias.data_ptr(), k, r["n_group"], r["topk_group"], int(r["norm_topk_prob"]),
+                      float(r["scaling"]), self._gate_up_ptrs, self._down_ptrs,
+                      None if shared_in is None else shared_in.data_ptr(), 0 if shared_in is None else shared_in.stride(0),
+                      Is, None if self.shared_down is None else self.shared_down.panels.data_ptr(),
+                      y.data_ptr(), chosen.data_ptr(), weights.data_ptr(), scratch.data_ptr())
+        return y, chosen, weights
 
 
 def _decode_kernel_applies(*tensors: torch.Tensor) -> bool:

@@ -12,10 +12,28 @@ from orthon.pretrain.thin_gemm import MAX_ROWS, PackedLinear
 needs_kernel = pytest.mark.skipif(thin_gemm.library() is None, reason=f"thin GEMM kernel: {thin_gemm.why_unavailable}")
 
 
+def test_the_kernel_builds_where_it_can():
+    """A C error in the kernel source would otherwise only show as every kernel test skipping."""
+    import shutil
+
+    if not (thin_gemm._cpu_has_avx2_fma() and shutil.which("cc")) or thin_gemm.why_unavailable == "disabled by ORTHON_THIN_GEMM=0":
+        pytest.skip("no AVX2 / FMA or no C compiler here")
+    assert thin_gemm.library() is not None, thin_gemm.why_unavailable
+
+
+@pytest.fixture(params=["avx512", "avx2"])
+def isa(request):
+    """Each kernel test on both instruction sets (AVX-512 only where the CPU has it)."""
+    lib = thin_gemm.library()
+    lib.thin_use_avx512(1 if request.param == "avx512" else 0)
+    yield request.param
+    lib.thin_use_avx512(1)
+
+
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8])
 @pytest.mark.parametrize("out_features,in_features", [(16, 8), (37, 13), (448, 128), (3, 256)])
-def test_kernel_equals_linear(rows, out_features, in_features):
+def test_kernel_equals_linear(rows, out_features, in_features, isa):
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     w = torch.randn(out_features, in_features, generator=g)
     x = torch.randn(rows, in_features, generator=g)
