@@ -13,7 +13,7 @@ folds, once per weight version, what a cached token multiplies by:
 - MoE layers: one matmul for the router and the shared expert's gate/up; the routed experts run
   only on the rows that chose them.
 
-Every matmul goes through ``PackedLinear`` (orthon.pretrain.thin_gemm), whose pre-packed weights
+Every matmul goes through ``PackedLinear`` (orthon.engine.decode_kernels), whose pre-packed weights
 stream at close to memory speed for the few rows of a decode step. The folds and the attention over
 the cached latents are the model's own absorbed-MLA functions (orthon.pretrain.attention:
 ``head_matmul``, ``latent_attention``, ``gather_rows``), so the two paths share one copy of that math.
@@ -34,7 +34,7 @@ from orthon.pretrain.cache import KVCache
 from orthon.pretrain.layers import MLP, rope_cos_sin, rotate
 from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.moe import MoE, combine_experts, route, sort_by_expert
-from orthon.pretrain.thin_gemm import (PackedMoE, PackedLinear, index_topk, latent_attention_step, rms_norm,
+from orthon.engine.decode_kernels import (PackedMoE, PackedLinear, index_topk, latent_attention_step, rms_norm,
                                        rope_rows)
 from orthon.pretrain.topk import deterministic_topk
 

@@ -1,18 +1,18 @@
-"""The decode step's C kernels (orthon.pretrain.thin_gemm) compute what the torch ops they replace do:
+"""The decode step's C kernels (orthon.engine.decode_kernels) compute what the torch ops they replace do:
 RMSNorm alone and folded into a linear, RoPE, the DSA indexer's deterministic top-k, absorbed-MLA
 attention over the cache, and an MoE block's routing, experts and shared expert."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from orthon.pretrain import thin_gemm
+from orthon.engine import decode_kernels
 from orthon.pretrain.attention import latent_attention
 from orthon.pretrain.layers import RMSNorm, apply_rope
 from orthon.pretrain.moe import route
-from orthon.pretrain.thin_gemm import PackedLinear, PackedMoE, index_topk, latent_attention_step, rms_norm, rope_rows
+from orthon.engine.decode_kernels import PackedLinear, PackedMoE, index_topk, latent_attention_step, rms_norm, rope_rows
 from orthon.pretrain.topk import deterministic_topk
 
-pytestmark = [pytest.mark.skipif(thin_gemm.library() is None, reason=f"decode kernels: {thin_gemm.why_unavailable}"),
+pytestmark = [pytest.mark.skipif(decode_kernels.library() is None, reason=f"decode kernels: {decode_kernels.why_unavailable}"),
               pytest.mark.usefixtures("one_thread")]
 
 

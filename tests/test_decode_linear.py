@@ -1,4 +1,4 @@
-"""The thin-batch matmul kernel equals F.linear, and falls back to it where it cannot run."""
+"""The decode kernels' thin-batch matmul equals F.linear, and every kernel falls back to torch where it cannot run."""
 import subprocess
 import sys
 
@@ -6,25 +6,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from orthon.pretrain import thin_gemm
-from orthon.pretrain.thin_gemm import MAX_ROWS, PackedLinear
+from orthon.engine import decode_kernels
+from orthon.engine.decode_kernels import MAX_ROWS, PackedLinear
 
-needs_kernel = pytest.mark.skipif(thin_gemm.library() is None, reason=f"thin GEMM kernel: {thin_gemm.why_unavailable}")
+needs_kernel = pytest.mark.skipif(decode_kernels.library() is None, reason=f"decode kernels: {decode_kernels.why_unavailable}")
 
 
 def test_the_kernel_builds_where_it_can():
     """A C error in the kernel source would otherwise only show as every kernel test skipping."""
     import shutil
 
-    if not (thin_gemm._cpu_has_avx2_fma() and shutil.which("cc")) or thin_gemm.why_unavailable == "disabled by ORTHON_THIN_GEMM=0":
+    if not (decode_kernels._cpu_has_avx2_fma() and shutil.which("cc")) or decode_kernels.why_unavailable == "disabled by ORTHON_DECODE_KERNELS=0":
         pytest.skip("no AVX2 / FMA or no C compiler here")
-    assert thin_gemm.library() is not None, thin_gemm.why_unavailable
+    assert decode_kernels.library() is not None, decode_kernels.why_unavailable
 
 
 @pytest.fixture(params=["avx512", "avx2"])
 def isa(request):
     """Each kernel test on both instruction sets (AVX-512 only where the CPU has it)."""
-    lib = thin_gemm.library()
+    lib = decode_kernels.library()
     lib.thin_use_avx512(1 if request.param == "avx512" else 0)
     yield request.param
     lib.thin_use_avx512(1)
@@ -61,9 +61,9 @@ def test_outside_its_range_it_is_f_linear():
 
 
 def _probe(env: dict) -> str:
-    code = ("from orthon.pretrain import thin_gemm; import torch; lib = thin_gemm.library();"
-            "p = thin_gemm.PackedLinear(torch.ones(4, 4)); print(lib is None, p.panels is None, p(torch.ones(1, 4)).tolist());"
-            "print(thin_gemm.why_unavailable)")
+    code = ("from orthon.engine import decode_kernels; import torch; lib = decode_kernels.library();"
+            "p = decode_kernels.PackedLinear(torch.ones(4, 4)); print(lib is None, p.panels is None, p(torch.ones(1, 4)).tolist());"
+            "print(decode_kernels.why_unavailable)")
     import os
 
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, check=True)
@@ -71,11 +71,11 @@ def _probe(env: dict) -> str:
 
 
 def test_disabled_or_unbuildable_falls_back(tmp_path):
-    out = _probe({"ORTHON_THIN_GEMM": "0"})
-    assert out.splitlines()[0] == "True True [[4.0, 4.0, 4.0, 4.0]]" and "ORTHON_THIN_GEMM=0" in out
+    out = _probe({"ORTHON_DECODE_KERNELS": "0"})
+    assert out.splitlines()[0] == "True True [[4.0, 4.0, 4.0, 4.0]]" and "ORTHON_DECODE_KERNELS=0" in out
     # No compiler: a fresh cache, CC pointing at a program that fails.
     out = _probe({"ORTHON_CACHE": str(tmp_path / "cache"), "CC": "false"})
-    if thin_gemm._cpu_has_avx2_fma():
+    if decode_kernels._cpu_has_avx2_fma():
         assert out.splitlines()[0] == "True True [[4.0, 4.0, 4.0, 4.0]]" and "could not build" in out
     assert not list((tmp_path / "cache").glob("*.so"))  # no half-built library left behind
 
@@ -83,29 +83,29 @@ def test_disabled_or_unbuildable_falls_back(tmp_path):
 def test_fallback_is_logged_once_with_its_reason(monkeypatch, caplog):
     import logging
 
-    monkeypatch.setattr(thin_gemm, "_tried", False)
-    monkeypatch.setattr(thin_gemm, "_lib", None)
-    monkeypatch.setattr(thin_gemm, "why_unavailable", None)
-    monkeypatch.setattr(thin_gemm, "_cpu_has_avx2_fma", lambda: False)
-    monkeypatch.delenv("ORTHON_THIN_GEMM", raising=False)
-    with caplog.at_level(logging.INFO, logger="orthon.pretrain.thin_gemm"):
-        assert thin_gemm.library() is None
-        assert thin_gemm.library() is None
+    monkeypatch.setattr(decode_kernels, "_tried", False)
+    monkeypatch.setattr(decode_kernels, "_lib", None)
+    monkeypatch.setattr(decode_kernels, "why_unavailable", None)
+    monkeypatch.setattr(decode_kernels, "_cpu_has_avx2_fma", lambda: False)
+    monkeypatch.delenv("ORTHON_DECODE_KERNELS", raising=False)
+    with caplog.at_level(logging.INFO, logger="orthon.engine.decode_kernels"):
+        assert decode_kernels.library() is None
+        assert decode_kernels.library() is None
         PackedLinear(torch.ones(4, 4))
-    records = [r for r in caplog.records if r.name == "orthon.pretrain.thin_gemm"]
+    records = [r for r in caplog.records if r.name == "orthon.engine.decode_kernels"]
     assert len(records) == 1 and records[0].levelno == logging.WARNING
-    assert "AVX2" in records[0].getMessage() and "F.linear" in records[0].getMessage()
+    assert "AVX2" in records[0].getMessage() and "torch ops" in records[0].getMessage()
 
 
 def test_unbuildable_kernel_says_so_on_stderr(tmp_path):
     import os
 
-    if not thin_gemm._cpu_has_avx2_fma():
+    if not decode_kernels._cpu_has_avx2_fma():
         pytest.skip("the CPU lacks AVX2 / FMA: the build is never tried")
-    code = ("from orthon.pretrain import thin_gemm; import torch;"
-            "[thin_gemm.PackedLinear(torch.ones(4, 4)) for _ in range(3)]")
+    code = ("from orthon.engine import decode_kernels; import torch;"
+            "[decode_kernels.PackedLinear(torch.ones(4, 4)) for _ in range(3)]")
     env = {**os.environ, "ORTHON_CACHE": str(tmp_path / "cache"), "CC": "false"}
-    env.pop("ORTHON_THIN_GEMM", None)
+    env.pop("ORTHON_DECODE_KERNELS", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    lines = [line for line in out.stderr.splitlines() if "thin-GEMM" in line]
+    lines = [line for line in out.stderr.splitlines() if "decode kernels unavailable" in line]
     assert len(lines) == 1 and "could not build the kernel" in lines[0]
