@@ -141,8 +141,8 @@ class PackedLinear:
         """x (..., K) -> (..., N) = x @ weight^T (of rms_norm(x) without its scale, with ``norm``)."""
         rows = x.numel() // self.in_features if x.numel() else 0
         if self.panels is None or not 0 < rows <= MAX_ROWS or x.dtype != torch.float32 or x.requires_grad:
-            if self.eps is not None:
-                x = F.rms_norm(x, (self.in_features,), None, self.eps)
+            if self.eps is not None:  # normalised in fp32 whatever x's dtype, as the model's RMSNorm does
+                x = F.rms_norm(x.float(), (self.in_features,), None, self.eps).to(x.dtype)
             return F.linear(x, self.weight)
         flat = x.reshape(rows, self.in_features).contiguous()
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
@@ -157,7 +157,7 @@ class PackedLinear:
 
 def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     """``norm(x)`` for an RMSNorm module in inference: one kernel call for the few fp32 rows of a decode
-    step (torch's CPU rms_norm runs about ten ops), torch's kernel otherwise. Rows of x may lie apart
+    step (torch's CPU rms_norm runs about ten ops), the module otherwise. Rows of x may lie apart
     (a split of a wider tensor), as long as each row is contiguous."""
     K = x.shape[-1]
     rows = x.numel() // K if x.numel() else 0
@@ -166,7 +166,7 @@ def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     if (lib is None or not 0 < rows <= MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu"
             or norm.weight.dtype != torch.float32 or torch.is_grad_enabled()
             or not (strided_rows or x.is_contiguous())):
-        return F.rms_norm(x, (K,), norm.weight, norm.eps)
+        return norm(x)
     y = torch.empty(x.shape, dtype=torch.float32)
     lib.thin_rms_norm(x.data_ptr(), norm.weight.data_ptr(), y.data_ptr(), rows, K,
                        x.stride(0) if strided_rows else K, float(norm.eps))
