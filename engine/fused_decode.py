@@ -11,12 +11,19 @@ folds, once per weight version, what a cached token multiplies by:
   no-rope half of W_QB, per head), the rope half, and the indexer's queries;
 - one output matmul: W_UV folded into o_proj;
 - MoE layers: one matmul for the router and the shared expert's gate/up; the routed experts run
-  only on the rows that chose them.
+  only on the rows that chose them;
+- the RMSNorms that feed a matmul (input, q_a, a dense layer's post-attention norm): their scale
+  folded into its weight, the normalisation done inside the matmul's call.
 
-Every matmul goes through ``PackedLinear`` (orthon.engine.decode_kernels), whose pre-packed weights
-stream at close to memory speed for the few rows of a decode step. The folds and the attention over
-the cached latents are the model's own absorbed-MLA functions (orthon.pretrain.attention:
-``head_matmul``, ``latent_attention``, ``gather_rows``), so the two paths share one copy of that math.
+Every piece of the step is a kernel of ``orthon.engine.decode_kernels`` where one applies (fp32 on a
+CPU with AVX2, up to 8 rows for the matmuls, norms and MoE block): the thin matmuls on pre-packed
+weights, RMSNorm, RoPE, the indexer's top-k, the attention over the cached latents, and an MoE
+block's routing, experts and shared expert in one call. Elsewhere the same step runs in torch ops,
+through the model's own absorbed-MLA functions (orthon.pretrain.attention: ``head_matmul``,
+``latent_attention``, ``gather_rows``). The kernels are an inference engine's own implementation of
+that math, as SGLang's are beside Megatron's: each is tested equal to the torch function it replaces
+(tests/test_decode_kernels.py), and the whole step equal to the model's forward
+(tests/test_engine_fused_decode.py).
 
 The folded products sum in another order than the layer-by-layer forward, so logits agree to float
 round-off (about 1e-6 relative), not bit for bit; the engine's ``logprobs: rescore`` mode records the
@@ -78,7 +85,7 @@ class _Layer:
     #                       and shared gate/up (E + 2Is, hidden), on the normed input the experts read too
     mlp_down: PackedLinear | None  # dense: (hidden, I); MoE: the shared expert's (hidden, Is)
     moe: MoE | None
-    experts: PackedMoE | None = None  # MoE: the routed experts and the shared expert's down projection
+    packed_moe: PackedMoE | None = None  # MoE: routing, the routed experts and the shared expert, for the kernel
 
 
 class DecodeWeights:
@@ -121,7 +128,7 @@ class DecodeWeights:
                 qs.append(idx.wq_b.weight)
             # o_proj(W_UV[h] o_lat[h] for all h) = sum_h (W_O[:, h] W_UV[h]) o_lat[h]
             w_out = head_matmul(attn.o_proj.weight.view(-1, H, v), w_uv).reshape(-1, H * rank)
-            mlp, experts = block.mlp, None
+            mlp, packed_moe = block.mlp, None
             if isinstance(mlp, MLP):
                 mlp_in = PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), block.post_attention_layernorm)
                 mlp_down, moe = PackedLinear(mlp.down_proj.weight), None
@@ -133,11 +140,11 @@ class DecodeWeights:
                 mlp_in, moe = PackedLinear(torch.cat([mlp.gate.weight, *shared])), mlp
                 routing = dict(top_k=c.num_experts_per_tok, n_group=c.n_group, topk_group=c.topk_group,
                                norm_topk_prob=c.norm_topk_prob, scaling=c.routed_scaling_factor)
-                experts = PackedMoE(mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp_down, routing)
+                packed_moe = PackedMoE(mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp_down, routing)
             norms = {"post": block.post_attention_layernorm, "kv_a": attn.kv_a_layernorm}
             layers.append(_Layer(PackedLinear(torch.cat(ins), block.input_layernorm),
                                  PackedLinear(torch.cat(qs), attn.q_a_layernorm), PackedLinear(w_out), norms,
-                                 idx, mlp_in, mlp_down, moe, experts))
+                                 idx, mlp_in, mlp_down, moe, packed_moe))
         self.layers = layers
         self.lm_head = PackedLinear(self.model.lm_head.weight)
         self._built_from = self._fingerprint()
@@ -222,7 +229,7 @@ class DecodeWeights:
         E = c.n_routed_experts
         logits, shared_in = layer.mlp_in(x).split([E, layer.mlp_in.out_features - E], dim=-1)
         bias = layer.moe.gate.e_score_correction_bias
-        moe = layer.experts
+        moe = layer.packed_moe
         if moe.applies(x) and logits.dtype == torch.float32:
             return moe(x, logits, bias, shared_in if layer.mlp_down is not None else None)[0]
         weights, chosen = route(logits.float(), bias.float(), c.num_experts_per_tok, c.n_group, c.topk_group,
