@@ -115,12 +115,12 @@ static void thin_linear_avx512(const float* x, const float* p, float* y, long M,
 
 static void thin_linear_avx2(const float* x, const float* p, float* y, long M, long N, long K);
 
-/* y (M x N) = x (M x K) @ w^T, w packed by thin_pack: the AVX-512 kernel where the CPU has it. */
 static int avx512 = -1;
 
 /* 1: the AVX-512 kernel where the CPU has it (the default); 0: AVX2 (tests compare the two). */
 void thin_use_avx512(int on) { avx512 = on && __builtin_cpu_supports("avx512f"); }
 
+/* y (M x N) = x (M x K) @ w^T, w packed by thin_pack: the AVX-512 kernel where the CPU has it. */
 void thin_linear(const float* x, const float* p, float* y, long M, long N, long K) {
     if (avx512 < 0) thin_use_avx512(1);
     if (avx512) thin_linear_avx512(x, p, y, M, N, K);
@@ -305,6 +305,17 @@ void thin_rope(const float* x, long B, long Hn, long ldb, long ldh, long dim, lo
 /* (score, position) a before b: the larger score, ties to the lower position (orthon.pretrain.topk). */
 static inline int before(float sa, long pa, float sb, long pb) { return sa > sb || (sa == sb && pa < pb); }
 
+/* Restore a heap (root: the worst of the kept positions) after heap[i] got better-ranked children. */
+static void sift_down(long* heap, long size, long i, const float* scores) {
+    for (;;) {
+        long l = 2 * i + 1, r = l + 1, worst = i;
+        if (l < size && before(scores[heap[worst]], heap[worst], scores[heap[l]], heap[l])) worst = l;
+        if (r < size && before(scores[heap[worst]], heap[worst], scores[heap[r]], heap[r])) worst = r;
+        if (worst == i) return;
+        long t = heap[worst]; heap[worst] = heap[i]; heap[i] = t; i = worst;
+    }
+}
+
 /* The DSA indexer's top-k of one decode step, per row b: score[s] = sum_h w[b, h] * relu(scale *
    keys[b, s] . q[b, h]) over the S cached keys (rows key_stride apart per b, d numbers each), -inf where
    visible[b, s] is 0 (visible may be NULL); out[b, :k] the k best positions, best first.
@@ -320,43 +331,20 @@ void thin_index_topk(const float* keys, long key_stride, const float* q, const f
                 float l = scale * dot(kb + s * d, q + (b * n + h) * d, d);
                 acc += (l > 0.0f ? l : 0.0f) * w[b * n + h];
             }
-            scores[s] = (visible && !visible[b * S + s]) ? -INFINITY : acc + 0.0f;
+            scores[s] = (visible && !visible[b * S + s]) ? -INFINITY : acc;
         }
-        /* A heap of the k best so far, its root the worst of them. */
-        long size = 0;
-        for (long s = 0; s < S; s++) {
-            if (size < k) {
-                long i = size++;
-                heap[i] = s;
-                while (i > 0) {
-                    long parent = (i - 1) / 2;
-                    if (!before(scores[heap[parent]], heap[parent], scores[heap[i]], heap[i])) break;
-                    long t = heap[parent]; heap[parent] = heap[i]; heap[i] = t; i = parent;
-                }
-            } else if (before(scores[s], s, scores[heap[0]], heap[0])) {
-                heap[0] = s;
-                long i = 0;
-                for (;;) {
-                    long l = 2 * i + 1, r = l + 1, worst = i;
-                    if (l < size && before(scores[heap[worst]], heap[worst], scores[heap[l]], heap[l])) worst = l;
-                    if (r < size && before(scores[heap[worst]], heap[worst], scores[heap[r]], heap[r])) worst = r;
-                    if (worst == i) break;
-                    long t = heap[worst]; heap[worst] = heap[i]; heap[i] = t; i = worst;
-                }
-            }
-        }
+        /* A heap of the k best so far, its root the worst of them: built from the first k, then each
+           better position replaces the root. */
+        long size = k < S ? k : S;
+        for (long i = 0; i < size; i++) heap[i] = i;
+        for (long i = size / 2 - 1; i >= 0; i--) sift_down(heap, size, i, scores);
+        for (long s = size; s < S; s++)
+            if (before(scores[s], s, scores[heap[0]], heap[0])) { heap[0] = s; sift_down(heap, size, 0, scores); }
         /* Best first: pop the worst into the back. */
         for (long end = size - 1; end >= 0; end--) {
             out[b * k + end] = heap[0];
             heap[0] = heap[end];
-            long i = 0, sz = end;
-            for (;;) {
-                long l = 2 * i + 1, r = l + 1, worst = i;
-                if (l < sz && before(scores[heap[worst]], heap[worst], scores[heap[l]], heap[l])) worst = l;
-                if (r < sz && before(scores[heap[worst]], heap[worst], scores[heap[r]], heap[r])) worst = r;
-                if (worst == i) break;
-                long t = heap[worst]; heap[worst] = heap[i]; heap[i] = t; i = worst;
-            }
+            sift_down(heap, end, 0, scores);
         }
     }
 }
