@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import warnings
 from contextlib import contextmanager
@@ -22,6 +23,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
+
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from orthon.core.distributed import barrier, is_distributed, rank
 from orthon.core.errors import CheckpointError
@@ -155,11 +159,19 @@ class Checkpointer:
         return None
 
     def load(self, path: Path, model: torch.nn.Module, optimizers: list) -> dict:
-        """Load into an already-built (and already-sharded) model and optimizers; returns trainer state."""
+        """Load into an already-built (and already-sharded) model and optimizers; returns trainer state.
+
+        An optimizer setting that orthon added after the checkpoint was written (a param-group key such
+        as Muon's ``ns_method``) is absent from it: it keeps this run's value, and the log says so. Any
+        other key missing (a weight, an optimizer state tensor) is a CheckpointError naming it."""
         model_state, optim_state = get_state_dict(model, optimizers)
         state = {"model": model_state, "optim": optim_state}
+        missing = missing_keys(state, path)
+        if missing:
+            self.log(f"checkpoint {path.name} predates the optimizer settings "
+                     f"{sorted({key.rsplit('.', 1)[1] for key in missing})}: they keep this run's values")
         with _single_process_quiet():
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=bool(missing)))
         set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=StateDictOptions(strict=True))
         return json.loads((path / TRAINER_STATE).read_text())
@@ -171,3 +183,18 @@ class Checkpointer:
             dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
         return json.loads((path / TRAINER_STATE).read_text())
+
+
+_GROUP_SETTING = re.compile(r"optim\.param_groups\.\d+\.(?!params$)\w+")
+
+
+def missing_keys(state: dict, path: Path) -> list[str]:
+    """The keys of ``state`` (flattened as DCP stores them) that the checkpoint at ``path`` lacks, if all
+    are param-group settings; CheckpointError if anything else is missing."""
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    missing = [key for key in flatten_state_dict(state)[0] if key not in stored]
+    others = [key for key in missing if not _GROUP_SETTING.fullmatch(key)]
+    if others:
+        raise CheckpointError(f"checkpoint {path} lacks {len(others)} entries this run needs, e.g. {others[:3]}: "
+                              "written for another model or optimizer?")
+    return missing

@@ -101,3 +101,32 @@ def test_single_process_save_and_load_do_not_warn(tmp_path):
         ckpt.save(1, model, [opt], {"step": 1})
         ckpt.load(ckpt.latest_good(), model, [opt])
     assert not [w for w in caught if "torch.distributed is disabled" in str(w.message)]
+
+
+def test_a_checkpoint_from_before_an_optimizer_setting_existed_still_loads(tmp_path):
+    """A param-group key added to an optimizer after a checkpoint was written (Muon's ns_method, say)
+    keeps this run's value; the tensors load as saved. A missing tensor is still an error."""
+    from orthon.optim import Muon
+
+    model = torch.nn.Linear(6, 4, bias=False)
+    opt = Muon(model.parameters(), lr=0.02, ns_method="gram")
+    model(torch.ones(2, 6)).sum().backward()
+    opt.step()
+    for group in opt.param_groups:  # as written by a version of orthon without these settings
+        del group["ns_method"], group["gram_dtype"]
+    logs = []
+    ckpt = Checkpointer(tmp_path, log=logs.append)
+    ckpt.save(1, model, [opt], {"step": 1})
+
+    fresh = torch.nn.Linear(6, 4, bias=False)
+    fresh_opt = Muon(fresh.parameters(), lr=0.5, ns_method="gram")
+    assert ckpt.load(ckpt.latest_good(), fresh, [fresh_opt]) == {"step": 1}
+    assert torch.equal(fresh.weight, model.weight)
+    assert torch.equal(fresh_opt.state[fresh.weight]["momentum_buffer"], opt.state[model.weight]["momentum_buffer"])
+    group = fresh_opt.param_groups[0]
+    assert group["lr"] == 0.02 and group["ns_method"] == "gram" and group["gram_dtype"] == "auto"
+    assert any("predates the optimizer settings ['gram_dtype', 'ns_method']" in line for line in logs)
+
+    bigger = torch.nn.Linear(6, 4)  # a bias the checkpoint never had
+    with pytest.raises(CheckpointError, match=r"lacks \d+ entries.*model\.bias"):
+        ckpt.load(ckpt.latest_good(), bigger, [Muon([bigger.weight], lr=0.1), torch.optim.AdamW([bigger.bias])])
