@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from orthon.core.errors import EngineUnavailable
+from orthon.core.errors import CheckpointError, EngineUnavailable
 from orthon.core.plugins import resolve
 from orthon.engine.sampling import SamplingParams
 from orthon.rl.buffer import DataBuffer
@@ -278,3 +278,16 @@ class RolloutManager:
             self._queue = collections.deque(_Item(index, Prompt(**prompt)) for index, prompt in state["queue"])
             self.counters = collections.Counter(state["counters"])
             self.reward.stats.load(state["reward_stats"])
+
+
+def rollout_state(state: dict) -> dict:
+    """The rollout manager's part of an RL trainer state: ``state["rollout"]``, or for a checkpoint written
+    by the synchronous loop before the manager existed, the same built from its top-level task, buffer and
+    reward counts (no prompt in flight, the task's stream position as the number drawn)."""
+    if "rollout" in state:
+        return state["rollout"]
+    missing = [key for key in ("task", "buffer", "reward_stats") if key not in state]
+    if missing:
+        raise CheckpointError(f"RL checkpoint has no rollout state: neither 'rollout' nor {missing}")
+    return {"task": state["task"], "drawn": int(state["task"].get("issued", 0)), "buffer": state["buffer"],
+            "queue": [], "counters": {}, "reward_stats": state["reward_stats"]}

@@ -25,7 +25,7 @@ from orthon.engine.in_process import InProcessEngine
 from orthon.pretrain.trainer import Trainer
 from orthon.pretrain.weights import load_weights, save_weights
 from orthon.rl.loss import grpo_advantages
-from orthon.rl.rollout_manager import RolloutManager
+from orthon.rl.rollout_manager import RolloutManager, rollout_state
 from orthon.rl.sample import Sample, branches, sample_from_dict, sample_to_dict
 from orthon.rl.steps import METRICS, PolicyStep
 
@@ -148,7 +148,7 @@ class RLTrainer:
         if state is None:
             return False
         self.iteration = state["iteration"]
-        self.rollout.load_state_dict(state["rollout"])
+        self.rollout.load_state_dict(rollout_state(state))
         self.weight_version = state["weight_version"]
         self.weight_sync(self.model, self.weight_version)
         self.log(f"resumed RL at iteration {self.iteration} (weight version {self.weight_version})")

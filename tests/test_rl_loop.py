@@ -127,3 +127,30 @@ def test_default_decode_logprobs_match_the_trainer(tmp_path):
     for r in steps:
         assert 0.0 < r["logp_mismatch_max"] < 1e-4  # not bit-equal (another code path), but round-off
         assert r["masked_fraction"] == 0.0
+
+
+def test_a_checkpoint_from_before_the_rollout_manager_resumes(tmp_path):
+    """The synchronous loop's checkpoints kept the task, buffer and reward counts at the top level of the
+    trainer state; resumed from one, the run continues as if never stopped."""
+    from orthon.pretrain.checkpoint import MANIFEST, TRAINER_STATE, _sha256
+
+    pre = _pretrain_dir(tmp_path)
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    orthon("rl", "-c", _recipe(tmp_path, whole, 4, total_steps=4, name="whole.yaml"), "--from", pre)
+    orthon("rl", "-c", _recipe(tmp_path, split, 2, total_steps=4, name="split.yaml"), "--from", pre)
+    newest = sorted((split / "checkpoints").glob("step_*"))[-1]
+    state = json.loads((newest / TRAINER_STATE).read_text())
+    rollout = state.pop("rollout")
+    assert rollout["queue"] == [] and rollout["drawn"] == rollout["task"]["issued"]  # what the old layout implies
+    state.update(task=rollout["task"], buffer=rollout["buffer"], reward_stats=rollout["reward_stats"])
+    (newest / TRAINER_STATE).write_text(json.dumps(state))
+    manifest = json.loads((newest / MANIFEST).read_text())
+    manifest["files"][TRAINER_STATE] = {"size": (newest / TRAINER_STATE).stat().st_size,
+                                        "sha256": _sha256(newest / TRAINER_STATE)}
+    (newest / MANIFEST).write_text(json.dumps(manifest))
+
+    out = orthon("rl", "-c", _recipe(tmp_path, split, 4, total_steps=4, name="split.yaml"), "--resume")
+    assert "resumed RL at iteration 2" in out.stdout + out.stderr
+    drop = ("iteration_time_s", "wait_s", "train_s", "sync_s", "eval_s")
+    a, b = ([{k: v for k, v in r.items() if k not in drop} for r in _records(run)] for run in (whole, split))
+    assert b == a
