@@ -69,6 +69,15 @@ def _close_progress_bars() -> None:
             pass
 
 
+def parse_command_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """A command's arguments; overrides may come before and after options
+    (``orthon rl --resume a.b=1 -c rl.yaml c.d=2``), except for commands with sub-commands."""
+    try:
+        return parser.parse_intermixed_args(argv)
+    except TypeError:  # argparse cannot intermix a parser with sub-commands
+        return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     threads, argv = pop_threads(list(argv))
@@ -87,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     cmd_parser = argparse.ArgumentParser(prog=f"orthon {name}", description=COMMANDS[name][1])
     module.register(cmd_parser, name)
-    args = cmd_parser.parse_args(argv[1:])
+    args = parse_command_args(cmd_parser, argv[1:])
     try:
         if getattr(module, "STARTS_PROCESSES", False):
             # A launcher's processes choose their own threads; --threads reaches them through the environment.

@@ -88,3 +88,19 @@ def test_idle_cores_sees_a_busy_core():
     if idle is None or not hasattr(os, "sched_getaffinity"):
         pytest.skip("no per-core CPU times here")
     assert cores == len(os.sched_getaffinity(0)) and 0.0 <= idle <= cores + 0.01
+
+
+def test_overrides_may_come_before_and_after_options():
+    import argparse
+
+    from orthon.launch import cmd_data, cmd_rl
+    from orthon.launch.cli import parse_command_args
+
+    rl = argparse.ArgumentParser()
+    cmd_rl.register(rl, "rl")
+    args = parse_command_args(rl, ["--resume", "train.run_dir=/x", "-c", "rl.yaml", "rl.iterations=2"])
+    assert args.resume and args.config == "rl.yaml" and args.overrides == ["train.run_dir=/x", "rl.iterations=2"]
+    data = argparse.ArgumentParser()  # sub-commands: argparse's plain parse
+    cmd_data.register(data, "data")
+    args = parse_command_args(data, ["inspect", "somewhere", "--verify"])
+    assert args.action == "inspect" and args.store == "somewhere" and args.verify
