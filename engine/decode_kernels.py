@@ -67,7 +67,7 @@ def _build() -> ctypes.CDLL:
             src, out = Path(tmp) / "decode_kernels.c", Path(tmp) / "decode_kernels.so"
             src.write_text(source)
             cc = os.environ.get("CC", "cc")
-            subprocess.run([cc, "-O3", "-mavx2", "-mfma", "-shared", "-fPIC", str(src), "-o", str(out)],
+            subprocess.run([cc, "-O3", "-mavx2", "-mfma", "-shared", "-fPIC", str(src), "-o", str(out), "-lm"],
                            check=True, capture_output=True, timeout=120)
             os.replace(out, target)  # atomic: a concurrent build or a crash never leaves half a library
     lib = ctypes.CDLL(str(target))
