@@ -73,7 +73,9 @@ def run(args, name):
         _evaluate(args.eval, cfg, args.out or Path(args.eval[-1]) / "eval")
         return 0
     if args.resume:
-        plan = load_plan(Path(args.resume) / PLAN_NAME, args.overrides)
+        # The run is where its plan.yaml is, whatever run_dir the plan recorded (a moved or copied run,
+        # or a relative path from another working directory, must not continue the original).
+        plan = load_plan(Path(args.resume) / PLAN_NAME, [*args.overrides, f"run_dir={args.resume}"])
     else:
         if not args.config:
             raise ConfigError("-c PLAN is required (or --resume RUN, or --eval RUN ...)")

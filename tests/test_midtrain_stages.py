@@ -226,3 +226,20 @@ def test_a_continued_pretraining_run_is_a_valid_source(source, tmp_path):
     recipe = stage_recipe(continued, build(MidtrainPlan, plan(tmp_path / "mid"), ""), 0, tmp_path / "mid" / "s0")
     assert recipe.train.init_from == ""
     assert recipe.model.rope_theta == 100000.0
+
+
+def test_resume_continues_the_run_it_names_even_when_moved(reference, tmp_path):
+    """--resume RUN works on RUN, not on the run_dir its plan.yaml recorded (a copied or moved run, or a
+    relative run_dir seen from another directory, must not continue the original)."""
+    import shutil
+
+    ref, _ = reference
+    copy = tmp_path / "moved"
+    shutil.copytree(ref, copy)
+    last = copy / "stages" / STAGES[-1]
+    (last / "stage_done.json").unlink()
+    shutil.rmtree(last / "final")
+    stamps = {p: p.stat().st_mtime_ns for p in ref.rglob("*") if p.is_file()}
+    midtrain("--resume", copy, "--no-eval")
+    assert (last / "stage_done.json").is_file() and (last / "final").is_dir()
+    assert {p: p.stat().st_mtime_ns for p in ref.rglob("*") if p.is_file()} == stamps  # the original untouched
