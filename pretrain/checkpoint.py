@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from orthon.core.distributed import barrier, is_distributed, rank
 from orthon.core.errors import CheckpointError
+from orthon.core.interrupts import sigint_deferred
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
@@ -92,7 +93,12 @@ class Checkpointer:
         return sorted(dirs, key=lambda p: int(p.name.split("_")[1]))
 
     def save(self, step: int, model: torch.nn.Module, optimizers: list, trainer_state: dict) -> Path:
-        """Collective when distributed: every rank calls it."""
+        """Collective when distributed: every rank calls it. A Ctrl-C during the save takes effect once the
+        checkpoint is complete (core.interrupts)."""
+        with sigint_deferred():
+            return self._save(step, model, optimizers, trainer_state)
+
+    def _save(self, step: int, model: torch.nn.Module, optimizers: list, trainer_state: dict) -> Path:
         final = self.root / f"step_{step:08d}"
         tmp = final.with_suffix(".tmp")
         if rank() == 0:

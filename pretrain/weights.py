@@ -28,10 +28,11 @@ from pathlib import Path
 
 import torch
 
-from orthon.core.errors import CheckpointError, ConfigError
-from orthon.core.files import atomic_write_json
 import orthon.pretrain.hf_io as hf_io
 from orthon.core.config import build, to_dict
+from orthon.core.errors import CheckpointError, ConfigError
+from orthon.core.files import atomic_write_json
+from orthon.core.interrupts import sigint_deferred
 from orthon.pretrain.config import ModelConfig, RuntimeOptions
 from orthon.pretrain.model import GLMForCausalLM
 
@@ -96,10 +97,11 @@ def save_weights(model: GLMForCausalLM, directory, state: dict | None = None, *,
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tensors = hf_io.hf_tensors(model, state, dtype)
-    hf_io.write_hf(tmp, tensors, hf_io.hf_config(model, tensors), max_shard_bytes)
-    atomic_write_json(tmp / SIDECAR, sidecar(model.runtime))
-    _swap_in(tmp, directory)
+    with sigint_deferred():  # a Ctrl-C lands after the swap, not inside safetensors' writer
+        tensors = hf_io.hf_tensors(model, state, dtype)
+        hf_io.write_hf(tmp, tensors, hf_io.hf_config(model, tensors), max_shard_bytes)
+        atomic_write_json(tmp / SIDECAR, sidecar(model.runtime))
+        _swap_in(tmp, directory)
     return directory
 
 
