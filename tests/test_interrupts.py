@@ -9,6 +9,15 @@ from orthon.core.interrupts import sigint_deferred
 from orthon.pretrain.checkpoint import Checkpointer, verify
 
 
+@pytest.fixture(autouse=True)
+def python_handles_sigint():
+    """Python's own Ctrl-C handler for each test, whatever the process inherited (a shell's background
+    job starts with SIGINT ignored, and Python then never installs its handler)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def test_sigint_inside_is_raised_on_leaving():
     done = []
     with pytest.raises(KeyboardInterrupt):
