@@ -287,6 +287,10 @@ class Trainer:
         full_state = get_model_state_dict(self.wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
             self.finish(full_state)
+        if not last:  # resumed at its end: no step ran here, so report the last logged step's figures
+            path = self.run_dir / "metrics.jsonl"
+            logged = [r for r in read_metrics(path) if "loss" in r] if path.is_file() else []
+            last = {k: v for k, v in logged[-1].items() if k != "step"} if logged else {}
         return {"step": self.step, "tokens": self.tokens, "final_eval_loss": final_eval, **last}
 
     def _samples_log(self, resume_step):

@@ -242,4 +242,7 @@ def test_resume_continues_the_run_it_names_even_when_moved(reference, tmp_path):
     stamps = {p: p.stat().st_mtime_ns for p in ref.rglob("*") if p.is_file()}
     midtrain("--resume", copy, "--no-eval")
     assert (last / "stage_done.json").is_file() and (last / "final").is_dir()
+    # Resumed at the stage's end, no step ran: the summary reports the last logged step's loss, not nothing.
+    logged = [r["loss"] for r in _metrics(copy, STAGES[-1]) if "loss" in r]
+    assert json.loads((last / "stage_done.json").read_text())["loss"] == logged[-1]
     assert {p: p.stat().st_mtime_ns for p in ref.rglob("*") if p.is_file()} == stamps  # the original untouched
