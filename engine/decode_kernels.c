@@ -91,61 +91,40 @@ static void zblock##MB(const float* x, const float* panel, float* y, long K, lon
 }
 ZBLOCK(1, 8) ZBLOCK(2, 4) ZBLOCK(3, 4) ZBLOCK(4, 4) ZBLOCK(5, 2) ZBLOCK(6, 2) ZBLOCK(7, 2) ZBLOCK(8, 2)
 
-__attribute__((target("avx512f")))
-static void thin_linear_avx512(const float* x, const float* p, float* y, long M, long N, long K) {
+/* A block kernel: MB rows of y, one 16-column panel (MB fixed per kernel). */
+typedef void (*block_fn)(const float* x, const float* panel, float* y, long K, long ldy, long ncols);
+
+/* Index r - 1: the kernel for r rows. */
+static const block_fn zblocks[8] = {zblock1, zblock2, zblock3, zblock4, zblock5, zblock6, zblock7, zblock8};
+static const block_fn blocks[6] = {block1, block2, block3, block4, block5, block6};
+
+/* y (M x N) = x (M x K) @ w^T over the packed panels, rows in blocks of at most `rows`. */
+static void panel_loop(const float* x, const float* p, float* y, long M, long N, long K, long rows,
+                       const block_fn* kernels) {
     for (long nb = 0; nb < (N + 15) / 16; nb++) {
         const float* panel = p + nb * K * 16;
         long n0 = nb * 16, ncols = N - n0 < 16 ? N - n0 : 16;
-        for (long m0 = 0; m0 < M; m0 += 8) {
-            const float* xs = x + m0 * K;
-            float* ys = y + m0 * N + n0;
-            switch (M - m0 < 8 ? M - m0 : 8) {
-                case 1: zblock1(xs, panel, ys, K, N, ncols); break;
-                case 2: zblock2(xs, panel, ys, K, N, ncols); break;
-                case 3: zblock3(xs, panel, ys, K, N, ncols); break;
-                case 4: zblock4(xs, panel, ys, K, N, ncols); break;
-                case 5: zblock5(xs, panel, ys, K, N, ncols); break;
-                case 6: zblock6(xs, panel, ys, K, N, ncols); break;
-                case 7: zblock7(xs, panel, ys, K, N, ncols); break;
-                default: zblock8(xs, panel, ys, K, N, ncols); break;
-            }
-        }
+        for (long m0 = 0; m0 < M; m0 += rows)
+            kernels[(M - m0 < rows ? M - m0 : rows) - 1](x + m0 * K, panel, y + m0 * N + n0, K, N, ncols);
     }
 }
-
-static void thin_linear_avx2(const float* x, const float* p, float* y, long M, long N, long K);
 
 static int avx512 = -1;
 
 /* 1: the AVX-512 kernel where the CPU has it (the default); 0: AVX2 (tests compare the two). */
 void thin_use_avx512(int on) { avx512 = on && __builtin_cpu_supports("avx512f"); }
 
-/* y (M x N) = x (M x K) @ w^T, w packed by thin_pack: the AVX-512 kernel where the CPU has it. */
-void thin_linear(const float* x, const float* p, float* y, long M, long N, long K) {
-    if (avx512 < 0) thin_use_avx512(1);
-    if (avx512) thin_linear_avx512(x, p, y, M, N, K);
-    else thin_linear_avx2(x, p, y, M, N, K);
-}
-
-/* AVX2: rows in equal blocks of up to 6 (12 accumulators: 8 rows go 4 + 4, not 6 + 2, whose 2-row
+/* y (M x N) = x (M x K) @ w^T, w packed by thin_pack. AVX-512 where the CPU has it: 8 rows a block.
+   AVX2: rows in equal blocks of up to 6 (12 accumulators: 8 rows go 4 + 4, not 6 + 2, whose 2-row
    block would use a third of the FMA units' width). */
-static void thin_linear_avx2(const float* x, const float* p, float* y, long M, long N, long K) {
-    long blocks = (M + 5) / 6, rows = blocks ? (M + blocks - 1) / blocks : 0;
-    for (long nb = 0; nb < (N + 15) / 16; nb++) {
-        const float* panel = p + nb * K * 16;
-        long n0 = nb * 16, ncols = N - n0 < 16 ? N - n0 : 16;
-        for (long m0 = 0; m0 < M; m0 += rows) {
-            const float* xs = x + m0 * K;
-            float* ys = y + m0 * N + n0;
-            switch (M - m0 < rows ? M - m0 : rows) {
-                case 1: block1(xs, panel, ys, K, N, ncols); break;
-                case 2: block2(xs, panel, ys, K, N, ncols); break;
-                case 3: block3(xs, panel, ys, K, N, ncols); break;
-                case 4: block4(xs, panel, ys, K, N, ncols); break;
-                case 5: block5(xs, panel, ys, K, N, ncols); break;
-                default: block6(xs, panel, ys, K, N, ncols); break;
-            }
-        }
+void thin_linear(const float* x, const float* p, float* y, long M, long N, long K) {
+    if (M <= 0) return;
+    if (avx512 < 0) thin_use_avx512(1);
+    if (avx512) {
+        panel_loop(x, p, y, M, N, K, 8, zblocks);
+    } else {
+        long parts = (M + 5) / 6;
+        panel_loop(x, p, y, M, N, K, (M + parts - 1) / parts, blocks);
     }
 }
 
