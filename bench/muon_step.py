@@ -34,6 +34,9 @@ GPUs); its FLOPs column counts what it computes. On the large set the three opti
 interleaved (one of each per round; on tiny too where torch's bf16 GEMM is native), so load on a shared
 machine hits them alike.
 
+fused: the same with Muon(fused=True) (optim.fused: true), its momentum and update passes compiled by
+torch.compile into one sweep each (orthon.optim.fused); their first step compiles, inside the warm-up.
+
     python bench/muon_step.py [--sets tiny,large,mla] [--device cuda] [--threads 1]
 """
 from __future__ import annotations
@@ -130,13 +133,13 @@ def make_params(entries, device, as_blocks):
     return params
 
 
-def orthon_optimizer(entries, device, bf16_matmul="auto", ns_method="standard"):
+def orthon_optimizer(entries, device, bf16_matmul="auto", ns_method="standard", fused=False):
     params = make_params(entries, device, as_blocks=False)
     by_split = {}
     for p, split in params:
         by_split.setdefault(split, []).append(p)
     groups = [{"params": ps, "split_rows": s} for s, ps in by_split.items()]
-    return Muon(groups, bf16_matmul=bf16_matmul, ns_method=ns_method, **HYPER)
+    return Muon(groups, bf16_matmul=bf16_matmul, ns_method=ns_method, fused=fused, **HYPER)
 
 
 def torch_optimizer(entries, device):
@@ -236,22 +239,23 @@ def main():
     if "tiny" in sets:
         entries = tiny_set()
         # Interleaved rounds; where bf16 GEMM is emulated torch's step takes ~20 s: one warm-up and one
-        # timed step of it after the others.
-        optimizers = {"standard": orthon_optimizer(entries, device),
-                      "gram": orthon_optimizer(entries, device, ns_method="gram")}
+        # timed step of it after the others. The fused ones compile in their first (warm-up) step.
+        optimizers = {f"{method}{suffix}": orthon_optimizer(entries, device, ns_method=method, fused=fused)
+                      for fused, suffix in ((False, ""), (True, "_fused")) for method in ("standard", "gram")}
         if native:
             optimizers["torch"] = torch_optimizer(entries, device)
         median, _ = interleaved_step_times(optimizers, device, args.warmup, args.repeats)
         del optimizers
-        t_ours, t_gram = median["standard"], median["gram"]
-        t_ref = median["torch"] if native else torch_step_time(entries, device, args, repeats=1)[0]
-        rows.append(("tiny: orthon Muon, standard", t_ours, set_flops(entries)))
-        rows.append(("tiny: orthon Muon, gram", t_gram, set_flops(entries, "gram", device)))
+        t_ref = median.pop("torch") if native else torch_step_time(entries, device, args, repeats=1)[0]
+        for name, seconds in median.items():
+            method = name.removesuffix("_fused")
+            label = method + (", fused passes" if name.endswith("_fused") else "")
+            rows.append((f"tiny: orthon Muon, {label}", seconds, set_flops(entries, method, device)))
+            figures[f"tiny_{name}_ms"] = 1e3 * seconds
+            ratios[f"tiny_{name}_time_vs_torch"] = seconds / t_ref
         rows.append(("tiny: torch.optim.Muon", t_ref, set_flops(entries)))
         figures["tiny_blocks"] = sum(blocks_of(s, k)[0] for s, k in entries)
-        figures.update(tiny_orthon_ms=1e3 * t_ours, tiny_gram_ms=1e3 * t_gram, tiny_torch_ms=1e3 * t_ref)
-        ratios["tiny_time_vs_torch"] = t_ours / t_ref
-        ratios["tiny_gram_time_vs_torch"] = t_gram / t_ref
+        figures["tiny_torch_ms"] = 1e3 * t_ref
         ratios["tiny_gram_flops_vs_standard"] = set_flops(entries, "gram", device) / set_flops(entries)
         if args.native and not native:
             t_native, _ = orthon_step_time(entries, device, argparse.Namespace(warmup=1, repeats=1), "native")
@@ -262,19 +266,22 @@ def main():
         entries = large_set(large_count)
         flops, gram_flops = set_flops(entries), set_flops(entries, "gram", device)
         optimizers = {"standard": orthon_optimizer(entries, device),
-                      "gram": orthon_optimizer(entries, device, ns_method="gram")}
+                      "gram": orthon_optimizer(entries, device, ns_method="gram"),
+                      "gram_fused": orthon_optimizer(entries, device, ns_method="gram", fused=True)}
         # torch in the same rounds where it runs at the same size (native bf16 GEMM); otherwise after.
         if torch_large == large_count:
             optimizers["torch"] = torch_optimizer(entries, device)
         gemm_run, gemm_flops = bare_gemms(entries, device, kernel, iterations=HYPER["ns_steps"])
         median, best = interleaved_step_times(optimizers, device, args.warmup, args.repeats, {"matmul": gemm_run})
         del optimizers
-        t_ours, t_gram = median["standard"], median["gram"]
+        t_ours, t_gram, t_fused = median["standard"], median["gram"], median["gram_fused"]
         bare = gemm_flops / median["matmul"] / 1e9
         scale = 24 / large_count
         rows.append((f"large ({large_count}+{large_count}): orthon Muon, standard", t_ours, flops))
         rows.append((f"large ({large_count}+{large_count}): orthon Muon, gram", t_gram, gram_flops))
+        rows.append((f"large ({large_count}+{large_count}): orthon Muon, gram, fused passes", t_fused, gram_flops))
         figures.update(large_orthon_s_full_set=t_ours * scale, large_gram_s_full_set=t_gram * scale,
+                       large_gram_fused_s_full_set=t_fused * scale,
                        large_ns_gflops=flops / t_ours / 1e9, large_matmul_gflops=bare,
                        large_ns_gflops_best=flops / best["standard"] / 1e9)
         ratios["large_ns_rate_vs_matmul"] = flops / t_ours / 1e9 / bare
@@ -285,6 +292,7 @@ def main():
             figures["large_torch_s_full_set"] = t_ref * scale
             ratios["large_time_vs_torch"] = t_ours / t_ref
             ratios["large_gram_time_vs_torch"] = t_gram / t_ref
+            ratios["large_gram_fused_time_vs_torch"] = t_fused / t_ref
         elif torch_large:
             ref_entries = large_set(torch_large)
             t_ref, _ = torch_step_time(ref_entries, device, args, repeats=1 if not native else None)
@@ -293,11 +301,13 @@ def main():
             figures["large_torch_measured_on"] = f"{torch_large}+{torch_large} matrices, scaled to 24+24"
             ratios["large_time_vs_torch"] = (t_ours * scale) / figures["large_torch_s_full_set"]
             ratios["large_gram_time_vs_torch"] = (t_gram * scale) / figures["large_torch_s_full_set"]
+            ratios["large_gram_fused_time_vs_torch"] = (t_fused * scale) / figures["large_torch_s_full_set"]
         else:
             estimate = set_flops(large_set(24)) / (figures["bf16_matmul_gflops"] * 1e9)
             figures["large_torch_s_full_set_estimated"] = estimate
             ratios["large_time_vs_torch_estimated"] = (t_ours * scale) / estimate
             ratios["large_gram_time_vs_torch_estimated"] = (t_gram * scale) / estimate
+            ratios["large_gram_fused_time_vs_torch_estimated"] = (t_fused * scale) / estimate
 
     if "mla" in sets:
         shapes = {

@@ -46,7 +46,6 @@ from orthon.optim.newton_schulz import (
     DEFAULT_EPS,
     DEFAULT_STEPS,
     bf16_gemm_is_native,
-    newton_schulz,
     newton_schulz_flops,
 )
 
@@ -211,18 +210,19 @@ def orthogonalise_gram_or_standard(
     eps: float = DEFAULT_EPS,
     ns_dtype: torch.dtype = torch.bfloat16,
     gram_dtype: str = "auto",
-    emulate_bf16: bool | None = None,
 ) -> Tensor:
-    """Muon's ``ns_method: gram`` on a stack of same-shaped blocks ``(n, rows, cols)``.
+    """Muon's ``ns_method: gram`` on a stack of same-shaped blocks ``(n, rows, cols)``, in the device's
+    compute dtype (``gram_compute_dtype``).
 
-    Gram Newton-Schulz in the device's compute dtype where it pays for this block
-    shape (``gram_pays``), standard Newton-Schulz (in ``ns_dtype``, as
-    ``ns_method: standard`` runs it) elsewhere. Both round the input to ``ns_dtype`` first, so distributed Muon, which sends
-    updates in it, computes what one rank does.
+    Gram Newton-Schulz where it pays for this block shape (``gram_pays``). Elsewhere the same iteration
+    restarted before every step, which is standard Newton-Schulz's products (X X^T, R^2, P X) with
+    P = a I + b R + c R^2 formed as one matrix: no product copies an addend as baddbmm's "a X + ..." does
+    (one pass over X a step less; one more rounding of P's diagonal). Both round the input to ``ns_dtype``
+    first, so distributed Muon, which sends updates in it, computes what one rank does.
     """
     rows, cols = stack.shape[-2:]
     compute = gram_compute_dtype(gram_dtype, stack.device)
     restarts = default_restarts(steps, compute)
-    if gram_pays(rows, cols, steps, restarts):
-        return gram_newton_schulz(stack, steps, coefficients, compute, eps, restarts, input_dtype=ns_dtype)
-    return newton_schulz(stack, steps, coefficients, ns_dtype, eps, emulate_bf16=emulate_bf16)
+    if not gram_pays(rows, cols, steps, restarts):
+        restarts = tuple(range(1, steps))
+    return gram_newton_schulz(stack, steps, coefficients, compute, eps, restarts, input_dtype=ns_dtype)

@@ -135,13 +135,14 @@ def build_optimizer(
             gram_dtype=cfg.gram_dtype,
             rms_scale=cfg.rms_scale,
             bf16_matmul=cfg.bf16_matmul,
+            fused=cfg.fused,
             orthogonaliser=orthogonaliser,
         )
     adamw = None
     if adamw_groups:
         adamw = torch.optim.AdamW(
             list(adamw_groups.values()), lr=adamw_lr, betas=cfg.adamw_betas, eps=cfg.adamw_eps,
-            weight_decay=cfg.adamw_weight_decay,
+            weight_decay=cfg.adamw_weight_decay, fused=cfg.fused or None,
         )
     optimizer = HybridOptimizer(muon, adamw, schedule)
     optimizer.set_tokens(0)

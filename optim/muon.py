@@ -40,6 +40,7 @@ from orthon.optim.newton_schulz import (
     newton_schulz,
     ns_dtype,
 )
+from orthon.optim.fused import EagerPasses, FusedPasses
 from orthon.optim.gram_newton_schulz import GRAM_DTYPE_NAMES, NS_METHODS, orthogonalise_gram_or_standard
 
 ADJUST_LR_FNS = ("match_rms_adamw", "original", "none")
@@ -112,7 +113,9 @@ class Muon(torch.optim.Optimizer):
     rms_scale, split_rows, and optionally param_names (used in errors).
 
     Optimizer-wide: ``bf16_matmul`` ("auto", "native" or "emulated", see
-    orthon.optim.newton_schulz) and ``orthogonaliser``: a callable that takes
+    orthon.optim.newton_schulz), ``fused`` (the elementwise passes around
+    Newton-Schulz compiled into one sweep each, see orthon.optim.fused; then
+    no longer bit-identical to torch.optim.Muon) and ``orthogonaliser``: a callable that takes
     the list of MatrixWork items and an ``ns(stack, item)`` function and
     returns one orthogonalised tensor per item; the default runs everything
     here, ``orthon.optim.distributed.DistributedOrthogonaliser`` shares the
@@ -136,6 +139,7 @@ class Muon(torch.optim.Optimizer):
         rms_scale: float = 0.2,
         split_rows: int = 1,
         bf16_matmul: str = "auto",
+        fused: bool = False,
         orthogonaliser: Callable[..., list[Tensor]] | None = None,
     ) -> None:
         if lr < 0:
@@ -163,6 +167,7 @@ class Muon(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self.bf16_matmul = bf16_matmul
+        self.passes = FusedPasses() if fused else EagerPasses()
         self.orthogonaliser = orthogonaliser or orthogonalise_local
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -204,7 +209,7 @@ class Muon(torch.optim.Optimizer):
 
         def run(piece: Tensor) -> Tensor:
             if method == "gram":
-                return orthogonalise_gram_or_standard(piece, steps, coefficients, eps, dtype, gram_dtype, emulate)
+                return orthogonalise_gram_or_standard(piece, steps, coefficients, eps, dtype, gram_dtype)
             return newton_schulz(piece, steps, coefficients, dtype, eps, emulate_bf16=emulate)
 
         per_piece = max(1, NS_BATCH_ELEMENTS // (stack.shape[-2] * stack.shape[-1]))
@@ -234,12 +239,11 @@ class Muon(torch.optim.Optimizer):
             local_params = [local_tensor(p) for p in params]
             grads = [local_tensor(p.grad) for p in params]
             bufs = [local_tensor(self.state[p]["momentum_buffer"]) for p in params]
-            momentum = group["momentum"]
-            torch._foreach_lerp_(bufs, grads, 1 - momentum)
-            updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
             # ns_method / gram_dtype: absent from groups loaded from older checkpoints.
             key = (group["ns_steps"], tuple(group["ns_coefficients"]), group["eps"], ns_dtype(group["ns_dtype"]),
                    group.get("ns_method", "standard"), group.get("gram_dtype", "auto"))
+            # The updates come in the Newton-Schulz input dtype (both methods round to it first).
+            updates = self.passes.momentum_updates(bufs, grads, group["momentum"], group["nesterov"], key[3])
             applies.append((group, local_params, len(work), len(params)))
             for p, update in zip(params, updates):
                 work.append(MatrixWork(update, tuple(p.shape), group["split_rows"], key, is_sharded(p), p))
@@ -249,19 +253,11 @@ class Muon(torch.optim.Optimizer):
         results = self.orthogonaliser(work, self._newton_schulz)
 
         for group, local_params, first, count in applies:
-            lr, wd = group["lr"], group["weight_decay"]
-            if wd != 0:
-                torch._foreach_mul_(local_params, 1 - lr * wd)
-            # One foreach add per distinct scale (the block shape fixes it).
-            by_scale: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
-            for offset in range(count):
-                item = work[first + offset]
-                scale = update_scale(*item.block_shape, group["adjust_lr_fn"], group["rms_scale"])
-                ps, os_ = by_scale.setdefault(scale, ([], []))
-                ps.append(local_params[offset])
-                os_.append(results[first + offset])
-            for scale, (ps, os_) in by_scale.items():
-                torch._foreach_add_(ps, os_, alpha=-lr * scale)
+            lr = group["lr"]
+            alphas = [-lr * update_scale(*work[i].block_shape, group["adjust_lr_fn"], group["rms_scale"])
+                      for i in range(first, first + count)]
+            self.passes.apply_updates(local_params, results[first: first + count], 1 - lr * group["weight_decay"],
+                                      alphas)
         return loss
 
 

@@ -183,11 +183,26 @@ def test_compute_dtype_and_restarts_per_device():
         gram_newton_schulz(torch.randn(4, 8), restarts=(5,))
 
 
-def test_gram_method_falls_back_to_standard_where_it_does_not_save():
-    stack = torch.randn(6, *KVB_HEAD)
-    out = orthogonalise_gram_or_standard(stack, gram_dtype="auto")
-    assert torch.equal(out, newton_schulz(stack))  # the standard path, bit for bit
-    wide = torch.randn(3, 64, 256)
+@pytest.mark.parametrize("rows, cols, count", [(*KVB_HEAD, 4), (256, 256, 6), (512, 256, 4)])
+def test_gram_method_runs_standard_products_restarted_every_step_where_gram_does_not_save(rows, cols, count):
+    # Where gram_pays says no, the gram method restarts before every step: standard Newton-Schulz's
+    # products with P = aI + bR + cR^2 formed once (no addend copied per product).
+    assert not gram_pays(rows, cols, 5, default_restarts(5, torch.bfloat16))
+    x, factors = gradient_like(count, rows, cols)
+    out = orthogonalise_gram_or_standard(x.float(), gram_dtype="bf16")
+    assert torch.equal(out, gram_newton_schulz(x.float(), dtype=torch.bfloat16, restarts=(1, 2, 3, 4)))
+    # ...which is standard's map up to bf16 round-off: as near the exact iteration as standard
+    # (torch.optim.Muon's numbers) within bf16's margin, and in the same band of singular values.
+    exact, standard = exact_newton_schulz(factors), newton_schulz(x.float())
+    err_out, err_standard = relative(out, exact), relative(standard, exact)
+    assert err_out < 1.5 * err_standard + 0.01 and err_out < 0.08, (err_out, err_standard)
+    lo, hi = singular_band(exact)
+    out_lo, out_hi = singular_band(out)
+    assert lo - 0.05 <= out_lo and out_hi <= hi + 0.05, (out_lo, out_hi, lo, hi)
+    # In fp32 the same products are the standard map to fp32 round-off.
+    fp32 = orthogonalise_gram_or_standard(x.float(), gram_dtype="fp32", ns_dtype=torch.float32)
+    assert relative(fp32, newton_schulz(x.float(), dtype=torch.float32).double()) < 5e-4
+    wide = torch.randn(3, 64, 256)  # where gram pays: no restart in fp32
     assert torch.equal(orthogonalise_gram_or_standard(wide, gram_dtype="fp32"),
                        gram_newton_schulz(wide, dtype=torch.float32, restarts=()))
 
