@@ -46,6 +46,7 @@ from orthon.optim.newton_schulz import (
     DEFAULT_EPS,
     DEFAULT_STEPS,
     bf16_gemm_is_native,
+    check_arguments,
     newton_schulz_flops,
 )
 
@@ -150,12 +151,7 @@ def gram_newton_schulz(
     ``input_dtype``: round the input to it first (None: keep it). Returns a tensor
     of the same shape in ``dtype``; the input is never modified.
     """
-    if matrices.ndim < 2:
-        raise ValueError(f"gram_newton_schulz needs matrices (..., rows, cols), got shape {tuple(matrices.shape)}")
-    if not 0 <= steps < 100:
-        raise ValueError(f"gram_newton_schulz steps must be in [0, 100), got {steps}")
-    if len(coefficients) != 3:
-        raise ValueError(f"gram_newton_schulz needs 3 coefficients (a, b, c), got {coefficients}")
+    check_arguments("gram_newton_schulz", matrices, steps, coefficients)
     if isinstance(dtype, str):
         dtype = gram_compute_dtype(dtype, matrices.device)
     if dtype not in GRAM_DTYPES.values():

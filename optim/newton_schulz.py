@@ -78,12 +78,7 @@ def newton_schulz(
     where bf16 GEMM is not native (see the module docstring). The input is
     never modified.
     """
-    if matrices.ndim < 2:
-        raise ValueError(f"newton_schulz needs matrices (..., rows, cols), got shape {tuple(matrices.shape)}")
-    if not 0 <= steps < 100:
-        raise ValueError(f"newton_schulz steps must be in [0, 100), got {steps}")
-    if len(coefficients) != 3:
-        raise ValueError(f"newton_schulz needs 3 coefficients (a, b, c), got {coefficients}")
+    check_arguments("newton_schulz", matrices, steps, coefficients)
     dtype = ns_dtype(dtype)
     a, b, c = (float(x) for x in coefficients)
     shape = matrices.shape
@@ -108,6 +103,16 @@ def newton_schulz(
     if transposed:
         x = x.mT
     return x.reshape(shape)
+
+
+def check_arguments(name: str, matrices: Tensor, steps: int, coefficients: tuple[float, ...]) -> None:
+    """Errors naming what is wrong with a Newton-Schulz call's arguments (``name``: the function)."""
+    if matrices.ndim < 2:
+        raise ValueError(f"{name} needs matrices (..., rows, cols), got shape {tuple(matrices.shape)}")
+    if not 0 <= steps < 100:
+        raise ValueError(f"{name} steps must be in [0, 100), got {steps}")
+    if len(coefficients) != 3:
+        raise ValueError(f"{name} needs 3 coefficients (a, b, c), got {coefficients}")
 
 
 def _round_bf16_(t: Tensor) -> Tensor:

@@ -27,6 +27,7 @@ from orthon.core.config import to_dict
 from orthon.core.errors import ConfigError
 from orthon.core.files import atomic_write_bytes
 from orthon.core.metrics import MetricsLogger, plot_training, read_metrics
+from orthon.core.step_loop import run_steps
 from orthon.data.loader import IGNORE_INDEX, TrainData, ValidData
 from orthon.optim import batch_size_at, build_for_model, lr_at
 from orthon.pretrain import parallel
@@ -252,34 +253,12 @@ class Trainer:
         metrics_log = MetricsLogger(self.run_dir, enabled=self.rank == 0, resume_step=resumed_step)
         samples_log = self._samples_log(resumed_step)
         self.wrapped.train()
-        bar = None
-        if self.cfg.progress and self.rank == 0:
-            from tqdm import tqdm
 
-            bar = tqdm(total=self.total_tokens, initial=self.tokens, unit="tok", unit_scale=True,
-                       desc=self.cfg.progress_label)
-        last = {}
-        while not self.done():
-            last = self.train_step()
-            if samples_log is not None:
-                samples_log.write(json.dumps({"step": self.step, "ids": self.sample_ids.tolist()}) + "\n")
-                samples_log.flush()
-            if self.cfg.eval_interval and self.step % self.cfg.eval_interval == 0:
-                last["eval_loss"] = self.evaluate()
-            if self.step % self.cfg.log_interval == 0 or self.done():
-                metrics_log.log(self.step, **{k: v for k, v in last.items() if v is not None})
-            if bar is not None:
-                bar.update(last["batch_tokens"])
-                bar.set_postfix(loss=f"{last['loss']:.3f}", step=self.step)
-            if self.cfg.checkpoint_interval and self.step % self.cfg.checkpoint_interval == 0:
-                self.save_checkpoint()
-        if bar is not None:
-            bar.close()
-        final_eval = self.evaluate()
-        if final_eval is not None:
-            metrics_log.log(self.step, final_eval_loss=final_eval)
-        if not self.checkpointer.has(self.step):
-            self.save_checkpoint()
+        def log_sample_ids():
+            samples_log.write(json.dumps({"step": self.step, "ids": self.sample_ids.tolist()}) + "\n")
+            samples_log.flush()
+        label = self.cfg.progress_label if self.cfg.progress and self.rank == 0 else None
+        last, final_eval = run_steps(self, metrics_log, label, log_sample_ids if samples_log is not None else None)
         metrics_log.close()
         if samples_log is not None:
             samples_log.close()

@@ -24,6 +24,7 @@ from orthon.backends.mindspore.runtime import ms, place
 from orthon.backends.mindspore.weights import build, save_hf
 from orthon.core.errors import ConfigError
 from orthon.core.metrics import MetricsLogger, plot_training, read_metrics
+from orthon.core.step_loop import run_steps
 from orthon.data.loader import IGNORE_INDEX, TrainData, ValidData
 from orthon.optim import batch_size_at, lr_at
 
@@ -171,31 +172,8 @@ class MindSporeTrainer:
 
     def fit(self) -> dict:
         metrics_log = MetricsLogger(self.run_dir, resume_step=self.step or None)
-        bar = None
-        if self.cfg.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=self.total_tokens, initial=self.tokens, unit="tok", unit_scale=True,
-                       desc=f"{self.cfg.progress_label} (mindspore)")
-        last = {}
-        while not self.done():
-            last = self.train_step()
-            if self.cfg.eval_interval and self.step % self.cfg.eval_interval == 0:
-                last["eval_loss"] = self.evaluate()
-            if self.step % self.cfg.log_interval == 0 or self.done():
-                metrics_log.log(self.step, **{k: v for k, v in last.items() if v is not None})
-            if bar is not None:
-                bar.update(last["batch_tokens"])
-                bar.set_postfix(loss=f"{last['loss']:.3f}", step=self.step)
-            if self.cfg.checkpoint_interval and self.step % self.cfg.checkpoint_interval == 0:
-                self.save_checkpoint()
-        if bar is not None:
-            bar.close()
-        final_eval = self.evaluate()
-        if final_eval is not None:
-            metrics_log.log(self.step, final_eval_loss=final_eval)
-        if not self.checkpointer.has(self.step):
-            self.save_checkpoint()
+        last, final_eval = run_steps(self, metrics_log,
+                                     f"{self.cfg.progress_label} (mindspore)" if self.cfg.progress else None)
         metrics_log.close()
         save_hf(self.model, self.run_dir / "final")
         plot_training(read_metrics(self.run_dir / "metrics.jsonl"), self.run_dir / "loss.png",
