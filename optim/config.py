@@ -41,9 +41,9 @@ class OptimConfig:
     gram_dtype: Literal["auto", "fp16", "bf16", "fp32"] = "auto"
     bf16_matmul: Literal["auto", "native", "emulated"] = "auto"
     # Fused elementwise passes: Muon's momentum and update each compiled into one sweep (torch.compile;
-    # the first step compiles, a few seconds) and AdamW's fused kernel. About 15% off a Muon step of the
-    # tiny model on CPU (more with gram); results then differ from torch.optim.Muon's / AdamW's foreach
-    # ones in the last bit.
+    # the first step compiles, a few seconds) and AdamW's fused kernel. 10-20% off a Muon step of the
+    # tiny model on CPU; results then differ from torch.optim.Muon's / AdamW's foreach ones in the last
+    # bit (see orthon.optim.fused).
     fused: bool = False
     rms_scale: float = 0.2
     weight_decay: float = 0.1
