@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from orthon.optim import HybridOptimizer, Muon, OptimConfig, ScheduleConfig, build_for_model, update_scale
+from orthon.optim.fused import FusedPasses
 from orthon.optim.muon import orthogonalise_local
 from orthon.optim.newton_schulz import newton_schulz
 from orthon.optim.param_spec import ParamSpec
@@ -267,16 +268,18 @@ def test_hybrid_groups_and_one_schedule_for_both():
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([2e-3, 2e-3, 1e-3, 1e-3])
 
 
-def test_hybrid_state_dict_resume_is_bit_identical():
+@pytest.mark.parametrize("fused", [False, True])
+def test_hybrid_state_dict_resume_is_bit_identical(fused):
+    # fused: Muon's compiled passes and AdamW's fused kernel resume to the bit as well.
     batches = [torch.randint(0, 32, (2, 9)) for _ in range(6)]
     torch.manual_seed(3)
     model = Toy()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    tokens = train(model, make(model), batches)
+    tokens = train(model, make(model, fused=fused), batches)
 
     resumed = Toy()
     resumed.load_state_dict(initial)
-    opt = make(resumed)
+    opt = make(resumed, fused=fused)
     mid_tokens = train(resumed, opt, batches[:3])
     buffer = io.BytesIO()
     torch.save({"model": resumed.state_dict(), "optim": opt.state_dict()}, buffer)
@@ -285,8 +288,10 @@ def test_hybrid_state_dict_resume_is_bit_identical():
 
     fresh = Toy()
     fresh.load_state_dict(saved["model"])
-    fresh_opt = make(fresh)
+    fresh_opt = make(fresh, fused=fused)
     fresh_opt.load_state_dict(saved["optim"])
+    assert all(isinstance(o.passes, FusedPasses) == fused for o in (opt.muon, fresh_opt.muon))
+    assert all(g["fused"] == (fused or None) for g in fresh_opt.adamw.param_groups)
     # The LRs come back with the state (set for the last step's start); the loop owns the token clock.
     assert [g["lr"] for g in fresh_opt.param_groups] == [g["lr"] for g in opt.param_groups]
     assert train(fresh, fresh_opt, batches[3:], tokens=mid_tokens) == tokens
