@@ -23,29 +23,33 @@ def _check_lrs(peak: float, floor: float) -> None:
         raise ValueError(f"LR schedule floor {floor} exceeds its peak {peak}")
 
 
-def warmup_cosine_lr(tokens: int, peak: float, floor: float, warmup_tokens: int, total_tokens: int) -> float:
-    """Linear 0 -> peak over warmup_tokens, cosine peak -> floor until total_tokens, then floor."""
-    _check_lrs(peak, floor)
+def _decay_progress(tokens: int, warmup_tokens: int, total_tokens: int) -> float | None:
+    """How far past the warmup ``tokens`` lies, in [0, 1] of the decay (1 from total_tokens on); None
+    inside the warmup."""
     if tokens < 0:
         raise ValueError(f"tokens consumed must be >= 0, got {tokens}")
     if total_tokens <= warmup_tokens:
         raise ValueError(f"total_tokens {total_tokens} must exceed warmup_tokens {warmup_tokens}")
     if tokens < warmup_tokens:
+        return None
+    return min(1.0, (tokens - warmup_tokens) / (total_tokens - warmup_tokens))
+
+
+def warmup_cosine_lr(tokens: int, peak: float, floor: float, warmup_tokens: int, total_tokens: int) -> float:
+    """Linear 0 -> peak over warmup_tokens, cosine peak -> floor until total_tokens, then floor."""
+    _check_lrs(peak, floor)
+    progress = _decay_progress(tokens, warmup_tokens, total_tokens)
+    if progress is None:
         return peak * tokens / warmup_tokens
-    progress = min(1.0, (tokens - warmup_tokens) / (total_tokens - warmup_tokens))
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def linear_decay_lr(tokens: int, start: float, end: float, total_tokens: int, warmup_tokens: int = 0) -> float:
     """Optional linear warmup 0 -> start, then start -> end linearly until total_tokens, then end."""
     _check_lrs(start, end)
-    if tokens < 0:
-        raise ValueError(f"tokens consumed must be >= 0, got {tokens}")
-    if total_tokens <= warmup_tokens:
-        raise ValueError(f"total_tokens {total_tokens} must exceed warmup_tokens {warmup_tokens}")
-    if tokens < warmup_tokens:
+    progress = _decay_progress(tokens, warmup_tokens, total_tokens)
+    if progress is None:
         return start * tokens / warmup_tokens
-    progress = min(1.0, (tokens - warmup_tokens) / (total_tokens - warmup_tokens))
     return start + (end - start) * progress
 
 
