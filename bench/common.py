@@ -1,9 +1,17 @@
-"""Shared bits of the benchmarks: timing and the closing JSON line."""
+"""Shared bits of the benchmarks: timing, the machine line and the closing JSON line.
+
+Importing it keeps freed memory in the C allocator for reuse (orthon.core.allocator), as the orthon
+command does, so both sides of every comparison run under the allocator settings orthon's runs use
+(ORTHON_RETAIN_FREED_MEMORY=0 measures glibc's defaults instead)."""
 from __future__ import annotations
 
 import json
 import statistics
 import time
+
+from orthon.core.allocator import retain_freed_memory
+
+RETAINED = retain_freed_memory()
 
 
 def median_time(fn, repeats: int, warmup: int = 1) -> float:
@@ -31,7 +39,8 @@ def cpu_kind() -> str:
     except OSError:
         pass
     bf16 = "native" if bf16_gemm_is_native("cpu") else "emulated on fp32"
-    return f"{model} ({os.cpu_count()} cores), bf16 GEMM {bf16}"
+    allocator = "freed memory retained" if RETAINED else "the C library's defaults"
+    return f"{model} ({os.cpu_count()} cores), bf16 GEMM {bf16}; allocator: {allocator}"
 
 
 def report(name: str, figures: dict, ratios: dict) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import report, tiny_pair  # noqa: E402
+from common import cpu_kind, report, tiny_pair  # noqa: E402
 
 from orthon.engine.in_process import EngineConfig, InProcessEngine  # noqa: E402
 from orthon.engine.sampling import SamplingParams  # noqa: E402
@@ -79,6 +79,7 @@ def main():
 
     dense_span = max(0, config.index_topk - args.prompt_len)
     figures, ratios = {"threads": args.threads}, {}
+    print(f"CPU: {cpu_kind()}")
     print(f"{'batch':>5} {'orthon tok/s':>13} {'hf tok/s':>10} {'ratio':>7} {'greedy agree':>13}")
     for batch in (int(b) for b in args.batches.split(",")):
         ids = torch.randint(2, config.vocab_size, (batch, args.prompt_len), generator=torch.Generator().manual_seed(batch))

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import report  # noqa: E402
+from common import cpu_kind, report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("orthon_muon", "orthon_muon_fused", "orthon_adamw", "hf_adamw")
@@ -104,6 +104,7 @@ def main():
                                   "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq)],
                                  capture_output=True, text=True, check=True)
             results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"CPU: {cpu_kind()}")
     print(f"batch {args.batch} x {args.seq}, tiny config ({sum(p.numel() for p in GLMForCausalLM(config).parameters()) / 1e6:.2f}M)")
     print(f"{'variant':<14}{'tokens/s':>10}{'peak RSS MB':>13}{'step MB':>9}")
     for name, r in results.items():

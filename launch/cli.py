@@ -16,6 +16,7 @@ import importlib
 import os
 import sys
 
+from orthon.core.allocator import retain_freed_memory
 from orthon.core.errors import ConfigError, OrthonError
 from orthon.launch.threads import pop_threads, set_threads
 
@@ -79,6 +80,7 @@ def parse_command_args(parser: argparse.ArgumentParser, argv: list[str]) -> argp
 
 
 def main(argv: list[str] | None = None) -> int:
+    retain_freed_memory()  # before the first large tensor: see orthon.core.allocator
     argv = sys.argv[1:] if argv is None else argv
     threads, argv = pop_threads(list(argv))
     parser = argparse.ArgumentParser(prog="orthon", description="GLM-5-style LLM training.",

@@ -1,0 +1,42 @@
+"""The C allocator's handling of large freed blocks (glibc): keep them for reuse.
+
+A training step allocates and frees the same large tensors (activations, gradients, Muon's stacks)
+every step. glibc's malloc serves blocks above its mmap threshold with fresh ``mmap`` calls, and gives
+the top of its heap back to the kernel once more than its trim threshold lies free there; either way
+the next step's tensors land on new pages, and touching each page faults. Both thresholds adapt at
+run time (up to 32 MiB), so how much of this a process pays changes from run to run. Measured on one
+CPU thread: the tiny model's Muon step 92 -> 72 ms with both thresholds raised; transformers' training
+step at 2 x 1,024 tokens 1,911 -> 3,080 tokens/s.
+
+``retain_freed_memory`` raises both (mmap at 32 MiB, glibc's largest; trim at 1 GiB): freed blocks stay
+in the heap for the next step. The process's resident memory then stays near its peak instead of
+shrinking between steps. ``orthon`` calls it at start unless ``ORTHON_RETAIN_FREED_MEMORY=0``; the
+benchmarks call it too, for both sides of each comparison. It does nothing where the C library is not
+glibc (the allocator behaves differently there) or where jemalloc / tcmalloc were preloaded.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import platform
+
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 32 << 20  # glibc's maximum (HEAP_MAX_SIZE / 2 on 64-bit)
+TRIM_THRESHOLD = 1 << 30
+
+
+def retain_freed_memory() -> bool:
+    """Raise glibc's mmap and trim thresholds for this process; True when both were set."""
+    if os.environ.get("ORTHON_RETAIN_FREED_MEMORY") == "0":
+        return False
+    if platform.libc_ver()[0] != "glibc" or any(name in os.environ.get("LD_PRELOAD", "")
+                                                for name in ("jemalloc", "tcmalloc")):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return False
+    # mallopt returns 1 on success; setting either also stops glibc adapting the thresholds itself.
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
