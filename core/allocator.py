@@ -10,8 +10,8 @@ step at 2 x 1,024 tokens 1,911 -> 3,080 tokens/s (two threads; its attention mas
 larger than 32 MiB).
 
 ``retain_freed_memory`` raises both (mmap at 1 GiB, or 32 MiB where glibc takes no more; trim at
-1 GiB): freed blocks stay in the heap for the next step. The process's resident memory then stays near its peak instead of
-shrinking between steps. ``orthon`` calls it at start unless ``ORTHON_RETAIN_FREED_MEMORY=0``; the
+1 GiB): freed blocks stay in the heap for the next step. The process's resident memory then stays near
+its peak instead of shrinking between steps. ``orthon`` calls it at start unless ``ORTHON_RETAIN_FREED_MEMORY=0``; the
 benchmarks call it too, for both sides of each comparison. It does nothing where the C library is not
 glibc (the allocator behaves differently there) or where jemalloc / tcmalloc were preloaded.
 """
@@ -24,7 +24,7 @@ import platform
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
-# Blocks below this come from the heap; glibc before 2.35 or so refuses more than 32 MiB (then taken).
+# Blocks below this come from the heap; where glibc refuses 1 GiB (some versions cap it), 32 MiB.
 MMAP_THRESHOLDS = (1 << 30, 32 << 20)
 TRIM_THRESHOLD = 1 << 30
 
