@@ -8,9 +8,10 @@ Around its Newton-Schulz GEMMs a Muon step makes these passes over every paramet
 Eager torch runs them as five or six memory-bound sweeps (each op reads and writes whole tensors);
 inductor fuses each pass into one sweep per tensor. On the tiny model's Muon set (6.5M elements, one
 CPU thread) the eager sweeps and casts take about 20 ms of a ~95 ms step, the two fused ones about
-9.5 ms (each near the memory bandwidth: the Newton-Schulz GEMMs in between evict the tensors). Fused results differ from eager ones in the last bit (inductor's lerp
-and its contractions round differently), so Muon's ``standard`` method is bit-identical to
-torch.optim.Muon only with ``fused=False``.
+9.5 ms (each near the memory bandwidth: the Newton-Schulz GEMMs in between evict the tensors).
+Fused results differ from eager ones in the last bit (inductor's lerp and its contractions round
+differently), so Muon's ``standard`` method is bit-identical to torch.optim.Muon only with
+``fused=False``.
 
 The first step of each parameter group compiles (a few seconds on CPU: a C++ compiler is needed, as
 for any inductor code; triton on GPUs). Scalars that change every step (the learning rate) travel as
