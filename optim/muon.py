@@ -272,8 +272,8 @@ def orthogonalise_local(work: list[MatrixWork], ns: Callable[[Tensor, MatrixWork
             )
     results: list[Tensor | None] = [None] * len(work)
     for indices in (part for group in group_by_block(work).values() for part in batch_parts(work, group)):
-        # Rounded to the Newton-Schulz input dtype before stacking (both methods' first step): half the
-        # bytes to copy in bf16, the same numbers.
+        # In the Newton-Schulz input dtype (Muon's momentum pass already rounds to it; the cast keeps
+        # this right for any caller): both methods' first step, half the bytes to stack in bf16.
         dtype = work[indices[0]].ns_key[3]
         stack = stack_blocks([work[i].update.to(dtype) for i in indices], work[indices[0]])
         out = ns(stack, work[indices[0]])
