@@ -29,17 +29,18 @@ MMAP_THRESHOLDS = (1 << 30, 32 << 20)
 TRIM_THRESHOLD = 1 << 30
 
 
-def retain_freed_memory() -> bool:
-    """Raise glibc's mmap and trim thresholds for this process; True when both were set."""
+def retain_freed_memory() -> int:
+    """Raise glibc's mmap and trim thresholds for this process. Returns the mmap threshold set, in bytes
+    (blocks below it are reused from the heap), or 0 where nothing was changed."""
     if os.environ.get("ORTHON_RETAIN_FREED_MEMORY") == "0":
-        return False
+        return 0
     if platform.libc_ver()[0] != "glibc" or any(name in os.environ.get("LD_PRELOAD", "")
                                                 for name in ("jemalloc", "tcmalloc")):
-        return False
+        return 0
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
-        return False
+        return 0
     # mallopt returns 1 on success; setting either also stops glibc adapting the thresholds itself.
-    mmap_set = any(libc.mallopt(M_MMAP_THRESHOLD, value) for value in MMAP_THRESHOLDS)
-    return mmap_set and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    threshold = next((value for value in MMAP_THRESHOLDS if libc.mallopt(M_MMAP_THRESHOLD, value)), 0)
+    return threshold if threshold and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) else 0
