@@ -24,7 +24,7 @@ import yaml
 
 from orthon.core import config as config_io
 from orthon.core import distributed
-from orthon.core.errors import ConfigError
+from orthon.core.errors import CheckpointError, ConfigError
 from orthon.data.config import DataConfig
 from orthon.core.files import atomic_write_text
 from orthon.midtrain.config import MidtrainPlan
@@ -95,7 +95,9 @@ def _load_source_run(source_dir: Path, recipe: Recipe, log):
     """The pretraining run's newest good checkpoint in a model + optimizer built as its Trainer built them."""
     path = Checkpointer(source_dir, log=log).latest_good()
     if path is None:
-        raise FileNotFoundError(f"{source_dir}: no usable checkpoint to continue from")
+        # Mid-training continues the optimizer state too, so a weights directory alone (final/) is not enough.
+        raise CheckpointError(f"{source_dir}: no checkpoint to continue from (mid-training needs the source "
+                              f"run's checkpoints/, with its optimizer state, not only final/)")
     model = GLMForCausalLM(recipe.model)
     # Frozen indexers (as pretraining has them) have no optimizer state in the checkpoint; loading asks
     # for state exactly for the parameters that require grad.

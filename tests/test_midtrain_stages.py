@@ -187,6 +187,21 @@ def test_bad_plans_fail_before_training(source, tmp_path):
     assert not (tmp_path / "cli").exists()
 
 
+def test_a_source_without_checkpoints_is_refused_in_one_line(source, tmp_path):
+    """A run directory holding only final/ (weights, no optimizer state) cannot be continued: the CLI says
+    so in one line (exit status 2), not with a traceback."""
+    import shutil
+
+    weights_only = tmp_path / "weights_only"
+    weights_only.mkdir()
+    shutil.copy(source / "config.yaml", weights_only / "config.yaml")
+    shutil.copytree(source / "final", weights_only / "final")
+    out = midtrain("-c", write_plan(tmp_path / "plan.yaml", plan(tmp_path / "mid")), "--from", weights_only,
+                   check=False)
+    assert out.returncode == 2, out.stderr
+    assert f"{weights_only}: no checkpoint to continue from" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_sigkill_inside_a_stage_and_resume_reproduces_the_run(reference, source, tmp_path):
     ref, _ = reference
     run = tmp_path / "mid"
