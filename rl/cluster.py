@@ -85,16 +85,23 @@ class TrainerActor:
     """The policy's process: RLTrainer + the engine fleet."""
 
     def __init__(self, recipe, tokenizer_path: str, group=None):
+        from dataclasses import replace
+
         from orthon.engine.client import HTTPEngine
         from orthon.rl.fleet import EngineFleet
         from orthon.rl.weight_sync import WeightSync
 
-        self.recipe, self.tokenizer_path = recipe, tokenizer_path
+        # The driver draws the progress bar and prints the log lines (progress()): an actor's own output
+        # goes to Ray's log files, not to the user's terminal.
+        self.recipe = replace(recipe, train=replace(recipe.train, progress=False))
+        self.tokenizer_path = tokenizer_path
+        self.messages: list[str] = []
         cluster = recipe.rl.cluster
         run_dir = recipe.train.run_dir
         self.fleet = EngineFleet(cluster, recipe.train.init_from, run_dir, WeightSync(cluster, run_dir),
                                  lambda url: HTTPEngine(url, timeout_s=cluster.request_timeout_s),
-                                 placement=(lambda i: bundle(group, 2 + i)) if group is not None else None)
+                                 placement=(lambda i: bundle(group, 2 + i)) if group is not None else None,
+                                 log=self.log)
         self.engine_url = self.fleet.start()
         self.trainer = None
 
@@ -108,7 +115,7 @@ class TrainerActor:
         # past those and a margin, the rollout actor is dead or hung.
         timeout = self.recipe.rl.collect_timeout_s + 4 * self.recipe.rl.cluster.request_timeout_s
         self.trainer = RLTrainer(self.recipe, None, rollout=ActorProxy(rollout_handle, timeout),
-                                 weight_sync=self.fleet.sync)
+                                 weight_sync=self.fleet.sync, log=self.log)
         self.trainer.weight_sync(self.trainer.model, 0)  # every engine holds the policy's exact bytes
 
     def resume(self) -> bool:
@@ -121,6 +128,15 @@ class TrainerActor:
 
     def engine_pids(self) -> list[int]:
         return self.fleet.pids()
+
+    def log(self, message) -> None:
+        print(message, flush=True)  # Ray's log file keeps it too
+        self.messages.append(str(message))
+
+    def progress(self) -> tuple[int, list[str]]:
+        """The iterations done and the log lines since the last call (called while fit() runs)."""
+        messages, self.messages = self.messages, []
+        return (self.trainer.iteration if self.trainer is not None else 0), messages
 
     def fleet_counters(self) -> dict:
         return dict(self.fleet.counters)
@@ -171,10 +187,29 @@ class RLCluster:
     def _bundle(self, index: int):
         return bundle(self.group, index)
 
-    def fit(self) -> dict:
+    def fit(self, poll_s: float = 1.0) -> dict:
+        """Runs the loop in the trainer actor; meanwhile shows its progress and prints its log lines."""
         import ray
 
-        return ray.get(self.trainer.fit.remote())
+        done = self.trainer.fit.remote()
+        bar = None
+        if self.recipe.train.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=self.recipe.rl.iterations, desc="rl", unit="it")
+        try:
+            while True:
+                finished, _ = ray.wait([done], timeout=poll_s)
+                iteration, messages = ray.get(self.trainer.progress.remote(), timeout=self.recipe.rl.cluster.startup_timeout_s)
+                for message in messages:
+                    (bar.write if bar is not None else self.log)(message)
+                if bar is not None:
+                    bar.update(iteration - bar.n)
+                if finished:
+                    return ray.get(done)
+        finally:
+            if bar is not None:
+                bar.close()
 
     def engine_pids(self) -> list[int]:
         import ray

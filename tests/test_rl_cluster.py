@@ -72,7 +72,8 @@ def test_async_run_survives_a_killed_engine(tmp_path):
 
     pre = _pretrain_dir(tmp_path)
     recipe = _recipe(tmp_path, pre, 6)
-    with RLCluster(recipe, _tokenizer(pre), log=lambda *a: None) as cluster:
+    lines = []
+    with RLCluster(recipe, _tokenizer(pre), log=lines.append) as cluster:
         cluster.start()
         victim = cluster.engine_pids()[0]
         metrics = tmp_path / "run" / "metrics.jsonl"
@@ -97,6 +98,10 @@ def test_async_run_survives_a_killed_engine(tmp_path):
     assert result["fleet"].get("engine_restarts", 0) >= 1 and victim not in pids
     trained = _trained_ids(tmp_path / "run")
     assert len(trained) == 6 * P and len(set(trained)) == len(trained)
+    # The actors' log lines reach the driver (Ray keeps an actor's own output in its log files).
+    text = "\n".join(lines)
+    assert "behind the router at http://" in text and "iteration 0: held-out reward" in text
+    assert "is not answering: restarting it" in text and "engine restarted at http://" in text, text
 
 
 @pytest.mark.slow  # about 90 s: two runs with their own Ray clusters (the logic is tested in one process in test_rl_async)
