@@ -81,10 +81,6 @@ class BlendedDataset:
     def __len__(self) -> int:
         return self.num_samples
 
-    @property
-    def realized_weights(self) -> np.ndarray:
-        return self.counts / self.cycle
-
     def locate(self, j) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For blend indices ``j``: (source, the source's sample counter, index into the source's dataset)."""
         j = np.asarray(j, dtype=np.int64)

@@ -90,10 +90,6 @@ class TrainData:
         ids = self.sampler.next_batch(global_batch, self.rank, self.world)
         return make_batch([self.dataset[int(j)] for j in ids], ids, self.cfg.document_mask, self.eod_id)
 
-    @property
-    def samples_seen(self) -> int:
-        return self.sampler.position
-
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "tokens_by_source": dict(self.tokens_by_source)}
 

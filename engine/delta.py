@@ -118,12 +118,6 @@ class DeltaPayload:
     def names(self) -> list[str]:
         return [e.name for e in self.entries]
 
-    def encoding_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for e in self.entries:
-            counts[e.encoding] = counts.get(e.encoding, 0) + 1
-        return counts
-
     # ------------------------------------------------------------ bytes
     @property
     def nbytes(self) -> int:

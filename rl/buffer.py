@@ -144,10 +144,6 @@ class DataBuffer:
                 rejected_samples=self._rejected,
             )
 
-    def num_ready(self) -> int:
-        with self._lock:
-            return len(self._ready)
-
     def rebuild(self, task_type: str, group_size: int | None = None) -> BufferCounters:
         """Start a new rollout task: empty the buffer, reset the counters; returns the old counters.
 

@@ -138,9 +138,6 @@ class TrainerActor:
         messages, self.messages = self.messages, []
         return (self.trainer.iteration if self.trainer is not None else 0), messages
 
-    def fleet_counters(self) -> dict:
-        return dict(self.fleet.counters)
-
     def stop(self) -> None:
         self.fleet.stop()
 
