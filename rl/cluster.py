@@ -133,10 +133,13 @@ class TrainerActor:
         print(message, flush=True)  # Ray's log file keeps it too
         self.messages.append(str(message))
 
-    def progress(self) -> tuple[int, list[str]]:
-        """The iterations done and the log lines since the last call (called while fit() runs)."""
+    def progress(self) -> tuple[int, dict, list[str]]:
+        """The iterations done, the last iteration's statistics ({} before the first) and the log lines
+        since the last call (called while fit() runs)."""
         messages, self.messages = self.messages, []
-        return (self.trainer.iteration if self.trainer is not None else 0), messages
+        if self.trainer is None:
+            return 0, {}, messages
+        return self.trainer.iteration, self.trainer.last_stats, messages
 
     def stop(self) -> None:
         self.fleet.stop()
@@ -188,6 +191,8 @@ class RLCluster:
         """Runs the loop in the trainer actor; meanwhile shows its progress and prints its log lines."""
         import ray
 
+        from orthon.rl.trainer import progress_postfix
+
         done = self.trainer.fit.remote()
         bar = None
         if self.recipe.train.progress:
@@ -197,11 +202,13 @@ class RLCluster:
         try:
             while True:
                 finished, _ = ray.wait([done], timeout=poll_s)
-                iteration, messages = ray.get(self.trainer.progress.remote(), timeout=self.recipe.rl.cluster.startup_timeout_s)
+                iteration, stats, messages = ray.get(self.trainer.progress.remote(),
+                                                     timeout=self.recipe.rl.cluster.startup_timeout_s)
                 for message in messages:
                     (bar.write if bar is not None else self.log)(message)
-                if bar is not None:
+                if bar is not None and iteration > bar.n:
                     bar.update(iteration - bar.n)
+                    bar.set_postfix(progress_postfix(stats))
                 if finished:
                     return ray.get(done)
         finally:

@@ -38,6 +38,7 @@ class RLTrainer:
         another process with the same methods. ``weight_sync(model, version)``: hands the new weights
         to the engines (default: ``engine.update_weights(state_dict, version)``)."""
         self.recipe, self.cfg, self.log = recipe, recipe.rl, log
+        self.last_stats: dict = {}  # the latest iteration's statistics
         self.run_dir = Path(recipe.train.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         policy = recipe.train.init_from
@@ -203,11 +204,11 @@ class RLTrainer:
             self.rollout.start()
         try:
             while self.iteration < cfg.iterations:
-                stats = self.iterate()
+                stats = self.last_stats = self.iterate()
                 metrics.log(self.iteration, **stats)
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(reward=f"{stats['reward_mean']:.2f}", eval=stats.get("eval_reward", ""))
+                    bar.set_postfix(progress_postfix(stats))
                 interval = self.recipe.train.checkpoint_interval
                 if interval and self.iteration % interval == 0:
                     self.save_checkpoint()
@@ -229,6 +230,12 @@ class RLTrainer:
         return {"iterations": self.iteration, "eval_start": evals[0] if evals else math.nan,
                 "eval_end": evals[-1] if evals else math.nan, "eval_best": max(evals) if evals else math.nan,
                 "greedy_start": greedy[0] if greedy else math.nan, "greedy_end": greedy[-1] if greedy else math.nan}
+
+
+def progress_postfix(stats: dict) -> dict:
+    """What the progress bar shows after an iteration: its mean training reward, and the held-out reward
+    on iterations that evaluated."""
+    return {"reward": f"{stats['reward_mean']:.2f}", "eval": stats.get("eval_reward", "")}
 
 
 def plot_opd_kl(records: list[dict], out_png: Path, window: int = 10) -> None:
