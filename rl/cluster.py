@@ -11,6 +11,7 @@ the first machine, ``ray start --address HEAD:6379`` on the others, then ``addre
 """
 from __future__ import annotations
 
+import collections
 import os
 import threading
 
@@ -95,7 +96,9 @@ class TrainerActor:
         # goes to Ray's log files, not to the user's terminal.
         self.recipe = replace(recipe, train=replace(recipe.train, progress=False))
         self.tokenizer_path = tokenizer_path
-        self.messages: list[str] = []
+        # Appended by the engine monitor's thread and the loop's while progress() drains it: a deque's
+        # append and popleft are atomic, so no line is lost between a drain and an append.
+        self.messages: collections.deque[str] = collections.deque()
         cluster = recipe.rl.cluster
         run_dir = recipe.train.run_dir
         self.fleet = EngineFleet(cluster, recipe.train.init_from, run_dir, WeightSync(cluster, run_dir),
@@ -136,7 +139,7 @@ class TrainerActor:
     def progress(self) -> tuple[int, dict, list[str]]:
         """The iterations done, the last iteration's statistics ({} before the first) and the log lines
         since the last call (called while fit() runs)."""
-        messages, self.messages = self.messages, []
+        messages = [self.messages.popleft() for _ in range(len(self.messages))]
         if self.trainer is None:
             return 0, {}, messages
         return self.trainer.iteration, self.trainer.last_stats, messages
