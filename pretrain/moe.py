@@ -57,6 +57,29 @@ def sort_by_expert(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
     return order, order // indices.shape[1], torch.bincount(flat, minlength=num_experts)
 
 
+# oneDNN, torch's bf16 / fp16 GEMM on CPU, builds a kernel for each new matrix shape it meets (about 2 ms,
+# against 0.1 ms for the product itself), and the rows each expert receives change every step. Padding
+# them to a multiple of this (zero-weight rows) leaves a few shapes that repeat: the tiny model's MoE
+# step under bf16 autocast is slower than fp32 without it. (fp32 runs on MKL, which builds nothing.)
+EXPERT_ROW_MULTIPLE = 64
+
+
+def _pads_expert_rows(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and compute_dtype(x) in (torch.bfloat16, torch.float16)
+
+
+def pad_expert_rows(token: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, multiple: int):
+    """sort_by_expert's rows with each expert's run padded to a multiple of ``multiple``: (token, weights,
+    counts) of the padded layout. A padding row reads token 0 with weight 0, so it adds nothing to the
+    output or to any gradient."""
+    padded = (counts + multiple - 1) // multiple * multiple
+    expert = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+    position = torch.arange(len(token), device=token.device) + (padded.cumsum(0) - counts.cumsum(0) - padded + counts)[expert]
+    total = int(padded.sum())
+    return (token.new_zeros(total).index_copy_(0, position, token),
+            weights.new_zeros(total).index_copy(0, position, weights), padded)
+
+
 def combine_experts(x: torch.Tensor, token: torch.Tensor, order: torch.Tensor, weights: torch.Tensor | None,
                     ys: torch.Tensor) -> torch.Tensor:
     """Sum the expert outputs ys (N*k, H), in sort_by_expert's order, into their rows, each times its
@@ -148,18 +171,20 @@ def grouped_experts(
     One matmul pair per expert that received tokens (grouped GEMM on CUDA), never a loop over tokens.
     """
     order, token, counts = sort_by_expert(indices, gate_up.shape[0])
-    xs = x.index_select(0, token)
     if _grouped_mm_applies(x):
+        xs = x.index_select(0, token)
         # torch's grouped GEMM takes bf16 only: the bf16 forward (or autocast) uses it, fp32 loops.
         bf16 = torch.bfloat16
         offs = counts.cumsum(0).to(torch.int32)
         h = F.grouped_mm(xs.to(bf16), gate_up.to(bf16).transpose(1, 2), offs=offs)
         g, u = h.chunk(2, dim=-1)
         ys = F.grouped_mm(F.silu(g) * u, down.to(bf16).transpose(1, 2), offs=offs)
-    else:
-        ys = _ExpertLoop.apply(xs, gate_up, down, weights.reshape(-1)[order], counts.tolist())
-        return combine_experts(x, token, order, None, ys)
-    return combine_experts(x, token, order, weights, ys)
+        return combine_experts(x, token, order, weights, ys)
+    weights = weights.reshape(-1)[order]
+    if _pads_expert_rows(x):
+        token, weights, counts = pad_expert_rows(token, weights, counts, EXPERT_ROW_MULTIPLE)
+    ys = _ExpertLoop.apply(x.index_select(0, token), gate_up, down, weights, counts.tolist())
+    return combine_experts(x, token, order, None, ys)
 
 
 class Router(nn.Module):

@@ -200,6 +200,45 @@ def test_expert_loop_under_bf16_autocast_runs_in_bf16_and_returns_fp32_grads():
     assert xs.grad.dtype == gate_up.grad.dtype == down.grad.dtype == torch.float32
 
 
+def test_padded_expert_rows_keep_each_token_in_its_experts_run():
+    from orthon.pretrain.moe import pad_expert_rows
+
+    # Sorted rows of experts 0 (3 rows), 1 (none), 2 (5 rows) padded to multiples of 4: runs [0, 4), [4, 12).
+    token = torch.tensor([7, 2, 9, 1, 1, 3, 0, 5])
+    weights = torch.arange(1.0, 9.0, requires_grad=True)
+    padded_token, padded_weights, counts = pad_expert_rows(token, weights, torch.tensor([3, 0, 5]), 4)
+    assert counts.tolist() == [4, 0, 8]
+    assert padded_token.tolist() == [7, 2, 9, 0, 1, 1, 3, 0, 5, 0, 0, 0]
+    assert padded_weights.tolist() == [1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0]
+    padded_weights.sum().backward()  # the real rows' weights keep their gradient
+    assert weights.grad.tolist() == [1.0] * 8
+
+
+def test_padding_expert_rows_changes_no_bit_of_the_moe_under_bf16_autocast(monkeypatch):
+    import orthon.pretrain.moe as moe
+
+    torch.manual_seed(0)
+    config = small_model().config
+    layer = moe.MoE(config)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(3, 37, config.hidden_size, requires_grad=True)
+    g = torch.randn(3, 37, config.hidden_size)
+    results = {}
+    for multiple in (1, 16):  # 1: no padding, the rows as sort_by_expert leaves them
+        monkeypatch.setattr(moe, "EXPERT_ROW_MULTIPLE", multiple)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert moe._pads_expert_rows(x)
+            y = layer(x)
+        params = [p for p in layer.parameters() if p.requires_grad]
+        results[multiple] = (y, *torch.autograd.grad(y, (x, *params), g))
+    counts = torch.bincount(layer.gate(x.detach().reshape(-1, config.hidden_size))[1].reshape(-1),
+                            minlength=config.n_routed_experts)
+    assert (counts % 16 != 0).any()  # the padded run really pads
+    for a, b in zip(results[1], results[16]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("docs", [False, True])
 def test_additive_topk_mask_opens_exactly_the_visible_selected_keys(docs):
     from orthon.pretrain.attention import _max_logit, attention_mask, causal_mask, document_mask
