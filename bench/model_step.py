@@ -2,9 +2,12 @@
 
 Same config (configs/tiny.yaml's model with DSA on: hidden 256, 4 layers, 8 experts top-2,
 index_topk 64), same weights, same batch, AdamW on both; forward + backward + optimizer step.
-transformers runs its default attention (SDPA with a dense T x T top-k mask).
+transformers runs its default attention (SDPA with a dense T x T top-k mask). ``--precision bf16`` runs
+both forwards under bf16 autocast (fp32 weights and optimizer, as ``train.precision: bf16``): the
+precision to train in where the CPU's bf16 GEMM is native (the first line says which kind this is);
+where it is emulated, bf16 is far slower than fp32 for both.
 
-    python bench/model_step.py [--repeats 5] [--shapes 8x256,2x1024]
+    python bench/model_step.py [--repeats 5] [--shapes 8x256,2x1024] [--precision fp32|bf16]
 """
 from __future__ import annotations
 
@@ -20,11 +23,12 @@ from common import cpu_kind, median_time, report, tiny_pair  # noqa: E402
 
 
 
-def step_fn(model, ids, forward):
+def step_fn(model, ids, forward, precision="fp32"):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step():
-        loss = forward(model, ids)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = forward(model, ids)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -47,6 +51,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--shapes", default="8x256,2x1024")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16: both forwards under bf16 autocast (train.precision: bf16), fp32 weights")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"CPU: {cpu_kind()}")
@@ -56,7 +62,7 @@ def main():
     n_params = sum(p.numel() for p in ours.parameters())
     print(f"config: {n_params / 1e6:.2f}M parameters, hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
           f"{config.n_routed_experts} experts top-{config.num_experts_per_tok}, index_topk {config.index_topk}; "
-          f"{args.threads} threads")
+          f"{args.threads} threads, {args.precision}")
     figures, ratios = {}, {}
     print(f"{'batch x seq':<12}{'orthon tok/s':>14}{'hf tok/s':>12}{'ratio':>8}")
     for shape in args.shapes.split(","):
@@ -65,15 +71,17 @@ def main():
         tokens = b * t
         # Alternate the two so drift in machine load hits both alike.
         times = {"orthon": [], "hf": []}
-        steps = {"orthon": step_fn(ours, ids, orthon_forward), "hf": step_fn(theirs, ids, hf_forward)}
+        steps = {"orthon": step_fn(ours, ids, orthon_forward, args.precision),
+                 "hf": step_fn(theirs, ids, hf_forward, args.precision)}
         for _ in range(2):
             for name in ("orthon", "hf"):
                 times[name].append(median_time(steps[name], max(1, args.repeats // 2 + 1)))
         o, h = tokens / min(times["orthon"]), tokens / min(times["hf"])
         print(f"{shape:<12}{o:>14,.0f}{h:>12,.0f}{o / h:>8.2f}")
-        figures[f"orthon_tokens_per_s_{shape}"] = round(o, 1)
-        figures[f"hf_tokens_per_s_{shape}"] = round(h, 1)
-        ratios[f"tokens_per_s_vs_hf_{shape}"] = round(o / h, 3)
+        suffix = shape if args.precision == "fp32" else f"{shape}_{args.precision}"
+        figures[f"orthon_tokens_per_s_{suffix}"] = round(o, 1)
+        figures[f"hf_tokens_per_s_{suffix}"] = round(h, 1)
+        ratios[f"tokens_per_s_vs_hf_{suffix}"] = round(o / h, 3)
     report("model_step", figures, ratios)
 
 
