@@ -27,7 +27,9 @@ def median_time(fn, repeats: int, warmup: int = 1) -> float:
 
 def cpu_kind() -> str:
     """The CPU model, its core count and whether bf16 GEMM is native or emulated on it: figures from
-    different machines are not comparable."""
+    different machines are not comparable. On a native-bf16 CPU, ``ONEDNN_MAX_CPU_ISA=AVX2`` takes
+    oneDNN's bf16 kernels away (bf16 matmul at ~1 GFLOP/s, fp32 unchanged) and measures the emulated
+    kind; the line then says "emulated"."""
     import os
 
     from orthon.optim.newton_schulz import bf16_gemm_is_native
