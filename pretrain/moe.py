@@ -74,7 +74,8 @@ def pad_expert_rows(token: torch.Tensor, weights: torch.Tensor, counts: torch.Te
     output or to any gradient."""
     padded = (counts + multiple - 1) // multiple * multiple
     expert = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
-    position = torch.arange(len(token), device=token.device) + (padded.cumsum(0) - counts.cumsum(0) - padded + counts)[expert]
+    shift = (padded.cumsum(0) - padded) - (counts.cumsum(0) - counts)  # each run's padded start - its start
+    position = torch.arange(len(token), device=token.device) + shift[expert]
     total = int(padded.sum())
     return (token.new_zeros(total).index_copy_(0, position, token),
             weights.new_zeros(total).index_copy(0, position, weights), padded)
