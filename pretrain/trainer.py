@@ -30,6 +30,7 @@ from orthon.core.metrics import MetricsLogger, plot_training, read_metrics
 from orthon.core.step_loop import run_steps
 from orthon.data.loader import IGNORE_INDEX, TrainData, ValidData
 from orthon.optim import batch_size_at, build_for_model, lr_at
+from orthon.optim.newton_schulz import bf16_gemm_is_native
 from orthon.pretrain import parallel
 from orthon.pretrain.checkpoint import Checkpointer
 from orthon.pretrain.model import GLMForCausalLM
@@ -98,6 +99,9 @@ class Trainer:
         if self.cfg.init_from:
             self.model.load_state_dict(initial_weights(self.cfg.init_from, recipe.model))
         self.model.to(self.device)
+        if self.cfg.precision == "bf16" and not bf16_gemm_is_native(self.device):
+            self.log("warning: train.precision bf16 on a CPU whose bf16 matmul is emulated (no AVX512-BF16 / AMX; "
+                     "about 1 GFLOP/s): each step will take many times as long as in fp32 (train.precision=fp32)")
         self.model.set_indexers_trainable(False)  # the LM loss never reaches them; mid-training trains them
         self.model.track_max_logit(self.cfg.track_max_logit)
         self.step_fn = step or NextTokenStep(self.cfg.loss_chunk, recipe.data.document_mask, self.cfg.track_max_logit)

@@ -26,3 +26,20 @@ def test_init_from_starts_from_the_source_weights_and_checks_the_model(tmp_path)
 
     with pytest.raises(ConfigError, match=r"train.init_from: .*model.num_hidden_layers"):
         Trainer(load_recipe(recipe_path, ["model.num_hidden_layers=3"]), tmp_path / "d")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_on_a_cpu_that_emulates_it_is_warned_about(tmp_path, monkeypatch, native):
+    import orthon.pretrain.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "bf16_gemm_is_native", lambda device: native)
+    stores = make_stores(tmp_path / "data")
+    recipe = load_recipe(write_recipe(tmp_path / "a.yaml", stores, tmp_path / "a", train={"precision": "bf16"}), [])
+    lines = []
+    Trainer(recipe, tmp_path / "a", log=lines.append, with_data=False)
+    warned = [line for line in lines if "train.precision bf16" in line]
+    assert len(warned) == (0 if native else 1)
+    lines.clear()
+    recipe = load_recipe(write_recipe(tmp_path / "b.yaml", stores, tmp_path / "b"), [])
+    Trainer(recipe, tmp_path / "b", log=lines.append, with_data=False)
+    assert not any("train.precision" in line for line in lines)  # fp32: nothing to say
