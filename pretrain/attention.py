@@ -16,9 +16,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from orthon.pretrain.config import ModelConfig, RuntimeOptions
-from orthon.pretrain.layers import RMSNorm, apply_rope
+from orthon.pretrain.layers import RMSNorm, apply_rope, compute_dtype
 from orthon.pretrain.topk import deterministic_topk
 
 # Queries per chunk when only the top-k indices are needed: small enough that the causal triangle
@@ -126,6 +127,49 @@ def gather_rows(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return rows.reshape(B * S, D).index_select(0, flat.reshape(-1)).view(*idx.shape, D)
 
 
+class _GatheredLatentAttention(torch.autograd.Function):
+    """``latent_attention`` over each query's own gathered latents (``gather_rows(latent, idx)``), with
+    the gather inside and a hand-written backward, for training. Autograd's version casts the gathered
+    (B, C, k, D) keys per use under autocast (the gather runs on the fp32 latents), copies their value
+    slice per product, and in backward zero-fills a full-size gradient for that slice and adds the two
+    uses' gradients in extra passes; here the latents are cast once before the gather, the products take
+    the whole keys (the rope columns' share of the output is dropped), and the keys' gradient is one fp32
+    tensor (its products sum over the heads only), scattered into the latents' gradient. Softmax in
+    fp32, as latent_attention."""
+
+    @staticmethod
+    def forward(ctx, q, latent, idx, visible, scale, rank):
+        dtype = compute_dtype(q)
+        with torch.autocast(q.device.type, enabled=False):
+            q_c = q.to(dtype)
+            keys = gather_rows(latent.to(dtype), idx)  # (B, C, k, D)
+            scores = torch.matmul(q_c, keys.transpose(-1, -2)).float().mul_(scale)
+            probs = torch.softmax(scores.masked_fill_(~visible, float("-inf")), dim=-1)
+            out = torch.matmul(probs.to(dtype), keys)
+        ctx.save_for_backward(q_c, keys, idx, probs)
+        ctx.scale, ctx.dtypes, ctx.latent_shape = scale, (q.dtype, latent.dtype), latent.shape
+        return out[..., :rank]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        q_c, keys, idx, probs = ctx.saved_tensors
+        B, S, D = ctx.latent_shape
+        grad = F.pad(grad.to(q_c.dtype), (0, D - grad.shape[-1]))  # the rope columns had no output
+        grad_probs = torch.matmul(grad, keys.transpose(-1, -2)).float()
+        # softmax backward, p * (dp - sum(p * dp)), times the logits' scale
+        grad_scores = grad_probs.sub_((grad_probs * probs).sum(-1, keepdim=True)).mul_(probs).mul_(ctx.scale)
+        grad_q = torch.matmul(grad_scores.to(q_c.dtype), keys)
+        # Both uses of the keys in one product (the scores' and the values' gradients, stacked over the
+        # heads): (B, C, k, D) in fp32, written once.
+        grad_keys = torch.matmul(torch.cat([grad_scores, probs], dim=-2).transpose(-1, -2),
+                                 torch.cat([q_c, grad], dim=-2).float())
+        flat = (idx.reshape(B, -1) + (torch.arange(B, device=idx.device) * S)[:, None]).reshape(-1)
+        grad_latent = torch.zeros(B * S, D, dtype=torch.float32, device=keys.device)
+        grad_latent.index_add_(0, flat, grad_keys.reshape(-1, D))
+        return (grad_q.to(ctx.dtypes[0]), grad_latent.view(B, S, D).to(ctx.dtypes[1]), None, None, None, None)
+
+
 def absorbed_attention(
     q: torch.Tensor,
     latent: torch.Tensor,
@@ -157,10 +201,13 @@ def absorbed_attention(
             visible = causal_mask(slots, S)[None] if k_docs is None else document_mask(docs, k_docs, slots)
         else:
             idx = indices[:, start : start + chunk]  # (B, C, k)
-            keys = gather_rows(latent, idx)  # (B, C, k, D)
             visible = idx <= slots[None, :, None]
             if k_docs is not None:
                 visible = visible & (k_docs.gather(1, idx.reshape(idx.shape[0], -1)).view_as(idx) == docs[..., None])
+            if torch.is_grad_enabled() and (q.requires_grad or latent.requires_grad):
+                outputs.append(_GatheredLatentAttention.apply(qc, latent, idx, visible[:, :, None, :], scale, rank))
+                continue
+            keys = gather_rows(latent, idx)  # (B, C, k, D)
         outputs.append(latent_attention(qc, keys, scale, rank, visible[:, :, None, :]))
     return torch.cat(outputs, dim=1)
 

@@ -239,6 +239,33 @@ def test_padding_expert_rows_changes_no_bit_of_the_moe_under_bf16_autocast(monke
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_gathered_attention_backward_matches_autograd_of_gather_then_attention(autocast):
+    from orthon.pretrain.attention import _GatheredLatentAttention, gather_rows, latent_attention
+
+    torch.manual_seed(0)
+    B, S, C, H, D, k, rank = 2, 11, 5, 3, 8, 4, 6
+    q = torch.randn(B, C, H, D, requires_grad=True)
+    latent = torch.randn(B, S, D, requires_grad=True)
+    idx = torch.randint(0, S, (B, C, k))  # queries share keys: their gradients must add up
+    visible = torch.rand(B, C, 1, k) > 0.3
+    visible[..., 0] = True
+    g = torch.randn(B, C, H, rank)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ours = _GatheredLatentAttention.apply(q, latent, idx, visible, 0.3, rank)
+        ref = latent_attention(q, gather_rows(latent, idx), 0.3, rank, visible)
+    assert ours.dtype == ref.dtype
+    got = torch.autograd.grad(ours, (q, latent), g)
+    want = torch.autograd.grad(ref, (q, latent), g)
+    tol = dict(atol=3e-2, rtol=3e-2) if autocast else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours, ref, **tol)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, **tol)
+    selected = torch.zeros(B, S, dtype=torch.bool).scatter_(1, idx.reshape(B, -1), True)
+    assert (~selected).any() and not got[1][~selected].any()  # a latent no query selected gets no gradient
+
+
 @pytest.mark.parametrize("docs", [False, True])
 def test_additive_topk_mask_opens_exactly_the_visible_selected_keys(docs):
     from orthon.pretrain.attention import _max_logit, attention_mask, causal_mask, document_mask
