@@ -153,6 +153,12 @@ class _GatheredLatentAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
+        # The Trainer calls backward inside its autocast region: the dtypes here are chosen, not cast.
+        with torch.autocast(grad.device.type, enabled=False):
+            return _GatheredLatentAttention._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad):
         q_c, keys, idx, probs = ctx.saved_tensors
         B, S, D = ctx.latent_shape
         grad = F.pad(grad.to(q_c.dtype), (0, D - grad.shape[-1]))  # the rope columns had no output

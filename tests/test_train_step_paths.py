@@ -251,12 +251,12 @@ def test_gathered_attention_backward_matches_autograd_of_gather_then_attention(a
     visible = torch.rand(B, C, 1, k) > 0.3
     visible[..., 0] = True
     g = torch.randn(B, C, H, rank)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # backward inside, as the Trainer runs it
         ours = _GatheredLatentAttention.apply(q, latent, idx, visible, 0.3, rank)
         ref = latent_attention(q, gather_rows(latent, idx), 0.3, rank, visible)
-    assert ours.dtype == ref.dtype
-    got = torch.autograd.grad(ours, (q, latent), g)
-    want = torch.autograd.grad(ref, (q, latent), g)
+        assert ours.dtype == ref.dtype
+        got = torch.autograd.grad(ours, (q, latent), g)
+        want = torch.autograd.grad(ref, (q, latent), g)
     tol = dict(atol=3e-2, rtol=3e-2) if autocast else dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours, ref, **tol)
     for a, b in zip(got, want):
