@@ -123,8 +123,13 @@ def gather_rows(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """rows (B, S, D), idx (B, *K) int positions < S -> (B, *K, D): each batch row's selected rows, by
     one index_select on the buffer seen flat (a gather with an expanded index is ~10x slower)."""
     B, S, D = rows.shape
-    flat = idx.reshape(B, -1) + (torch.arange(B, device=idx.device) * S)[:, None]
-    return rows.reshape(B * S, D).index_select(0, flat.reshape(-1)).view(*idx.shape, D)
+    return rows.reshape(B * S, D).index_select(0, _flat_rows(idx, S)).view(*idx.shape, D)
+
+
+def _flat_rows(idx: torch.Tensor, S: int) -> torch.Tensor:
+    """idx (B, *K) positions < S -> (B * prod(K),) row numbers in the (B * S) rows seen flat."""
+    B = idx.shape[0]
+    return (idx.reshape(B, -1) + (torch.arange(B, device=idx.device) * S)[:, None]).reshape(-1)
 
 
 class _GatheredLatentAttention(torch.autograd.Function):
@@ -170,9 +175,8 @@ class _GatheredLatentAttention(torch.autograd.Function):
         # heads): (B, C, k, D) in fp32, written once.
         grad_keys = torch.matmul(torch.cat([grad_scores, probs], dim=-2).transpose(-1, -2),
                                  torch.cat([q_c, grad], dim=-2).float())
-        flat = (idx.reshape(B, -1) + (torch.arange(B, device=idx.device) * S)[:, None]).reshape(-1)
         grad_latent = torch.zeros(B * S, D, dtype=torch.float32, device=keys.device)
-        grad_latent.index_add_(0, flat, grad_keys.reshape(-1, D))
+        grad_latent.index_add_(0, _flat_rows(idx, S), grad_keys.reshape(-1, D))
         return (grad_q.to(ctx.dtypes[0]), grad_latent.view(B, S, D).to(ctx.dtypes[1]), None, None, None, None)
 
 
