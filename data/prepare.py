@@ -374,9 +374,13 @@ def _open_manifest(out: Path, fingerprint: dict, tokenizer, overwrite: bool) -> 
         )
     for stale in list(out.glob("shard_*")) + [path, out / REPORT]:
         stale.unlink(missing_ok=True)
-    return {"version": 1, "complete": False, "fingerprint": fingerprint, "tokenizer": tokenizer.describe(),
-            "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id,
-            "dtype": token_dtype(tokenizer.vocab_size).name, "shards": []}
+    manifest = {"version": 1, "complete": False, "fingerprint": fingerprint, "tokenizer": tokenizer.describe(),
+                "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id,
+                "dtype": token_dtype(tokenizer.vocab_size).name, "shards": []}
+    # Written before any work: a run that dies before its first shard leaves a store that says it is
+    # incomplete (and how to finish it), not a directory that is no store at all.
+    atomic_write_json(path, manifest)
+    return manifest
 
 
 def _totals(shards: list[dict]) -> dict:

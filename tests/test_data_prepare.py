@@ -140,11 +140,12 @@ def test_crash_mid_shard_leaves_no_half_written_file(tmp_path, tok):
         == clean.docs_kept == 60
 
 
-def test_dead_worker_fails_the_run_instead_of_hanging(tmp_path, tok):
+@pytest.mark.parametrize("die_at", [0, 20])  # 0: before any shard can finish
+def test_dead_worker_fails_the_run_instead_of_hanging(tmp_path, tok, die_at):
     from concurrent.futures.process import BrokenProcessPool
 
     texts = [f"document number {i} " * 5 for i in range(30)]
-    texts[20] = "this one says DIE " * 5
+    texts[die_at] = "this one says DIE " * 5
     src = write_jsonl(tmp_path / "a.jsonl", texts)
     die = FilterConfig(path="test_data_support.die_on_marker", min_score=1.0)
     with pytest.raises(BrokenProcessPool):
