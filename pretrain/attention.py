@@ -148,7 +148,7 @@ class _GatheredLatentAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):
             q_c = q.to(dtype)
             keys = gather_rows(latent.to(dtype), idx)  # (B, C, k, D)
-            scores = torch.matmul(q_c, keys.transpose(-1, -2)).float().mul_(scale)
+            scores = latent_scores(q_c, keys, scale).float()  # as latent_attention rounds them
             probs = torch.softmax(scores.masked_fill_(~visible, float("-inf")), dim=-1)
             out = torch.matmul(probs.to(dtype), keys)
         ctx.save_for_backward(q_c, keys, idx, probs)
