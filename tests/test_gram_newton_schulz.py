@@ -93,6 +93,37 @@ def test_gram_bf16_stays_within_bf16_round_off_of_the_exact_iteration(rows, cols
     assert 0.3 < lo and hi < 1.25
 
 
+@pytest.mark.parametrize("rows, cols", [(256, 1024), (768, 256)])
+def test_a_lone_matrix_has_its_normalisation_folded_into_the_gemms(rows, cols, monkeypatch):
+    # One matrix in bf16: X is not divided by its norm; the scale rides in the GEMMs that read X (R_0 and
+    # the first Q X), rounded once. Same map as the divided form (a batch of two), to bf16 round-off.
+    import orthon.optim.gram_newton_schulz as gram_module
+
+    scales = []
+    product = gram_module._scaled_product
+    monkeypatch.setattr(gram_module, "_scaled_product", lambda u, v, s: scales.append(s) or product(u, v, s))
+    x, factors = gradient_like(2, rows, cols)
+    exact = exact_newton_schulz(factors)
+    divided = gram_newton_schulz(x.float())
+    assert scales and all(s is None for s in scales)
+    scales.clear()
+    lone = torch.cat([gram_newton_schulz(x[i: i + 1].float()) for i in range(2)])
+    norm = x[0].float().bfloat16().float().norm().item()
+    # Per matrix: R_0 with 1/|X|^2, the first Q X (at the restart before step 3) with 1/|X|.
+    assert scales[0] == pytest.approx(1 / norm**2, rel=1e-2) and scales[1] == pytest.approx(1 / norm, rel=1e-2)
+    assert [s is not None for s in scales] == [True, True, False] * 2  # the last Q X: X already scaled
+    # Measured: 0.033-0.034 from the exact iteration against 0.039-0.040 divided (one rounding fewer).
+    # A scale left out of R_0 or of Q X, or applied once too often, is far off (a wrong polynomial or
+    # an output scaled by |X|).
+    assert relative(lone, exact) < 0.05 and relative(lone, exact) <= relative(divided, exact) + 0.005
+    assert relative(lone, divided.double()) < 0.05
+    # Beyond FOLD_MAX_NORM the matrix is divided first (X X^T of the raw matrix would near bf16's range).
+    scales.clear()
+    huge = gram_newton_schulz(x[:1].float() * 1e13)
+    assert all(s is None for s in scales)
+    assert relative(huge, exact[:1]) < 0.08
+
+
 @pytest.mark.parametrize("rows, cols", [QB_HEAD, (128, 48), (256, 768)])
 def test_gram_fp32_is_the_same_map_as_standard_fp32(rows, cols):
     # In fp32 both forms compute the same polynomial in X X^T: only fp32 round-off apart.
