@@ -35,6 +35,22 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
+def broadcast_object(obj, src: int = 0):
+    """``obj`` as rank ``src`` has it, on every rank (pickled; for small control data such as an RL
+    iteration's samples, not for tensors of model size)."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
 def barrier() -> None:
     if is_distributed():
         dist.barrier()

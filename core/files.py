@@ -17,9 +17,10 @@ TMP_SUFFIX = ".tmp"
 
 
 def tmp_path(path: str | Path) -> Path:
-    """The temporary name ``path`` is written under before the rename."""
+    """The temporary name ``path`` is written under before the rename: this process's own, so that two
+    processes writing the same file (the ranks of a torchrun job, say) never rename each other's."""
     path = Path(path)
-    return path.with_name(path.name + TMP_SUFFIX)
+    return path.with_name(f"{path.name}.{os.getpid()}{TMP_SUFFIX}")
 
 
 def fsync_file(path: str | Path) -> None:

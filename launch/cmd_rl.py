@@ -62,8 +62,10 @@ def run(args, name):
     else:
         trainer = RLTrainer(recipe, load_tokenizer(tokenizer))
         if args.resume and not trainer.resume():
-            print(f"no usable RL checkpoint in {run_dir}; starting at iteration 0")
+            trainer.log(f"no usable RL checkpoint in {run_dir}; starting at iteration 0")
         result = trainer.fit()
+        if trainer.rank != 0:  # under torchrun: rank 0 says it
+            return 0
     print(f"done: {result['iterations']} iterations; held-out mean reward {result['eval_start']:.3f} -> "
           f"{result['eval_end']:.3f} (best {result['eval_best']:.3f}), greedy {result['greedy_start']:.3f} -> "
           f"{result['greedy_end']:.3f}; {run_dir / 'reward.png'}")

@@ -126,11 +126,16 @@ class RewardConfig:
 class DPScheduleConfig:
     """Pack samples into token-capacity micro-batches, then spread micro-batches over DP ranks."""
 
+    # Tokens a micro-batch may hold. With "padded" packing that is samples x the longest sample (orthon's
+    # RL step right-pads a micro-batch to its longest sample), so it bounds activation memory; a sample
+    # longer than this runs alone (and is counted: oversized_samples).
     micro_batch_tokens: int = 16384
-    # first_fit + karmarkar_karp balances ranks best on heavy-tailed lengths (bench/dp_schedule.py):
-    # first-fit leaves light micro-batches that Karmarkar-Karp uses to even out the ranks, while
-    # "flops" packing makes micro-batches alike (what a pipeline wants) and leaves it none.
-    packing: Literal["first_fit", "flops"] = "first_fit"
+    # "padded": runs of the samples sorted by length (the least padding), for right-padded batches.
+    # "first_fit" / "flops" fill by the sum of lengths, for packed sequences (no padding): first_fit +
+    # karmarkar_karp balances ranks best on heavy-tailed lengths (bench/dp_schedule.py), first-fit
+    # leaving light micro-batches that Karmarkar-Karp uses to even out the ranks, while "flops" makes
+    # micro-batches alike (what a pipeline wants) and leaves it none.
+    packing: Literal["padded", "first_fit", "flops"] = "padded"
     distribution: Literal["round_robin", "karmarkar_karp"] = "karmarkar_karp"
     # FLOPs of a sample of length L taken as L * (1 + L / attention_crossover_tokens): the length at
     # which attention costs as much per token as the linear layers. GLM-5 with dense attention:

@@ -42,14 +42,14 @@ def sample_flops(lengths: Sequence[int], attention_crossover: float = 32768.0) -
     return lengths * (1.0 + lengths / attention_crossover)
 
 
-def _check_lengths(lengths: Sequence[int], capacity: int) -> np.ndarray:
+def _check_lengths(lengths: Sequence[int], capacity: int, oversized_alone: bool = False) -> np.ndarray:
     lengths = np.asarray(lengths, dtype=np.int64)
     if capacity <= 0:
         raise ValueError(f"capacity: must be positive, got {capacity}")
     if lengths.ndim != 1 or (lengths < 0).any():
         raise ValueError("lengths: must be a 1-D sequence of non-negative token counts")
     too_long = np.flatnonzero(lengths > capacity)
-    if too_long.size:
+    if too_long.size and not oversized_alone:
         i = int(too_long[0])
         raise ValueError(
             f"sample {i} has {int(lengths[i])} tokens, more than the micro-batch capacity {capacity} "
@@ -79,6 +79,31 @@ def pack_first_fit(lengths: Sequence[int], capacity: int, *, decreasing: bool = 
             bins.append([int(i)])
             room.append(capacity - n)
     return bins
+
+
+def pack_padded(lengths: Sequence[int], capacity: int, *, max_samples: int | None = None) -> list[list[int]]:
+    """Sample indices per micro-batch for right-padded batches (orthon's: a micro-batch runs as samples x
+    its longest sample): longest first, each micro-batch a run of the sorted samples while (count + 1) x
+    its first (longest) length stays within ``capacity`` and count within ``max_samples``. Runs of sorted
+    lengths pad the least; a subset of a micro-batch still fits, so split_to_multiple may halve one. A
+    sample longer than ``capacity`` runs alone (a long trajectory must not stop a run)."""
+    lengths = _check_lengths(lengths, capacity, oversized_alone=True)
+    if max_samples is not None and max_samples < 1:
+        raise ValueError(f"max_samples: must be positive, got {max_samples}")
+    bins: list[list[int]] = []
+    for i in np.argsort(-lengths, kind="stable"):
+        if (bins and (len(bins[-1]) + 1) * int(lengths[bins[-1][0]]) <= capacity
+                and (max_samples is None or len(bins[-1]) < max_samples)):
+            bins[-1].append(int(i))
+        else:
+            bins.append([int(i)])
+    return bins
+
+
+def padded_cost(bins: Sequence[Sequence[int]], costs: Sequence[float]) -> np.ndarray:
+    """What each padded micro-batch costs: samples x the costliest (longest) sample's cost."""
+    costs = np.asarray(costs, dtype=np.float64)
+    return np.array([len(b) * costs[list(b)].max() if len(b) else 0.0 for b in bins])
 
 
 def pack_flops_balanced(
@@ -311,20 +336,28 @@ def schedule(
     distribution: str = "karmarkar_karp",
     attention_crossover: float = 32768.0,
     equal_micro_batches: bool = True,
+    max_samples: int | None = None,
 ) -> DPSchedule:
-    """Pack then distribute (see the module docstring); strategies as in DPScheduleConfig."""
+    """Pack then distribute (see the module docstring); strategies as in DPScheduleConfig. ``padded``:
+    micro-batches cost samples x their longest (``max_samples`` caps their size), else the sum of
+    their samples (packed sequences)."""
     flops = sample_flops(lengths, attention_crossover)
-    if packing == "first_fit":
+    if packing == "padded":
+        bins = pack_padded(lengths, capacity, max_samples=max_samples)
+    elif packing == "first_fit":
         bins = pack_first_fit(lengths, capacity)
     elif packing == "flops":
         bins = pack_flops_balanced(lengths, capacity, weights=flops)
     else:
-        raise ValueError(f"packing: must be 'first_fit' or 'flops', got {packing!r}")
+        raise ValueError(f"packing: must be 'padded', 'first_fit' or 'flops', got {packing!r}")
     empty_before = 0
     if equal_micro_batches:
         bins = split_to_multiple(bins, flops, world_size)
         empty_before = sum(1 for b in bins if not b)
-    bin_flops = np.array([flops[b].sum() if b else 0.0 for b in bins])
+    if packing == "padded":
+        bin_flops = padded_cost(bins, flops)
+    else:
+        bin_flops = np.array([flops[b].sum() if b else 0.0 for b in bins])
     if distribution == "round_robin":
         ranks = distribute_round_robin(len(bins), world_size)
     elif distribution == "karmarkar_karp":
@@ -335,9 +368,9 @@ def schedule(
     return DPSchedule(bins, ranks, loads, load_balance(loads), empty_before)
 
 
-def schedule_from_config(lengths: Sequence[int], world_size: int, config) -> DPSchedule:
+def schedule_from_config(lengths: Sequence[int], world_size: int, config, max_samples: int | None = None) -> DPSchedule:
     return schedule(
         lengths, world_size, config.micro_batch_tokens, packing=config.packing,
         distribution=config.distribution, attention_crossover=config.attention_crossover_tokens,
-        equal_micro_batches=config.equal_micro_batches,
+        equal_micro_batches=config.equal_micro_batches, max_samples=max_samples,
     )

@@ -1,9 +1,15 @@
 """RL's step plug-in for the one Trainer: the IcePop policy loss over a batch of scored samples.
 
-A batch is a list of (Sample, advantage). Only tokens whose ``loss_mask`` is 1 are trained: a masked
-token (a tool observation, say) gets no gradient and does not count in the normaliser. The step's
-normaliser (trained tokens, or trained sequences) is global: counted over every micro-batch and rank
-before the first backward, so micro-batching and data parallelism leave the gradient unchanged.
+A batch is a list of (Sample, advantage), the whole update's, on every rank. Only tokens whose
+``loss_mask`` is 1 are trained: a masked token (a tool observation, say) gets no gradient and does not
+count in the normaliser. The normaliser (trained tokens, or trained sequences) is the whole batch's, so
+micro-batching and data parallelism leave the gradient unchanged.
+
+Micro-batches and ranks (orthon.rl.dp_schedule, ``rl.dp_schedule``): the samples are packed into
+micro-batches of at most ``micro_batch_tokens`` padded tokens and ``train.micro_batch_size`` samples,
+and under torchrun the micro-batches are spread over the data-parallel ranks by their FLOPs
+(Karmarkar-Karp), every rank running the same number of them. A rank left without samples (fewer
+samples than ranks) runs one at weight 0, so that DDP's gradient all-reduce still meets every rank.
 With ``kl_coef`` > 0 the loss adds the per-token KL to a frozen reference model.
 """
 from __future__ import annotations
@@ -13,6 +19,8 @@ import torch
 from orthon.core import distributed
 from orthon.pretrain.steps import TrainStep
 from orthon.rl.logprobs import sample_log_probs
+from orthon.rl.config import DPScheduleConfig
+from orthon.rl.dp_schedule import schedule_from_config
 from orthon.rl.loss import aggregate_loss, icepop_token_loss, opd_kl_penalty_advantages, opd_sampled_advantages
 
 LOSS_METRICS = ("masked_fraction", "logp_abs_diff", "clip_fraction", "entropy")  # per trained token
@@ -33,28 +41,42 @@ def response_tensors(samples, width: int) -> tuple[torch.Tensor, torch.Tensor]:
 class PolicyStep(TrainStep):
     update_moe_bias = False  # RL leaves the routers' balancing biases as pretraining left them
 
-    def __init__(self, loss_cfg, reference: torch.nn.Module | None = None, opd=None, teachers=None):
+    def __init__(self, loss_cfg, reference: torch.nn.Module | None = None, opd=None, teachers=None,
+                 dp_schedule=None):
         """``opd``: the OPDConfig when distilling; form 2 reads each sample's teacher_log_probs, form 1
-        needs ``teachers`` ({set name: frozen model}) for the teachers' full distributions."""
+        needs ``teachers`` ({set name: frozen model}) for the teachers' full distributions.
+        ``dp_schedule``: the DPScheduleConfig (default: its defaults)."""
         if loss_cfg.kl_coef > 0 and reference is None:
             raise ValueError("PolicyStep: kl_coef > 0 needs a reference model")
         if opd is not None and opd.form == "kl_penalty" and not teachers:
             raise ValueError("PolicyStep: OPD form kl_penalty needs the teacher models")
         self.cfg, self.reference, self.opd, self.teachers = loss_cfg, reference, opd, teachers or {}
+        self.dp = dp_schedule or DPScheduleConfig()
         self.denominator, self.world, self.mismatch_max = 1.0, 1, 0.0
+        self.plan, self.trainable, self.schedule_metrics = None, [], {}
 
     def begin(self, trainer, batch) -> None:
-        samples = [s for s, _ in batch if s.response_length > 0]
-        local = (sum(sum(s.loss_mask) for s in samples) if self.cfg.aggregation == "token"
+        self.trainable = [pair for pair in batch if pair[0].response_length > 0]
+        samples = [s for s, _ in self.trainable]
+        total = (sum(sum(s.loss_mask) for s in samples) if self.cfg.aggregation == "token"
                  else sum(1 for s in samples if any(s.loss_mask)))
-        self.denominator = max(float(distributed.all_reduce_sum(torch.tensor(float(local), device=trainer.device))), 1.0)
-        self.world, self.mismatch_max = trainer.world, 0.0
+        self.denominator = max(float(total), 1.0)
+        self.world, self.rank, self.mismatch_max = trainer.world, trainer.rank, 0.0
+        lengths = [len(s.tokens) for s in samples]
+        self.plan = schedule_from_config(lengths, self.world, self.dp, max_samples=trainer.cfg.micro_batch_size)
+        padded = sum(len(b) * max(lengths[i] for i in b) for b in self.plan.micro_batches if b)
+        self.schedule_metrics = {"dp_balance": self.plan.balance,
+                                 "padding_fraction": 1.0 - sum(lengths) / padded if padded else 0.0,
+                                 "oversized_samples": sum(n > self.dp.micro_batch_tokens for n in lengths)}
 
     def micro_batches(self, batch, size: int, device) -> list:
-        trainable = [pair for pair in batch if pair[0].response_length > 0]
-        return [trainable[i : i + size] for i in range(0, len(trainable), size)]
+        """This rank's micro-batches of ``begin``'s plan (``size``, train.micro_batch_size, is in it)."""
+        return [[self.trainable[i] for i in part] for part in self.plan.samples_for_rank(self.rank)]
 
     def loss(self, model, micro):
+        if not micro:  # a rank without samples this step: one at weight 0 (see the module docstring)
+            objective, _ = self.loss(model, self.trainable[:1])
+            return objective * 0.0, {}
         samples = [s for s, _ in micro]
         advantages = torch.tensor([float(a) for _, a in micro])
         form1 = self.opd is not None and self.opd.form == "kl_penalty"
@@ -105,5 +127,7 @@ class PolicyStep(TrainStep):
     def end(self, trainer, sums):
         n = max(sums.get("trained_tokens", 0.0), 1.0)
         metrics = {key: sums[key] / n for key in METRICS if key in sums}
-        metrics.update(trained_tokens=sums.get("trained_tokens", 0.0), logp_mismatch_max=self.mismatch_max)
+        mismatch = float(distributed.all_reduce_max(torch.tensor(self.mismatch_max, device=trainer.device)))
+        metrics.update(trained_tokens=sums.get("trained_tokens", 0.0), logp_mismatch_max=mismatch,
+                       **self.schedule_metrics)
         return metrics

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from orthon.core.errors import ConfigError
 from orthon.engine.in_process import EngineConfig
-from orthon.rl.config import BufferConfig, ClusterConfig, LossConfig, OPDConfig, RewardConfig
+from orthon.rl.config import BufferConfig, ClusterConfig, DPScheduleConfig, LossConfig, OPDConfig, RewardConfig
 
 
 @dataclass
@@ -60,6 +60,9 @@ class RLConfig:
     reward: RewardConfig | None = None
     buffer: BufferConfig = field(default_factory=lambda: BufferConfig(num_repeat_per_sample=8, task_type="arithmetic"))
     loss: LossConfig = field(default_factory=LossConfig)
+    # How an update's samples become micro-batches and, under torchrun, which data-parallel rank runs
+    # each (orthon.rl.dp_schedule); a micro-batch also holds at most train.micro_batch_size samples.
+    dp_schedule: DPScheduleConfig = field(default_factory=DPScheduleConfig)
     # On-policy distillation (orthon.rl.distill): with teachers, each sampled token's advantage is
     # the teacher's log-ratio (form 2) or the outcome advantage minus the exact KL (form 1).
     opd: OPDConfig | None = None

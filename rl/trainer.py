@@ -8,6 +8,10 @@ iteration's ready groups, compute GRPO advantages per group, take ``updates_per_
 steps, hand the new weights to the engines under the next weight version. ``rl.mode`` chooses whether
 rollouts wait for training (sync) or run beside it (async); on a Ray cluster the same loop runs with
 the rollout manager, the engines and the trainer in different processes (orthon.rl.cluster).
+
+Under torchrun (data parallelism, DDP) rank 0 alone holds the engine and the rollout manager: it
+collects each iteration's groups and hands them to every rank, and every rank trains its share of
+them (the policy step's DP schedule); the new weights reach the engine from rank 0.
 """
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from orthon.core.errors import DataError
+from orthon.core import distributed
+from orthon.core.errors import ConfigError, DataError
 from orthon.core.files import atomic_write_text
 from orthon.core.metrics import MetricsLogger, moving_average, plot_curves, read_metrics
 from orthon.engine.in_process import InProcessEngine
@@ -50,12 +55,17 @@ class RLTrainer:
             from orthon.rl.distill import teacher_model
 
             teachers = {t.name: teacher_model(t.weights) for t in opd.teachers}
-        step = PolicyStep(self.cfg.loss, reference, opd=opd, teachers=teachers)
+        step = PolicyStep(self.cfg.loss, reference, opd=opd, teachers=teachers, dp_schedule=self.cfg.dp_schedule)
         self.trainer = Trainer(recipe, self.run_dir, log, step=step, with_data=False)
-        self.model = self.trainer.model
+        self.model, self.rank, self.log = self.trainer.model, self.trainer.rank, self.trainer.log
+        if self.trainer.world > 1 and recipe.train.parallel != "ddp":
+            raise ConfigError(f"train.parallel: RL under torchrun runs DDP (rank 0 hands the whole model to the "
+                              f"engine), got {recipe.train.parallel!r}")
         if reference is not None:
             reference.to(self.trainer.device)
-        if rollout is None:
+        if self.rank != 0:  # the engine and the rollouts live on rank 0 (see the module docstring)
+            engine = rollout = None
+        elif rollout is None:
             engine = engine or InProcessEngine(load_weights(policy, device=self.trainer.device), self.cfg.engine)
             rollout = RolloutManager(self.cfg, tokenizer, engine, recipe.train.seed, log=log)
         self.engine, self.rollout = engine, rollout
@@ -73,8 +83,13 @@ class RLTrainer:
 
     # ------------------------------------------------------------ parts
     def collect_groups(self) -> tuple[list[list[Sample]], dict]:
-        """The iteration's groups (see RolloutManager.collect_groups)."""
-        return self.rollout.collect_groups(self.weight_version, timeout=self.cfg.collect_timeout_s)
+        """The iteration's groups (see RolloutManager.collect_groups), on every rank."""
+        return self._from_rank_zero(lambda: self.rollout.collect_groups(self.weight_version,
+                                                                        timeout=self.cfg.collect_timeout_s))
+
+    def _from_rank_zero(self, fn):
+        """``fn()``'s result as rank 0 computes it, on every rank (rank 0 alone runs ``fn``)."""
+        return distributed.broadcast_object(fn() if self.rank == 0 else None)
 
     def train_on(self, groups: list[list[Sample]]) -> dict:
         """The iteration's optimizer steps on its groups: GRPO advantages per group, then
@@ -101,7 +116,13 @@ class RLTrainer:
                 if key in metrics:
                     sums[key] = sums.get(key, 0.0) + metrics[key] * n
             tokens += n
+            # The DP schedule: micro-batches per rank and oversized samples summed over the updates,
+            # the worst rank balance and padding.
+            for key, merge in (("micro_batches", sum), ("oversized_samples", sum), ("dp_balance", max),
+                               ("padding_fraction", max)):
+                stats[key] = merge((stats.get(key, metrics[key] if merge is max else 0), metrics[key]))
         stats.update({k: v / max(tokens, 1.0) for k, v in sums.items()})
+        stats["trained_tokens"] = tokens
         return stats
 
     def _update_engine(self, model, version: int) -> None:
@@ -110,10 +131,11 @@ class RLTrainer:
     def sync_weights(self) -> None:
         """Hand the new weights to the engines under the next weight version."""
         self.weight_version += 1
-        self.weight_sync(self.model, self.weight_version)
+        if self.rank == 0:
+            self.weight_sync(self.model, self.weight_version)
 
     def evaluate(self) -> dict:
-        return self.rollout.evaluate()
+        return self._from_rank_zero(lambda: self.rollout.evaluate())
 
     # ------------------------------------------------------------ debug modes
     def rollouts_path(self, iteration: int) -> Path:
@@ -121,6 +143,8 @@ class RLTrainer:
         return root / f"iteration_{iteration:06d}.jsonl"
 
     def save_rollouts(self, iteration: int, groups: list[list[Sample]]) -> None:
+        if self.rank != 0:
+            return
         lines = (json.dumps(sample_to_dict(s)) for g in groups for s in g)
         self.rollouts_path(iteration).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.rollouts_path(iteration), "".join(line + "\n" for line in lines))
@@ -141,17 +165,19 @@ class RLTrainer:
 
     # ------------------------------------------------------------ state
     def save_checkpoint(self) -> None:
+        # Written by rank 0, whose rollout manager it is.
         self.trainer.save_checkpoint({"iteration": self.iteration, "weight_version": self.weight_version,
-                                      "rollout": self.rollout.state_dict()})
+                                      "rollout": self.rollout.state_dict() if self.rank == 0 else None})
 
     def resume(self) -> bool:
         state = self.trainer.resume()
         if state is None:
             return False
         self.iteration = state["iteration"]
-        self.rollout.load_state_dict(rollout_state(state))
         self.weight_version = state["weight_version"]
-        self.weight_sync(self.model, self.weight_version)
+        if self.rank == 0:
+            self.rollout.load_state_dict(rollout_state(state))
+            self.weight_sync(self.model, self.weight_version)
         self.log(f"resumed RL at iteration {self.iteration} (weight version {self.weight_version})")
         return True
 
@@ -163,7 +189,7 @@ class RLTrainer:
         cfg = self.cfg
         start = time.perf_counter()
         if cfg.debug == "train_only":
-            groups = self.load_rollouts(self.iteration)
+            groups = self._from_rank_zero(lambda: self.load_rollouts(self.iteration))
             stats = {"reward_mean": sum(s.reward for g in groups for s in g) / max(1, sum(map(len, groups)))}
         else:
             groups, stats = self.collect_groups()
@@ -190,17 +216,17 @@ class RLTrainer:
     def fit(self) -> dict:
         cfg = self.cfg
         resumed = self.iteration or None
-        metrics = MetricsLogger(self.run_dir, resume_step=resumed)
+        metrics = MetricsLogger(self.run_dir, enabled=self.rank == 0, resume_step=resumed)
         if not resumed:
             start = self.evaluate()
             metrics.log(0, **start)
             self.log(f"iteration 0: held-out reward {start['eval_reward']:.3f} (greedy {start['eval_greedy']:.3f})")
         bar = None
-        if self.recipe.train.progress:
+        if self.recipe.train.progress and self.rank == 0:
             from tqdm import tqdm
 
             bar = tqdm(total=cfg.iterations, initial=self.iteration, desc="rl", unit="it")
-        if cfg.mode == "async":
+        if cfg.mode == "async" and self.rank == 0:
             self.rollout.start()
         try:
             while self.iteration < cfg.iterations:
@@ -213,13 +239,17 @@ class RLTrainer:
                 if interval and self.iteration % interval == 0:
                     self.save_checkpoint()
         finally:
-            if cfg.mode == "async":
+            if cfg.mode == "async" and self.rank == 0:
                 self.rollout.stop()
         if bar is not None:
             bar.close()
         if not self.trainer.checkpointer.has(self.trainer.step):
             self.save_checkpoint()
         metrics.close()
+        return self._from_rank_zero(self._finish)
+
+    def _finish(self) -> dict:
+        """The final weights, the plots and the run's summary (rank 0: DDP's model is whole on it)."""
         save_weights(self.model, self.run_dir / "final")
         records = read_metrics(self.run_dir / "metrics.jsonl")
         plot_curves(records, ["reward_mean", "eval_reward", "eval_greedy"], self.run_dir / "reward.png",

@@ -66,7 +66,9 @@ def free_port() -> int:
 
 def env() -> dict:
     # One thread per process: identical arithmetic in every run, and no oversubscription of 2 cores.
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    # The tests' folder on the path: a recipe may name a plug-in defined in a test module.
+    path = os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "PYTHONPATH": path}
 
 
 def orthon(*args, nproc: int = 1, check: bool = True, **kwargs) -> subprocess.CompletedProcess:

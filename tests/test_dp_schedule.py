@@ -12,6 +12,8 @@ from orthon.rl.dp_schedule import (
     optimal_partition_bruteforce,
     pack_first_fit,
     pack_flops_balanced,
+    pack_padded,
+    padded_cost,
     rank_loads,
     sample_flops,
     schedule,
@@ -37,6 +39,30 @@ def test_first_fit_decreasing_hand_example():
     assert pack_first_fit(lengths, 8, decreasing=False) == [[0, 1, 4], [2, 3], [5, 6]]
     with pytest.raises(ValueError, match="sample 1 has 9 tokens"):
         pack_first_fit([3, 9, 2], 8)
+
+
+def test_padded_packing_hand_example():
+    # Longest first; a micro-batch takes the next sample while (count + 1) x its longest fits in 12.
+    lengths = [2, 6, 3, 3, 5, 1, 20]
+    # 20 is over capacity: alone. Then 6, 5 (2 x 6 = 12); 3, 3, 2 (3 x 3 = 9; a 4th: 12 still fits): +1.
+    assert pack_padded(lengths, 12) == [[6], [1, 4], [2, 3, 0, 5]]
+    assert pack_padded(lengths, 12, max_samples=2) == [[6], [1, 4], [2, 3], [0, 5]]
+    assert padded_cost([[1, 4], [2, 3, 0, 5], []], lengths).tolist() == [12.0, 12.0, 0.0]
+    with pytest.raises(ValueError, match="max_samples"):
+        pack_padded(lengths, 12, max_samples=0)
+
+
+def test_padded_schedule_balances_ranks_by_padded_cost():
+    lengths = heavy_tailed(400, seed=3, cap=16384)
+    plan = schedule(lengths, 8, 16384, packing="padded")
+    assert sorted(i for b in plan.micro_batches for i in b) == list(range(400))
+    assert len(plan.micro_batches) % 8 == 0
+    assert max(len(b) * lengths[b].max() for b in plan.micro_batches if b) <= 16384
+    flops = sample_flops(lengths)
+    loads = [sum(len(plan.micro_batches[m]) * flops[plan.micro_batches[m]].max() for m in ms if plan.micro_batches[m])
+             for ms in plan.rank_micro_batches]
+    assert plan.rank_loads.tolist() == pytest.approx(loads)
+    assert plan.balance < 1.05 < schedule(lengths, 8, 16384, packing="padded", distribution="round_robin").balance
 
 
 @pytest.mark.parametrize("packer", [pack_first_fit, pack_flops_balanced])

@@ -117,6 +117,7 @@ def test_form2_gradient_is_the_reverse_kl_gradient():
     """Form 2 with the student's own samples estimates the gradient of KL(student || teacher): with
     4000 samples of one context the step's gradient points along the exact one (reverse KL, mode seeking)."""
     import copy
+    from types import SimpleNamespace
 
     from orthon.rl.config import LossConfig, OPDConfig
     from orthon.rl.loss import full_vocab_kl
@@ -136,7 +137,8 @@ def test_form2_gradient_is_the_reverse_kl_gradient():
                      teacher_log_probs=t_lp[i : i + 1].clone()), 0.0) for i, t in enumerate(tokens)]
 
     class OneRank:
-        device, world = torch.device("cpu"), 1
+        device, world, rank = torch.device("cpu"), 1, 0
+        cfg = SimpleNamespace(micro_batch_size=1000)
 
     step = PolicyStep(LossConfig(), opd=OPDConfig())
     step.begin(OneRank(), batch)

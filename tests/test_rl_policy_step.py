@@ -1,5 +1,6 @@
-"""RL's step plug-in: loss masks (masked tokens get no gradient and leave the normaliser) and the KL to a
-frozen reference model, checked against hand computations."""
+"""RL's step plug-in: loss masks (masked tokens get no gradient and leave the normaliser), the KL to a
+frozen reference model, checked against hand computations, and the split of an update over micro-batches
+and data-parallel ranks (orthon.rl.dp_schedule) that leaves the gradient unchanged."""
 import copy
 from types import SimpleNamespace
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from orthon.pretrain import GLMForCausalLM, ModelConfig
-from orthon.rl.config import LossConfig
+from orthon.rl.config import DPScheduleConfig, LossConfig
 from orthon.rl.logprobs import sequence_log_probs
 from orthon.rl.loss import icepop_token_loss
 from orthon.rl.sample import Sample, SampleStatus
@@ -15,7 +16,11 @@ from orthon.rl.steps import PolicyStep
 from pretrain_support import MODEL
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-TRAINER = SimpleNamespace(device=torch.device("cpu"), world=1)
+
+
+def _trainer(micro_size=64, world=1, rank=0):
+    return SimpleNamespace(device=torch.device("cpu"), world=world, rank=rank,
+                           cfg=SimpleNamespace(micro_batch_size=micro_size))
 
 
 def _model(seed=0):
@@ -34,15 +39,17 @@ def _sample(model, seed, mask, shift=0.1):
                   reward=1.0, status=SampleStatus.COMPLETED)
 
 
-def _step_grads(model, step, batch, micro_size):
+def _step_grads(model, step, batch, micro_size, world=1, rank=0):
+    """One rank's share of a step: (summed objective, gradients, the micro-batches it ran)."""
     model.zero_grad(set_to_none=True)
-    step.begin(TRAINER, batch)
-    total = 0.0
-    for micro in step.micro_batches(batch, micro_size, TRAINER.device):
+    trainer = _trainer(micro_size, world, rank)
+    step.begin(trainer, batch)
+    total, micros = 0.0, step.micro_batches(batch, micro_size, trainer.device)
+    for micro in micros:
         objective, _ = step.loss(model, micro)
         objective.backward()
         total += float(objective.detach())
-    return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, micros
 
 
 def _hand_loss(model, batch, eps_low=0.2, eps_high=0.28):
@@ -60,7 +67,8 @@ def test_masked_tokens_get_the_gradient_of_tokens_dropped_from_the_loss():
     model = _model()
     batch = [(_sample(model, 1, [1, 1, 0, 1, 0, 1, 1]), 1.3), (_sample(model, 2, [0, 1, 1, 1, 0]), -0.7)]
     step = PolicyStep(LossConfig())
-    value, grads = _step_grads(model, step, batch, micro_size=1)  # one sample per micro-batch
+    value, grads, micros = _step_grads(model, step, batch, micro_size=1)  # one sample per micro-batch
+    assert [len(m) for m in micros] == [1, 1]
     model.zero_grad(set_to_none=True)
     hand = _hand_loss(model, batch)
     hand.backward()
@@ -71,7 +79,7 @@ def test_masked_tokens_get_the_gradient_of_tokens_dropped_from_the_loss():
     # The masks matter: the same samples with every token trained give another gradient.
     ones = [(Sample(s.instance_id, s.tokens, s.response_length, [1] * s.response_length, s.rollout_log_probs,
                     s.reward, status=s.status), a) for s, a in batch]
-    _, grads_ones = _step_grads(model, PolicyStep(LossConfig()), ones, micro_size=1)
+    _, grads_ones, _ = _step_grads(model, PolicyStep(LossConfig()), ones, micro_size=1)
     assert not torch.allclose(grads_ones["lm_head.weight"], grads["lm_head.weight"], rtol=1e-3)
 
 
@@ -84,7 +92,7 @@ def test_kl_to_the_reference_by_hand():
             p.add_(0.02 * torch.randn_like(p))
     batch = [(_sample(model, 3, [1, 1, 1, 0, 1, 1]), 0.8)]
     step = PolicyStep(LossConfig(kl_coef=kl_coef), reference=reference)
-    value, grads = _step_grads(model, step, batch, micro_size=4)
+    value, grads, _ = _step_grads(model, step, batch, micro_size=4)
     sample, adv = batch[0]
     keep = torch.tensor(sample.loss_mask, dtype=torch.bool)
     model.zero_grad(set_to_none=True)
@@ -114,3 +122,45 @@ def test_kl_gradient_per_token_by_hand():
 def test_kl_needs_a_reference():
     with pytest.raises(ValueError, match="reference"):
         PolicyStep(LossConfig(kl_coef=0.1))
+
+
+def test_micro_batches_and_ranks_leave_the_gradient_unchanged():
+    # Seven samples of 8-16 tokens. One micro-batch of everything, micro-batches of at most 40 padded
+    # tokens, and the same split over 2 ranks (each rank's objective is times the world size, as DDP
+    # averages): the same gradient every way, and every sample trained exactly once.
+    model = _model()
+    masks = [[1] * n for n in (3, 11, 5, 8, 2, 9, 6)]
+    batch = [(_sample(model, 10 + i, m), 0.3 * i - 0.9) for i, m in enumerate(masks)]
+    whole_value, whole, micros = _step_grads(model, PolicyStep(LossConfig()), batch, micro_size=64)
+    assert len(micros) == 1 and len(micros[0]) == 7
+    capped = DPScheduleConfig(micro_batch_tokens=40)
+    value, grads, micros = _step_grads(model, PolicyStep(LossConfig(), dp_schedule=capped), batch, micro_size=64)
+    lengths = [[len(s.tokens) for s, _ in m] for m in micros]
+    assert len(micros) > 2 and all(len(m) * max(m) <= 40 for m in lengths)
+    assert sorted(n for m in lengths for n in m) == sorted(len(s.tokens) for s, _ in batch)
+    assert value == pytest.approx(whole_value, rel=1e-5)
+    for name in whole:
+        torch.testing.assert_close(grads[name], whole[name], rtol=1e-4, atol=1e-7, msg=name)
+    shares = [_step_grads(model, PolicyStep(LossConfig(), dp_schedule=capped), batch, 64, world=2, rank=r)
+              for r in (0, 1)]
+    assert len(shares[0][2]) == len(shares[1][2])  # DDP: every rank runs as many backward passes
+    ran = sorted(s.instance_id + str(s.tokens) for _, _, ms in shares for m in ms for s, _ in m)
+    assert ran == sorted(s.instance_id + str(s.tokens) for s, _ in batch)
+    for name in whole:
+        torch.testing.assert_close((shares[0][1][name] + shares[1][1][name]) / 2, whole[name], rtol=1e-4, atol=1e-7)
+
+
+def test_a_rank_without_samples_runs_one_at_weight_zero():
+    # One sample, two ranks: rank 1 has none, yet must run a forward and backward (DDP's all-reduce
+    # waits for every rank); its gradient is zero everywhere, and rank 0 alone gives the whole gradient.
+    model = _model()
+    batch = [(_sample(model, 20, [1, 1, 0, 1]), 1.0)]
+    _, whole, _ = _step_grads(model, PolicyStep(LossConfig()), batch, 64)
+    step = PolicyStep(LossConfig())
+    value, empty, micros = _step_grads(model, step, batch, 64, world=2, rank=1)
+    assert micros == [[]] and value == 0.0 and empty
+    assert all(float(g.abs().max()) == 0.0 for g in empty.values())
+    _, first, micros = _step_grads(model, PolicyStep(LossConfig()), batch, 64, world=2, rank=0)
+    assert [len(m) for m in micros] == [1]
+    for name in whole:
+        torch.testing.assert_close(first[name] / 2, whole[name], rtol=1e-5, atol=1e-8)

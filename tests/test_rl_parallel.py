@@ -1,0 +1,68 @@
+"""RL under torchrun: 2 gloo processes (DDP) train on the same rollouts as 1 process and end at the same
+weights. Rank 0 generates and hands each iteration's groups to both ranks; the DP schedule gives each
+rank a disjoint share of the micro-batches (every sample trained once), balanced by FLOPs."""
+import json
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from pretrain_support import orthon
+from test_rl_loop import _pretrain_dir, _recipe
+
+ITERATIONS = 3
+
+
+def first_letter_reward(response: str, label) -> float:
+    """A reward a random policy earns about half the time (its answer starts in the first half of the
+    alphabet), so that groups have advantages and the runs really train."""
+    text = response.strip().lower()
+    return float(bool(text) and text[0] < "n")
+
+
+def _run(tmp_path, pre, name, nproc, **dp):
+    run = tmp_path / name
+    path = _recipe(tmp_path, run, ITERATIONS, name=f"{name}.yaml")
+    recipe = yaml.safe_load(path.read_text())
+    # fp32 Newton-Schulz: a reduction-order round-off could flip a bf16 rounding between the world sizes.
+    recipe["optim"] = {"ns_dtype": "fp32"}
+    recipe["rl"]["dp_schedule"] = {"micro_batch_tokens": 96, **dp}
+    recipe["rl"]["reward"] = {"name": "test_rl_parallel.first_letter_reward"}
+    path.write_text(yaml.safe_dump(recipe))
+    out = orthon("rl", "-c", path, "--from", pre, nproc=nproc)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    weights = {}
+    for file in sorted((run / "final").glob("*.safetensors")):
+        weights.update(load_file(file))
+    return out, [r for r in records if "reward_mean" in r], weights
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rl_parallel")
+    pre = _pretrain_dir(tmp)
+    return _run(tmp, pre, "one", 1), _run(tmp, pre, "two", 2)
+
+
+def test_two_ranks_train_what_one_does(runs):
+    (out1, one, w1), (out2, two, w2) = runs
+    assert len(one) == len(two) == ITERATIONS
+    # One summary line, from rank 0.
+    assert out2.stdout.count("done: ") == 1
+    for a, b in zip(one, two):
+        # The same rollouts (rank 0 generates them as one process does) and every sample trained once.
+        assert a["reward_mean"] == b["reward_mean"] and a["trained_samples"] == b["trained_samples"] == 12
+        assert a["groups_all_equal"] < 1.0  # some groups have advantages: the steps move the weights
+        assert a["trained_tokens"] == b["trained_tokens"] > 0
+        assert a["entropy"] == pytest.approx(b["entropy"], rel=1e-5)
+        assert a["logp_mismatch_max"] == b["logp_mismatch_max"] == 0.0
+        # Micro-batches of at most 96 padded tokens and 5 samples: more than one per rank, as many on each.
+        assert b["micro_batches"] * 2 >= a["micro_batches"] > 2 and b["micro_batches"] < a["micro_batches"]
+        assert a["dp_balance"] == 1.0 and 1.0 <= b["dp_balance"] < 1.5
+    assert w1.keys() == w2.keys()
+    changed = 0
+    for name in w1:
+        torch.testing.assert_close(w2[name].float(), w1[name].float(), rtol=1e-4, atol=1e-6, msg=name)
+        changed += not torch.equal(w1[name], w2[name])
+    assert changed  # round-off differs somewhere: two ranks really summed their shares
