@@ -6,7 +6,7 @@ recipe's interleaved thinking is trained as it will be generated) and the role t
 assistant turn (``<|observation|>`` before a tool's output, ``<|user|>`` after an answer), because
 generation must learn to stop there. System, user and observation turns are context only.
 ``SFTStep`` is the Trainer's step plug-in: the mean next-token NLL over trained tokens, normalised
-globally (every micro-batch and rank) as RL's step is.
+over the whole batch and split into micro-batches and over ranks as RL's step is (orthon.rl.steps).
 """
 from __future__ import annotations
 
@@ -16,9 +16,8 @@ from pathlib import Path
 
 import torch
 
-from orthon.core import distributed
 from orthon.core.errors import DataError
-from orthon.pretrain.steps import TrainStep
+from orthon.rl.steps import SampleStep
 from orthon.rl.chat import ROLE_TOKENS, Message, render_message
 from orthon.rl.logprobs import sample_log_probs
 
@@ -76,18 +75,8 @@ def read_conversations(path: str | Path) -> list[list[Message]]:
     return out
 
 
-class SFTStep(TrainStep):
-    update_moe_bias = False
-
-    def begin(self, trainer, batch) -> None:
-        local = float(sum(sum(e.loss_mask) for e in batch))
-        self.denominator = max(float(distributed.all_reduce_sum(torch.tensor(local, device=trainer.device))), 1.0)
-        self.world = trainer.world
-
-    def micro_batches(self, batch, size: int, device) -> list:
-        return [batch[i : i + size] for i in range(0, len(batch), size)]
-
-    def loss(self, model, micro):
+class SFTStep(SampleStep):
+    def micro_loss(self, model, micro):
         out = sample_log_probs(model, micro)
         mask = torch.zeros_like(out.log_probs)
         for b, example in enumerate(micro):
@@ -99,7 +88,8 @@ class SFTStep(TrainStep):
 
     def end(self, trainer, sums):
         n = max(sums.get("trained_tokens", 0.0), 1.0)
-        return {"sft_loss": sums.get("nll_sum", 0.0) / n, "trained_tokens": sums.get("trained_tokens", 0.0)}
+        return {"sft_loss": sums.get("nll_sum", 0.0) / n, "trained_tokens": sums.get("trained_tokens", 0.0),
+                **self.schedule_metrics}
 
 
 def fit_sft(recipe, tokenizer, conversations: list[list[Message]], log=print) -> dict:
@@ -118,9 +108,10 @@ def fit_sft(recipe, tokenizer, conversations: list[list[Message]], log=print) ->
     examples = [conversation_example(m, tokenizer, cfg.clear_thinking) for m in conversations]
     if not examples:
         raise DataError("SFT: no conversations")
-    trainer = Trainer(recipe, run_dir, log, step=SFTStep(), with_data=False)
+    rl = getattr(recipe, "rl", None)
+    trainer = Trainer(recipe, run_dir, log, step=SFTStep(rl.dp_schedule if rl else None), with_data=False)
     resumed = trainer.resume() is not None
-    metrics = MetricsLogger(run_dir, resume_step=trainer.step if resumed else None)
+    metrics = MetricsLogger(run_dir, enabled=trainer.rank == 0, resume_step=trainer.step if resumed else None)
 
     def order(epoch: int) -> list[int]:
         idx = list(range(len(examples)))
@@ -136,6 +127,8 @@ def fit_sft(recipe, tokenizer, conversations: list[list[Message]], log=print) ->
         if recipe.train.checkpoint_interval and trainer.step % recipe.train.checkpoint_interval == 0:
             trainer.save_checkpoint()
     metrics.close()
+    if trainer.rank != 0:  # under torchrun every rank has the same (DDP) weights; rank 0 writes them
+        return {"steps": trainer.step}
     save_weights(trainer.model, run_dir / "final")
     records = read_metrics(run_dir / "metrics.jsonl")
     plot_curves(records, ["sft_loss"], run_dir / "loss.png", title="SFT: NLL of the assistant's tokens")

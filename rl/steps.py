@@ -1,8 +1,10 @@
-"""RL's step plug-in for the one Trainer: the IcePop policy loss over a batch of scored samples.
+"""Post-training's step plug-ins for the one Trainer over batches of samples (token ids with a
+response and its loss mask): ``SampleStep``, the micro-batching and data parallelism they share, and
+``PolicyStep``, the IcePop policy loss over scored samples (SFT's is orthon.rl.sft.SFTStep).
 
-A batch is a list of (Sample, advantage), the whole update's, on every rank. Only tokens whose
-``loss_mask`` is 1 are trained: a masked token (a tool observation, say) gets no gradient and does not
-count in the normaliser. The normaliser (trained tokens, or trained sequences) is the whole batch's, so
+A batch is the whole update's samples, on every rank. Only tokens whose ``loss_mask`` is 1 are
+trained: a masked token (a tool observation, say) gets no gradient and does not count in the
+normaliser. The normaliser (trained tokens, or trained sequences) is the whole batch's, so
 micro-batching and data parallelism leave the gradient unchanged.
 
 Micro-batches and ranks (orthon.rl.dp_schedule, ``rl.dp_schedule``): the samples are packed into
@@ -10,7 +12,7 @@ micro-batches of at most ``micro_batch_tokens`` padded tokens and ``train.micro_
 and under torchrun the micro-batches are spread over the data-parallel ranks by their FLOPs
 (Karmarkar-Karp), every rank running the same number of them. A rank left without samples (fewer
 samples than ranks) runs one at weight 0, so that DDP's gradient all-reduce still meets every rank.
-With ``kl_coef`` > 0 the loss adds the per-token KL to a frozen reference model.
+With ``kl_coef`` > 0 the policy loss adds the per-token KL to a frozen reference model.
 """
 from __future__ import annotations
 
@@ -18,9 +20,9 @@ import torch
 
 from orthon.core import distributed
 from orthon.pretrain.steps import TrainStep
-from orthon.rl.logprobs import sample_log_probs
 from orthon.rl.config import DPScheduleConfig
 from orthon.rl.dp_schedule import schedule_from_config
+from orthon.rl.logprobs import sample_log_probs
 from orthon.rl.loss import aggregate_loss, icepop_token_loss, opd_kl_penalty_advantages, opd_sampled_advantages
 
 LOSS_METRICS = ("masked_fraction", "logp_abs_diff", "clip_fraction", "entropy")  # per trained token
@@ -38,30 +40,32 @@ def response_tensors(samples, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     return rollout, mask
 
 
-class PolicyStep(TrainStep):
-    update_moe_bias = False  # RL leaves the routers' balancing biases as pretraining left them
+class SampleStep(TrainStep):
+    """Micro-batches of this rank's share of a batch of samples, and the global normaliser (see the
+    module docstring). Subclasses give ``sample`` (a batch item's sample), ``normaliser`` and
+    ``micro_loss``."""
 
-    def __init__(self, loss_cfg, reference: torch.nn.Module | None = None, opd=None, teachers=None,
-                 dp_schedule=None):
-        """``opd``: the OPDConfig when distilling; form 2 reads each sample's teacher_log_probs, form 1
-        needs ``teachers`` ({set name: frozen model}) for the teachers' full distributions.
-        ``dp_schedule``: the DPScheduleConfig (default: its defaults)."""
-        if loss_cfg.kl_coef > 0 and reference is None:
-            raise ValueError("PolicyStep: kl_coef > 0 needs a reference model")
-        if opd is not None and opd.form == "kl_penalty" and not teachers:
-            raise ValueError("PolicyStep: OPD form kl_penalty needs the teacher models")
-        self.cfg, self.reference, self.opd, self.teachers = loss_cfg, reference, opd, teachers or {}
+    update_moe_bias = False  # post-training leaves the routers' balancing biases as pretraining left them
+
+    def __init__(self, dp_schedule=None):
         self.dp = dp_schedule or DPScheduleConfig()
-        self.denominator, self.world, self.mismatch_max = 1.0, 1, 0.0
+        self.denominator, self.world, self.rank = 1.0, 1, 0
         self.plan, self.trainable, self.schedule_metrics = None, [], {}
 
+    @staticmethod
+    def sample(item):
+        """The sample (tokens, response_length, loss_mask) of a batch item."""
+        return item
+
+    def normaliser(self, samples) -> float:
+        """What the summed loss is divided by: the trained tokens."""
+        return sum(sum(s.loss_mask) for s in samples)
+
     def begin(self, trainer, batch) -> None:
-        self.trainable = [pair for pair in batch if pair[0].response_length > 0]
-        samples = [s for s, _ in self.trainable]
-        total = (sum(sum(s.loss_mask) for s in samples) if self.cfg.aggregation == "token"
-                 else sum(1 for s in samples if any(s.loss_mask)))
-        self.denominator = max(float(total), 1.0)
-        self.world, self.rank, self.mismatch_max = trainer.world, trainer.rank, 0.0
+        self.trainable = [item for item in batch if self.sample(item).response_length > 0]
+        samples = [self.sample(item) for item in self.trainable]
+        self.denominator = max(float(self.normaliser(samples)), 1.0)
+        self.world, self.rank = trainer.world, trainer.rank
         lengths = [len(s.tokens) for s in samples]
         self.plan = schedule_from_config(lengths, self.world, self.dp, max_samples=trainer.cfg.micro_batch_size)
         padded = sum(len(b) * max(lengths[i] for i in b) for b in self.plan.micro_batches if b)
@@ -75,8 +79,43 @@ class PolicyStep(TrainStep):
 
     def loss(self, model, micro):
         if not micro:  # a rank without samples this step: one at weight 0 (see the module docstring)
-            objective, _ = self.loss(model, self.trainable[:1])
+            objective, _ = self.micro_loss(model, self.trainable[:1])
             return objective * 0.0, {}
+        return self.micro_loss(model, micro)
+
+    def micro_loss(self, model, micro) -> tuple[torch.Tensor, dict[str, float]]:
+        """(this micro-batch's share of the update's objective, summed metrics)."""
+        raise NotImplementedError
+
+
+class PolicyStep(SampleStep):
+    def __init__(self, loss_cfg, reference: torch.nn.Module | None = None, opd=None, teachers=None,
+                 dp_schedule=None):
+        """``opd``: the OPDConfig when distilling; form 2 reads each sample's teacher_log_probs, form 1
+        needs ``teachers`` ({set name: frozen model}) for the teachers' full distributions.
+        ``dp_schedule``: the DPScheduleConfig (default: its defaults)."""
+        if loss_cfg.kl_coef > 0 and reference is None:
+            raise ValueError("PolicyStep: kl_coef > 0 needs a reference model")
+        if opd is not None and opd.form == "kl_penalty" and not teachers:
+            raise ValueError("PolicyStep: OPD form kl_penalty needs the teacher models")
+        super().__init__(dp_schedule)
+        self.cfg, self.reference, self.opd, self.teachers = loss_cfg, reference, opd, teachers or {}
+        self.mismatch_max = 0.0
+
+    @staticmethod
+    def sample(item):
+        return item[0]  # (Sample, advantage)
+
+    def normaliser(self, samples) -> float:
+        if self.cfg.aggregation == "token":
+            return super().normaliser(samples)
+        return sum(1 for s in samples if any(s.loss_mask))
+
+    def begin(self, trainer, batch) -> None:
+        super().begin(trainer, batch)
+        self.mismatch_max = 0.0
+
+    def micro_loss(self, model, micro):
         samples = [s for s, _ in micro]
         advantages = torch.tensor([float(a) for _, a in micro])
         form1 = self.opd is not None and self.opd.form == "kl_penalty"

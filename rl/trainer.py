@@ -118,9 +118,10 @@ class RLTrainer:
             tokens += n
             # The DP schedule: micro-batches per rank and oversized samples summed over the updates,
             # the worst rank balance and padding.
-            for key, merge in (("micro_batches", sum), ("oversized_samples", sum), ("dp_balance", max),
-                               ("padding_fraction", max)):
-                stats[key] = merge((stats.get(key, metrics[key] if merge is max else 0), metrics[key]))
+            for key in ("micro_batches", "oversized_samples"):
+                stats[key] = stats.get(key, 0) + metrics[key]
+            for key in ("dp_balance", "padding_fraction"):
+                stats[key] = max(stats.get(key, 0.0), metrics[key])
         stats.update({k: v / max(tokens, 1.0) for k, v in sums.items()})
         stats["trained_tokens"] = tokens
         return stats

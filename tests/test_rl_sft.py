@@ -1,5 +1,7 @@
 """SFT: the loss covers exactly the assistant's tokens (bodies, thinking, the token that ends each of
 its turns), its gradient is the hand-computed masked NLL's, and a short run learns the demonstrations."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -47,13 +49,16 @@ def test_gradient_is_the_masked_nll(chat_tokenizer):
     batch = [conversation_example(c, tok) for c in tool_demonstrations(tok, 3, seed=1)]
 
     class FakeTrainer:
-        device, world = torch.device("cpu"), 1
+        device, world, rank = torch.device("cpu"), 1, 0
+        cfg = SimpleNamespace(micro_batch_size=2)
 
     step = SFTStep()
     step.begin(FakeTrainer(), batch)
     model.zero_grad()
     total = 0.0
-    for micro in step.micro_batches(batch, 2, "cpu"):
+    micros = step.micro_batches(batch, 2, "cpu")
+    assert sorted(map(len, micros)) == [1, 2]  # at most train.micro_batch_size conversations each
+    for micro in micros:
         loss, sums = step.loss(model, micro)
         loss.backward()
         total += float(loss.detach())
