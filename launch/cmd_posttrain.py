@@ -26,6 +26,10 @@ def run(args, name):
     plan = load_plan(args.config)
     tokenizer = load_tokenizer(source_tokenizer(source))
     summary = run_posttrain(plan, Path(args.config), source, tokenizer)
+    from orthon.core import distributed
+
+    if distributed.rank() != 0:  # under torchrun: rank 0 says it
+        return 0
     for stage in summary["stages"]:
         print(f"{stage['name']:>14} ({stage['kind']}): {stage['time_s']:.0f} s")
     tasks = list(next(iter(summary["evaluation"].values())))

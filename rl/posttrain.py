@@ -8,7 +8,8 @@ prompts of its own set. A finished stage (its final/ exists) is skipped and an i
 resumes from its checkpoints, so the whole plan resumes by running the command again. At the end,
 every stage's final model (and the starting one) is evaluated on every RL stage's held-out task
 (a tool-using stage's task also without tools), so what a stage taught and what it made the model
-forget stand side by side (stages.json).
+forget stand side by side (stages.json). Under torchrun every stage trains data-parallel (the SFT and
+RL steps' DP schedule); the ranks meet after each stage, and rank 0 evaluates and writes the summary.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from orthon.core import distributed
 from orthon.core.config import build, deep_merge, read_yaml
 from orthon.core.errors import ConfigError
 from orthon.core.files import atomic_write_text
@@ -113,6 +115,8 @@ def run_posttrain(plan: PosttrainPlan, plan_path: Path, source: Path, tokenizer,
     from orthon.rl.sft import fit_sft
     from orthon.rl.trainer import RLTrainer
 
+    if distributed.rank() != 0:
+        log = lambda *_: None  # noqa: E731 - rank 0 speaks for the job
     finals: dict[str, Path] = {}
     recipes, summary = {}, {"stages": []}
     start = source / "final"
@@ -135,6 +139,7 @@ def run_posttrain(plan: PosttrainPlan, plan_path: Path, source: Path, tokenizer,
                 trainer = RLTrainer(recipe, tokenizer, log=log)
                 trainer.resume()
                 result = trainer.fit()
+        distributed.barrier()  # every rank sees this stage's final weights before the next stage loads them
         result["time_s"] = time.perf_counter() - began
         summary["stages"].append({"name": stage.name, "kind": stage.kind, **result})
         finals[stage.name] = start = run_dir / "final"
@@ -145,7 +150,8 @@ def run_posttrain(plan: PosttrainPlan, plan_path: Path, source: Path, tokenizer,
                 recipes[f"{stage.name} (no tools)"] = replace(recipe, rl=plain)
     # What each stage's model can do on each RL stage's task (the starting model's too).
     models = {"start": source / "final", **finals}
-    summary["evaluation"] = {model: {task: evaluate(path, recipes[task], tokenizer)["eval_reward"] for task in recipes}
-                             for model, path in models.items()}
-    atomic_write_text(Path(plan.run_dir) / "stages.json", json.dumps(summary, indent=1, default=str))
-    return summary
+    if distributed.rank() == 0:
+        summary["evaluation"] = {model: {task: evaluate(path, recipes[task], tokenizer)["eval_reward"]
+                                         for task in recipes} for model, path in models.items()}
+        atomic_write_text(Path(plan.run_dir) / "stages.json", json.dumps(summary, indent=1, default=str))
+    return distributed.broadcast_object(summary)

@@ -80,3 +80,43 @@ def test_two_ranks_resume_where_they_stopped(tmp_path):
     assert ([{k: v for k, v in r.items() if k not in wall} for r in split]
             == [{k: v for k, v in r.items() if k not in wall} for r in whole])
     assert all(torch.equal(w_whole[k], w_split[k]) for k in w_whole)
+
+
+def test_a_posttrain_plan_trains_on_two_ranks_as_on_one(tmp_path, chat_tokenizer):
+    # SFT then RL through `orthon posttrain` at world sizes 1 and 2: each stage ends at the same weights
+    # (the SFT step shares RL's DP schedule), and rank 0's evaluation summary is the one process's.
+    from orthon.pretrain import GLMForCausalLM, ModelConfig
+    from orthon.pretrain.weights import save_weights
+    from pretrain_support import MODEL
+
+    source = tmp_path / "pre"
+    torch.manual_seed(0)
+    save_weights(GLMForCausalLM(ModelConfig(**{**MODEL, "vocab_size": chat_tokenizer.vocab_size})), source / "final")
+    (source / "config.yaml").write_text(yaml.safe_dump({"data": {"tokenizer": str(chat_tokenizer.path)}}))
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump({
+        "optim": {"ns_dtype": "fp32"},
+        "train": {"progress": False, "micro_batch_size": 3, "checkpoint_interval": 50},
+        "rl": {"iterations": 1, "prompts_per_iteration": 3, "max_new_tokens": 6, "eval_samples": 1,
+               "eval_interval": 0, "buffer": {"num_repeat_per_sample": 2}, "drop_zero_std_groups": False,
+               "max_sampling_rounds": 1, "task_args": {"difficulty": 1, "eval_size": 2},
+               "reward": {"name": "test_rl_parallel.first_letter_reward"}}}))
+    finals = {}
+    for nproc in (1, 2):
+        run = tmp_path / f"post{nproc}"
+        plan = {"recipe": "base.yaml", "run_dir": str(run), "stages": [
+            {"name": "sft", "kind": "sft", "set": {"sft": {"examples": 8, "steps": 2, "batch_size": 5}}},
+            {"name": "reasoning_rl"}]}
+        (tmp_path / f"plan{nproc}.yaml").write_text(yaml.safe_dump(plan))
+        out = orthon("posttrain", "-c", tmp_path / f"plan{nproc}.yaml", "--from", source, nproc=nproc)
+        assert out.stdout.count("held-out reward of each stage's model") == 1
+        finals[nproc] = {stage: load_file(str(run / stage / "final" / "model.safetensors"))
+                         for stage in ("sft", "reasoning_rl")}
+        finals[nproc]["evaluation"] = json.loads((run / "stages.json").read_text())["evaluation"]
+    assert finals[1]["evaluation"] == finals[2]["evaluation"]
+    before = load_file(str(source / "final" / "model.safetensors"))
+    for stage in ("sft", "reasoning_rl"):
+        one, two = finals[1][stage], finals[2][stage]
+        assert any(not torch.equal(one[k], before[k]) for k in one)  # the stage trained
+        before = one
+        for k in one:
+            torch.testing.assert_close(two[k].float(), one[k].float(), rtol=1e-4, atol=1e-6, msg=f"{stage} {k}")
