@@ -9,9 +9,10 @@ steps, hand the new weights to the engines under the next weight version. ``rl.m
 rollouts wait for training (sync) or run beside it (async); on a Ray cluster the same loop runs with
 the rollout manager, the engines and the trainer in different processes (orthon.rl.cluster).
 
-Under torchrun (data parallelism, DDP) rank 0 alone holds the engine and the rollout manager: it
-collects each iteration's groups and hands them to every rank, and every rank trains its share of
-them (the policy step's DP schedule); the new weights reach the engine from rank 0.
+Under torchrun (data parallelism: DDP, or FSDP2 by ``train.parallel``) rank 0 alone holds the engine
+and the rollout manager: it collects each iteration's groups and hands them to every rank, and every
+rank trains its share of them (the policy step's DP schedule); the new weights reach the engine from
+rank 0 (under FSDP2 gathered from the shards on every rank first).
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from orthon.core import distributed
 from orthon.core.errors import ConfigError, DataError
@@ -58,9 +61,10 @@ class RLTrainer:
         step = PolicyStep(self.cfg.loss, reference, opd=opd, teachers=teachers, dp_schedule=self.cfg.dp_schedule)
         self.trainer = Trainer(recipe, self.run_dir, log, step=step, with_data=False)
         self.model, self.rank, self.log = self.trainer.model, self.trainer.rank, self.trainer.log
-        if self.trainer.world > 1 and recipe.train.parallel != "ddp":
-            raise ConfigError(f"train.parallel: RL under torchrun runs DDP (rank 0 hands the whole model to the "
-                              f"engine), got {recipe.train.parallel!r}")
+        self.sharded = self.trainer.world > 1 and recipe.train.parallel == "fsdp"
+        if self.sharded and weight_sync is not None:
+            raise ConfigError("train.parallel: fsdp under torchrun hands the engine a gathered state dict; "
+                              "a custom weight_sync takes the model (use ddp)")
         if reference is not None:
             reference.to(self.trainer.device)
         if self.rank != 0:  # the engine and the rollouts live on rank 0 (see the module docstring)
@@ -129,11 +133,28 @@ class RLTrainer:
     def _update_engine(self, model, version: int) -> None:
         self.engine.update_weights(model.state_dict(), version=version)
 
+    def _full_state(self) -> dict | None:
+        """The policy's whole state dict gathered from FSDP2's shards (a collective: every rank calls
+        it; CPU copies), or None where the model is whole on every rank."""
+        if not self.sharded:
+            return None
+        return get_model_state_dict(self.trainer.wrapped, options=StateDictOptions(full_state_dict=True,
+                                                                                   cpu_offload=True))
+
+    def _hand_over(self) -> None:
+        """The current weights to the engines under ``weight_version`` (called on every rank)."""
+        state = self._full_state()
+        if self.rank != 0:
+            return
+        if state is None:
+            self.weight_sync(self.model, self.weight_version)
+        else:
+            self.engine.update_weights(state, version=self.weight_version)
+
     def sync_weights(self) -> None:
         """Hand the new weights to the engines under the next weight version."""
         self.weight_version += 1
-        if self.rank == 0:
-            self.weight_sync(self.model, self.weight_version)
+        self._hand_over()
 
     def evaluate(self) -> dict:
         return self._from_rank_zero(lambda: self.rollout.evaluate())
@@ -178,7 +199,7 @@ class RLTrainer:
         self.weight_version = state["weight_version"]
         if self.rank == 0:
             self.rollout.load_state_dict(rollout_state(state))
-            self.weight_sync(self.model, self.weight_version)
+        self._hand_over()
         self.log(f"resumed RL at iteration {self.iteration} (weight version {self.weight_version})")
         return True
 
@@ -247,11 +268,13 @@ class RLTrainer:
         if not self.trainer.checkpointer.has(self.trainer.step):
             self.save_checkpoint()
         metrics.close()
-        return self._from_rank_zero(self._finish)
+        state = self._full_state()
+        return self._from_rank_zero(lambda: self._finish(state))
 
-    def _finish(self) -> dict:
-        """The final weights, the plots and the run's summary (rank 0: DDP's model is whole on it)."""
-        save_weights(self.model, self.run_dir / "final")
+    def _finish(self, state: dict | None) -> dict:
+        """The final weights (``state``: gathered from FSDP2's shards, else the model's own), the plots
+        and the run's summary."""
+        save_weights(self.model, self.run_dir / "final", state)
         records = read_metrics(self.run_dir / "metrics.jsonl")
         plot_curves(records, ["reward_mean", "eval_reward", "eval_greedy"], self.run_dir / "reward.png",
                     title="GRPO + IcePop: mean reward (train samples; held-out sampled and greedy)")

@@ -1,5 +1,5 @@
-"""RL under torchrun: 2 gloo processes (DDP) train on the same rollouts as 1 process and end at the same
-weights. Rank 0 generates and hands each iteration's groups to both ranks; the DP schedule gives each
+"""RL under torchrun: 2 gloo processes (DDP or FSDP2) train on the same rollouts as 1 process and end at
+the same weights. Rank 0 generates and hands each iteration's groups to both ranks; the DP schedule gives each
 rank a disjoint share of the micro-batches (every sample trained once), balanced by FLOPs."""
 import json
 
@@ -21,12 +21,13 @@ def first_letter_reward(response: str, label) -> float:
     return float(bool(text) and text[0] < "n")
 
 
-def _run(tmp_path, pre, name, nproc, iterations=ITERATIONS, total_steps=0, resume=False):
+def _run(tmp_path, pre, name, nproc, iterations=ITERATIONS, total_steps=0, resume=False, parallel="ddp"):
     run = tmp_path / name
     path = _recipe(tmp_path, run, iterations, total_steps=total_steps, name=f"{name}.yaml")
     recipe = yaml.safe_load(path.read_text())
     # fp32 Newton-Schulz: a reduction-order round-off could flip a bf16 rounding between the world sizes.
     recipe["optim"] = {"ns_dtype": "fp32"}
+    recipe["train"]["parallel"] = parallel
     recipe["rl"]["dp_schedule"] = {"micro_batch_tokens": 96}
     recipe["rl"]["reward"] = {"name": "test_rl_parallel.first_letter_reward"}
     path.write_text(yaml.safe_dump(recipe))
@@ -39,14 +40,16 @@ def _run(tmp_path, pre, name, nproc, iterations=ITERATIONS, total_steps=0, resum
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rl_parallel")
     pre = _pretrain_dir(tmp)
-    return _run(tmp, pre, "one", 1), _run(tmp, pre, "two", 2)
+    return tmp, pre, _run(tmp, pre, "one", 1)
 
 
-def test_two_ranks_train_what_one_does(runs):
-    (out1, one, w1), (out2, two, w2) = runs
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_train_what_one_does(setup, parallel):
+    tmp, pre, (out1, one, w1) = setup
+    out2, two, w2 = _run(tmp, pre, f"two_{parallel}", 2, parallel=parallel)
     assert len(one) == len(two) == ITERATIONS
     # One summary line, from rank 0.
     assert out2.stdout.count("done: ") == 1
