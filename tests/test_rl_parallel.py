@@ -21,13 +21,14 @@ def first_letter_reward(response: str, label) -> float:
     return float(bool(text) and text[0] < "n")
 
 
-def _run(tmp_path, pre, name, nproc, iterations=ITERATIONS, total_steps=0, resume=False, parallel="ddp"):
+def _run(tmp_path, pre, name, nproc, iterations=ITERATIONS, total_steps=0, resume=False, parallel="ddp", mode="sync"):
     run = tmp_path / name
     path = _recipe(tmp_path, run, iterations, total_steps=total_steps, name=f"{name}.yaml")
     recipe = yaml.safe_load(path.read_text())
     # fp32 Newton-Schulz: a reduction-order round-off could flip a bf16 rounding between the world sizes.
     recipe["optim"] = {"ns_dtype": "fp32"}
     recipe["train"]["parallel"] = parallel
+    recipe["rl"]["mode"] = mode
     recipe["rl"]["dp_schedule"] = {"micro_batch_tokens": 96}
     recipe["rl"]["reward"] = {"name": "test_rl_parallel.first_letter_reward"}
     path.write_text(yaml.safe_dump(recipe))
@@ -69,6 +70,16 @@ def test_two_ranks_train_what_one_does(setup, parallel):
         torch.testing.assert_close(w2[name].float(), w1[name].float(), rtol=1e-4, atol=1e-6, msg=name)
         changed += not torch.equal(w1[name], w2[name])
     assert changed  # round-off differs somewhere: two ranks really summed their shares
+
+
+def test_two_ranks_train_asynchronously(setup):
+    # rl.mode async: rank 0's producer threads generate beside its training; every iteration still
+    # trains its groups on both ranks (the policy version moves by one each), with no hang at the end.
+    tmp, pre, _ = setup
+    out, records, weights = _run(tmp, pre, "two_async", 2, mode="async")
+    assert [r["policy_version"] for r in records] == list(range(1, ITERATIONS + 1))
+    assert all(r["trained_samples"] == 12 and r["trained_tokens"] > 0 for r in records)
+    assert out.stdout.count("done: ") == 1 and weights
 
 
 def test_two_ranks_resume_where_they_stopped(tmp_path):
