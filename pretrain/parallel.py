@@ -2,6 +2,7 @@
 and collectives are ``orthon.core.distributed``)."""
 from __future__ import annotations
 
+import inspect
 from contextlib import nullcontext
 
 from torch import nn
@@ -16,8 +17,12 @@ def wrap(model: nn.Module, mode: str) -> nn.Module:
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        # No buffer broadcast: each rank's MoE expert_load counts its own tokens until the step all-reduces
-        # them (broadcasting rank 0's buffers before every forward would overwrite them mid-step).
+        # No buffer sync before a forward: each rank's MoE expert_load counts its own tokens until the step
+        # all-reduces them (rank 0's buffers broadcast before every forward would overwrite them mid-step).
+        # torch 2.13 names this forward_sync_buffers (broadcast_buffers warns); it still syncs once at
+        # init, which is harmless here: every rank builds or loads the same buffers.
+        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+            return DistributedDataParallel(model, forward_sync_buffers=False)
         return DistributedDataParallel(model, broadcast_buffers=False)
     from torch.distributed.fsdp import fully_shard
 
