@@ -8,6 +8,11 @@ waits for the slowest rank, so this is the step time over the ideal), averaged
 over seeds. Also: how often Karmarkar-Karp finds the brute-force optimum on
 small instances, and whether it is ever worse than round-robin.
 
+first_fit / flops fill micro-batches by the sum of lengths (packed sequences);
+``padded`` (orthon's RL and SFT default: its step right-pads a micro-batch) by
+samples x the longest, and its loads are those padded FLOPs, so its rows are
+balanced against its own round-robin; the padding it leaves is printed too.
+
     python bench/dp_schedule.py [--seeds 5] [--samples 1024]
 """
 from __future__ import annotations
@@ -31,6 +36,8 @@ STRATEGIES = [
     ("first_fit", "karmarkar_karp"),
     ("flops", "round_robin"),
     ("flops", "karmarkar_karp"),
+    ("padded", "round_robin"),
+    ("padded", "karmarkar_karp"),
 ]
 CAPACITY = 32768
 
@@ -73,21 +80,28 @@ def main() -> None:
     for dp in (8, 16, 32):
         means = {}
         for packing, distribution in STRATEGIES:
-            balances, elapsed = [], 0.0
+            balances, padding, elapsed = [], [], 0.0
             for seed in range(args.seeds):
                 lengths = lengths_for(seed, args.samples)
                 start = time.perf_counter()
                 s = schedule(lengths, dp, CAPACITY, packing=packing, distribution=distribution)
                 elapsed += time.perf_counter() - start
                 balances.append(s.balance)
+                padded = sum(len(b) * lengths[b].max() for b in s.micro_batches if b)
+                padding.append(1 - lengths.sum() / padded)
             mean = float(np.mean(balances))
             means[(packing, distribution)] = mean
             figures[f"max_mean_{packing}_{distribution}_dp{dp}"] = round(mean, 4)
+            note = f"  padding {np.mean(padding):.3f}" if packing == "padded" else ""
             print(f"{dp:>4} {packing:>10} {distribution:>15} {mean:>9.4f} {max(balances):>7.4f} "
-                  f"{1000 * elapsed / args.seeds:>7.1f}")
-        reference = means[("first_fit", "round_robin")]
+                  f"{1000 * elapsed / args.seeds:>7.1f}{note}")
+            if packing == "padded":
+                figures[f"padding_fraction_{distribution}_dp{dp}"] = round(float(np.mean(padding)), 4)
         for packing, distribution in STRATEGIES[1:]:
-            key = f"max_mean_{packing}_{distribution}_vs_first_fit_round_robin_dp{dp}"
+            reference = means[(packing if packing == "padded" else "first_fit", "round_robin")]
+            if (packing, distribution) == ("padded", "round_robin"):
+                continue
+            key = f"max_mean_{packing}_{distribution}_vs_{'padded' if packing == 'padded' else 'first_fit'}_round_robin_dp{dp}"
             ratios[key] = round(means[(packing, distribution)] / reference, 4)
 
     print("\nKarmarkar-Karp (+ local refinement) on small instances vs brute-force optimum:")
