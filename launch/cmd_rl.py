@@ -2,6 +2,7 @@
 pretraining run's final weights (RUN_DIR/final) and tokenizer; `--resume` continues an RL run."""
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,6 +35,11 @@ def run(args, name):
     from orthon.rl.trainer import RLTrainer
 
     recipe = load_rl_recipe(args.config, args.overrides)
+    if recipe.rl.cluster.enabled and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from orthon.core.errors import ConfigError
+
+        raise ConfigError("rl.cluster.enabled: the Ray cluster runs its own trainer and engines; start it as "
+                          "one process (orthon rl ...), not under torchrun")
     if name == "distill" and (recipe.rl.opd is None or not recipe.rl.opd.teachers):
         from orthon.core.errors import ConfigError
 

@@ -134,3 +134,17 @@ def test_a_posttrain_plan_trains_on_two_ranks_as_on_one(tmp_path, chat_tokenizer
         before = one
         for k in one:
             torch.testing.assert_close(two[k].float(), one[k].float(), rtol=1e-4, atol=1e-6, msg=f"{stage} {k}")
+
+
+def test_the_ray_cluster_is_refused_under_torchrun():
+    # rl.cluster runs its own trainer and engines as Ray actors: every torchrun rank would start a cluster.
+    import subprocess
+    import sys
+
+    from pretrain_support import ROOT, env
+
+    proc = subprocess.run([sys.executable, "-m", "orthon.launch.cli", "rl", "-c", "configs/rl_tiny_ray.yaml",
+                           "--from", "runs/nosuch"], cwd=ROOT, env={**env(), "WORLD_SIZE": "2"},
+                          capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "not under torchrun" in proc.stdout + proc.stderr
