@@ -51,6 +51,15 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+def gather_object(obj, dst: int = 0) -> list | None:
+    """Every rank's ``obj`` in rank order on rank ``dst`` (None elsewhere; pickled, small data)."""
+    if not is_distributed():
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst)
+    return out
+
+
 def barrier() -> None:
     if is_distributed():
         dist.barrier()

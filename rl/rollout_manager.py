@@ -65,6 +65,9 @@ class RolloutManager:
         self._cond = threading.Condition()
         self._workers: list[threading.Thread] = []
         self._stopping = False
+        # Synchronous rounds' rolls: this process's engine alone, or shared by the ranks of a torchrun
+        # job (orthon.rl.rank_rollouts.RankRollouts.roll).
+        self.roll_round = self._roll
 
     # ------------------------------------------------------------ generation
     def sampling(self, greedy: bool = False, seed: int | None = None) -> SamplingParams:
@@ -121,7 +124,7 @@ class RolloutManager:
         items.sort(key=lambda item: item.index)
         for attempt in range(self.cfg.max_retries + 1):
             try:
-                samples = self._roll(items)
+                samples = self.roll_round(items)
                 break
             except EngineUnavailable as exc:
                 self.counters["engine_retries"] += 1

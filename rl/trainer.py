@@ -9,10 +9,11 @@ steps, hand the new weights to the engines under the next weight version. ``rl.m
 rollouts wait for training (sync) or run beside it (async); on a Ray cluster the same loop runs with
 the rollout manager, the engines and the trainer in different processes (orthon.rl.cluster).
 
-Under torchrun (data parallelism: DDP, or FSDP2 by ``train.parallel``) rank 0 alone holds the engine
-and the rollout manager: it collects each iteration's groups and hands them to every rank, and every
-rank trains its share of them (the policy step's DP schedule); the new weights reach the engine from
-rank 0 (under FSDP2 gathered from the shards on every rank first).
+Under torchrun (data parallelism: DDP, or FSDP2 by ``train.parallel``) rank 0's rollout manager draws
+the prompts and collects each iteration's groups, hands them to every rank, and every rank trains its
+share of them (the policy step's DP schedule). With DDP in the synchronous mode every rank holds an
+engine and generates a share of each round (orthon.rl.rank_rollouts); otherwise rank 0's engine
+generates alone, and under FSDP2 its new weights are gathered from the shards on every rank first.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from orthon.engine.in_process import InProcessEngine
 from orthon.pretrain.trainer import Trainer
 from orthon.pretrain.weights import load_weights, save_weights
 from orthon.rl.loss import grpo_advantages
+from orthon.rl.rank_rollouts import RankRollouts
 from orthon.rl.rollout_manager import RolloutManager, rollout_state
 from orthon.rl.sample import Sample, branches, sample_from_dict, sample_to_dict
 from orthon.rl.steps import METRICS, PolicyStep
@@ -67,12 +69,19 @@ class RLTrainer:
                               "a custom weight_sync takes the model (use ddp)")
         if reference is not None:
             reference.to(self.trainer.device)
-        if self.rank != 0:  # the engine and the rollouts live on rank 0 (see the module docstring)
+        # Every rank generates a share of each synchronous round under DDP; else rank 0 alone (see the
+        # module docstring).
+        shared = (self.trainer.world > 1 and not self.sharded and self.cfg.mode == "sync"
+                  and engine is None and rollout is None)
+        if self.rank != 0 and not shared:
             engine = rollout = None
         elif rollout is None:
             engine = engine or InProcessEngine(load_weights(policy, device=self.trainer.device), self.cfg.engine)
             rollout = RolloutManager(self.cfg, tokenizer, engine, recipe.train.seed, log=log)
         self.engine, self.rollout = engine, rollout
+        self.shared_rollouts = RankRollouts(rollout, self.rank, self.trainer.world) if shared else None
+        if shared and self.rank == 0:
+            rollout.roll_round = self.shared_rollouts.roll
         self.weight_sync = weight_sync or self._update_engine
         self.weight_version = 0  # of the weights the engines hold; every sync adds one
         self.iteration = 0
@@ -88,8 +97,19 @@ class RLTrainer:
     # ------------------------------------------------------------ parts
     def collect_groups(self) -> tuple[list[list[Sample]], dict]:
         """The iteration's groups (see RolloutManager.collect_groups), on every rank."""
-        return self._from_rank_zero(lambda: self.rollout.collect_groups(self.weight_version,
-                                                                        timeout=self.cfg.collect_timeout_s))
+        def collect():
+            return self.rollout.collect_groups(self.weight_version, timeout=self.cfg.collect_timeout_s)
+
+        if self.shared_rollouts is None:
+            return self._from_rank_zero(collect)
+        if self.rank != 0:
+            self.shared_rollouts.serve()  # rank 0's rounds, until it has the iteration's groups
+            return distributed.broadcast_object(None)
+        try:
+            result = collect()
+        finally:
+            self.shared_rollouts.stop()
+        return distributed.broadcast_object(result)
 
     def _from_rank_zero(self, fn):
         """``fn()``'s result as rank 0 computes it, on every rank (rank 0 alone runs ``fn``)."""
@@ -145,6 +165,8 @@ class RLTrainer:
         """The current weights to the engines under ``weight_version`` (called on every rank)."""
         state = self._full_state()
         if self.rank != 0:
+            if self.engine is not None:  # a rank that generates too (DDP: its weights are whole)
+                self._update_engine(self.model, self.weight_version)
             return
         if state is None:
             self.weight_sync(self.model, self.weight_version)
@@ -227,6 +249,7 @@ class RLTrainer:
         # trained_ids: the audit trail (every prompt trained on once, across restarts and resumes).
         stats.update(policy_version=self.weight_version, trained_samples=sum(map(len, groups)),
                      trained_ids=[g[0].instance_id for g in groups],
+                     rollout_ranks=self.trainer.world if self.shared_rollouts else 1,
                      wait_s=waited - start, train_s=trained - waited, sync_s=time.perf_counter() - trained)
         if cfg.eval_interval and self.iteration % cfg.eval_interval == 0 or self.iteration == cfg.iterations:
             evaluated = time.perf_counter()

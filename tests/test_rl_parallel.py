@@ -1,6 +1,7 @@
 """RL under torchrun: 2 gloo processes (DDP or FSDP2) train on the same rollouts as 1 process and end at
-the same weights. Rank 0 generates and hands each iteration's groups to both ranks; the DP schedule gives each
-rank a disjoint share of the micro-batches (every sample trained once), balanced by FLOPs."""
+the same weights. Rank 0 draws the prompts (under DDP both ranks generate a share of each round) and hands
+each iteration's groups to both ranks; the DP schedule gives each rank a disjoint share of the
+micro-batches (every sample trained once), balanced by FLOPs."""
 import json
 
 import pytest
@@ -12,6 +13,7 @@ from pretrain_support import orthon
 from test_rl_loop import _pretrain_dir, _recipe
 
 ITERATIONS = 3
+WALL = ("iteration_time_s", "wait_s", "train_s", "sync_s", "eval_s")  # wall times
 
 
 def first_letter_reward(response: str, label) -> float:
@@ -64,6 +66,11 @@ def test_two_ranks_train_what_one_does(setup, parallel):
         # Micro-batches of at most 96 padded tokens and 5 samples: more than one per rank, as many on each.
         assert b["micro_batches"] * 2 >= a["micro_batches"] > 2 and b["micro_batches"] < a["micro_batches"]
         assert a["dp_balance"] == 1.0 and 1.0 <= b["dp_balance"] < 1.5
+        # Under DDP both ranks generated a share of each round (FSDP2: rank 0 alone); every other figure,
+        # the rollout and reward counters gathered from the ranks included, is the one process's.
+        assert (a["rollout_ranks"], b["rollout_ranks"]) == (1, 2 if parallel == "ddp" else 1)
+        differ = {"micro_batches", "dp_balance", "rollout_ranks", "entropy", *WALL}
+        assert {k: v for k, v in a.items() if k not in differ} == {k: v for k, v in b.items() if k not in differ}
     assert w1.keys() == w2.keys()
     changed = 0
     for name in w1:
@@ -90,9 +97,8 @@ def test_two_ranks_resume_where_they_stopped(tmp_path):
     _run(tmp_path, pre, "split", 2, iterations=2, total_steps=4)
     out, split, w_split = _run(tmp_path, pre, "split", 2, iterations=4, total_steps=4, resume=True)
     assert "resumed RL at iteration 2" in out.stdout + out.stderr
-    wall = ("iteration_time_s", "wait_s", "train_s", "sync_s", "eval_s")
-    assert ([{k: v for k, v in r.items() if k not in wall} for r in split]
-            == [{k: v for k, v in r.items() if k not in wall} for r in whole])
+    assert ([{k: v for k, v in r.items() if k not in WALL} for r in split]
+            == [{k: v for k, v in r.items() if k not in WALL} for r in whole])
     assert all(torch.equal(w_whole[k], w_split[k]) for k in w_whole)
 
 
@@ -148,3 +154,40 @@ def test_the_ray_cluster_is_refused_under_torchrun():
                           capture_output=True, text=True)
     assert proc.returncode != 0
     assert "not under torchrun" in proc.stdout + proc.stderr
+
+
+def test_round_shares_and_errors_by_hand():
+    from types import SimpleNamespace
+    import collections
+
+    from orthon.core.errors import EngineUnavailable
+    from orthon.rl.rank_rollouts import RankRollouts, shares
+    from orthon.rl.rewards.registry import RewardStats
+
+    assert shares(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert shares([9], 2) == [[9], []]
+
+    def manager(roll):
+        return SimpleNamespace(_roll=roll, counters=collections.Counter(), reward=SimpleNamespace(stats=RewardStats()))
+
+    def counting(items):
+        m.counters["truncated"] += 1
+        m.reward.stats.record("ok", "passed")
+        return [f"sample {i}" for i in items]
+
+    m = manager(counting)
+    # One process: the round is rank 0's share alone, and its own counts are not added twice.
+    assert RankRollouts(m, 0, 1).roll([1, 2]) == ["sample 1", "sample 2"]
+    assert m.counters["truncated"] == 1 and m.reward.stats.calls == 1 and m.reward.stats.passed == 1
+
+    def down(items):
+        raise EngineUnavailable("engine 0 is down")
+
+    def broken(items):
+        raise ValueError("bad plug-in")
+
+    # A rank's error is the round's: an engine down stays EngineUnavailable (the round is retried).
+    with pytest.raises(EngineUnavailable, match="rank 0: EngineUnavailable: engine 0 is down"):
+        RankRollouts(manager(down), 0, 1).roll([1])
+    with pytest.raises(RuntimeError, match="rank 0: ValueError: bad plug-in"):
+        RankRollouts(manager(broken), 0, 1).roll([1])

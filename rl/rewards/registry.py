@@ -90,6 +90,14 @@ class RewardStats:
             for key in ("calls", "passed", "errors", "timeouts", "invalid", "last_problem"):
                 setattr(self, key, counts[key])
 
+    def add(self, counts: dict[str, int], last_problem: str = "") -> None:
+        """Add another scorer's counts (another rank's, say); its last problem, if any, becomes the last."""
+        with self._lock:
+            for key in ("calls", "passed", "errors", "timeouts", "invalid"):
+                setattr(self, key, getattr(self, key) + counts[key])
+            if last_problem:
+                self.last_problem = last_problem
+
     @property
     def failures(self) -> int:
         return self.errors + self.timeouts + self.invalid
