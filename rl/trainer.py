@@ -77,7 +77,7 @@ class RLTrainer:
             engine = rollout = None
         elif rollout is None:
             engine = engine or InProcessEngine(load_weights(policy, device=self.trainer.device), self.cfg.engine)
-            rollout = RolloutManager(self.cfg, tokenizer, engine, recipe.train.seed, log=log)
+            rollout = RolloutManager(self.cfg, tokenizer, engine, recipe.train.seed, log=self.log)
         self.engine, self.rollout = engine, rollout
         self.shared_rollouts = RankRollouts(rollout, self.rank, self.trainer.world) if shared else None
         if shared and self.rank == 0:
