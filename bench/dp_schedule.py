@@ -27,6 +27,7 @@ from orthon.rl.dp_schedule import (
     distribute_karmarkar_karp,
     distribute_round_robin,
     optimal_partition_bruteforce,
+    padded_cost,
     rank_loads,
     schedule,
 )
@@ -87,7 +88,7 @@ def main() -> None:
                 s = schedule(lengths, dp, CAPACITY, packing=packing, distribution=distribution)
                 elapsed += time.perf_counter() - start
                 balances.append(s.balance)
-                padded = sum(len(b) * lengths[b].max() for b in s.micro_batches if b)
+                padded = padded_cost(s.micro_batches, lengths).sum()
                 padding.append(1 - lengths.sum() / padded)
             mean = float(np.mean(balances))
             means[(packing, distribution)] = mean

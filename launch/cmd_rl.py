@@ -27,6 +27,7 @@ def resume_command(args, name) -> str | None:
 
 
 def run(args, name):
+    from orthon.core.errors import ConfigError
     from orthon.core.files import atomic_write_text
     from orthon.data.tokenizer import load_tokenizer
     from orthon.pretrain.trainer import write_run_config
@@ -36,13 +37,9 @@ def run(args, name):
 
     recipe = load_rl_recipe(args.config, args.overrides)
     if recipe.rl.cluster.enabled and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from orthon.core.errors import ConfigError
-
         raise ConfigError("rl.cluster.enabled: the Ray cluster runs its own trainer and engines; start it as "
                           "one process (orthon rl ...), not under torchrun")
     if name == "distill" and (recipe.rl.opd is None or not recipe.rl.opd.teachers):
-        from orthon.core.errors import ConfigError
-
         raise ConfigError("rl.opd.teachers: orthon distill needs at least one teacher (name, weights, task)")
     run_dir = Path(recipe.train.run_dir)
     source = Path(args.source) if args.source else None

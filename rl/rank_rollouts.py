@@ -15,9 +15,9 @@ import collections
 
 from orthon.core import distributed
 from orthon.core.errors import EngineUnavailable
+from orthon.rl.rewards.registry import COUNTS
 
 STOP = "stop"
-_COUNTS = ("calls", "passed", "errors", "timeouts", "invalid")
 
 
 def shares(items: list, world: int) -> list[list]:
@@ -33,17 +33,16 @@ class RankRollouts:
 
     def _roll_share(self, items: list) -> tuple:
         """(samples, counter increments, reward-count increments, reward's last problem, error or None)."""
-        manager = self.manager
-        counters, reward = collections.Counter(manager.counters), manager.reward.stats.as_dict()
+        manager, stats = self.manager, self.manager.reward.stats
+        counters, reward, failures = collections.Counter(manager.counters), stats.as_dict(), stats.failures
         samples, error = [], None
         try:
             samples = manager._roll(items) if items else []
         except Exception as exc:  # noqa: BLE001 - sent to rank 0, which raises it for the round
             error = (isinstance(exc, EngineUnavailable), f"rank {self.rank}: {type(exc).__name__}: {exc}")
-        after = manager.reward.stats.as_dict()
-        added = {k: after[k] - reward[k] for k in _COUNTS}
-        problem = after["last_problem"] if added["errors"] + added["timeouts"] + added["invalid"] else ""
-        return samples, manager.counters - counters, added, problem, error
+        after = stats.as_dict()
+        problem = after["last_problem"] if stats.failures > failures else ""
+        return samples, manager.counters - counters, {k: after[k] - reward[k] for k in COUNTS}, problem, error
 
     def roll(self, items: list) -> list:
         """Rank 0: every rank's share of ``items`` rolled, in ``items``' order."""

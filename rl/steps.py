@@ -21,7 +21,7 @@ import torch
 from orthon.core import distributed
 from orthon.pretrain.steps import TrainStep
 from orthon.rl.config import DPScheduleConfig
-from orthon.rl.dp_schedule import schedule_from_config
+from orthon.rl.dp_schedule import padded_cost, schedule_from_config
 from orthon.rl.logprobs import sample_log_probs
 from orthon.rl.loss import aggregate_loss, icepop_token_loss, opd_kl_penalty_advantages, opd_sampled_advantages
 
@@ -68,7 +68,7 @@ class SampleStep(TrainStep):
         self.world, self.rank = trainer.world, trainer.rank
         lengths = [len(s.tokens) for s in samples]
         self.plan = schedule_from_config(lengths, self.world, self.dp, max_samples=trainer.cfg.micro_batch_size)
-        padded = sum(len(b) * max(lengths[i] for i in b) for b in self.plan.micro_batches if b)
+        padded = float(padded_cost(self.plan.micro_batches, lengths).sum())
         self.schedule_metrics = {"dp_balance": self.plan.balance,
                                  "padding_fraction": 1.0 - sum(lengths) / padded if padded else 0.0,
                                  "oversized_samples": sum(n > self.dp.micro_batch_tokens for n in lengths)}

@@ -56,6 +56,9 @@ def _delayed(fn: RewardFn, latency_s: float, response: str, label: Any) -> Any:
     return fn(response, label)
 
 
+COUNTS = ("calls", "passed", "errors", "timeouts", "invalid")  # RewardStats' counts
+
+
 @dataclass
 class RewardStats:
     """Outcome counts of reward calls; thread-safe."""
@@ -87,13 +90,13 @@ class RewardStats:
     def load(self, counts: dict[str, Any]) -> None:
         """Continue from ``as_dict()``'s counts (a resumed run)."""
         with self._lock:
-            for key in ("calls", "passed", "errors", "timeouts", "invalid", "last_problem"):
+            for key in (*COUNTS, "last_problem"):
                 setattr(self, key, counts[key])
 
     def add(self, counts: dict[str, int], last_problem: str = "") -> None:
         """Add another scorer's counts (another rank's, say); its last problem, if any, becomes the last."""
         with self._lock:
-            for key in ("calls", "passed", "errors", "timeouts", "invalid"):
+            for key in COUNTS:
                 setattr(self, key, getattr(self, key) + counts[key])
             if last_problem:
                 self.last_problem = last_problem
