@@ -68,7 +68,13 @@ def barrier() -> None:
 def shutdown() -> None:
     """Wait for every rank, then tear the process group down. Without it a rank that finishes first
     exits with gloo's threads still running and can be aborted by the C++ runtime ("terminate called
-    without an active exception"), failing an otherwise good run."""
+    without an active exception"), failing an otherwise good run. Garbage is collected first: objects left in
+    reference cycles (an RL trainer holds its own bound methods, and through them its DDP wrapper) can
+    otherwise hold on to the process group until the interpreter's teardown and abort there (measured on 2-rank
+    RL resumes beside a busy process: 8 of 55 runs aborted after their last line, 0 of 60 with this)."""
     if dist.is_available() and dist.is_initialized():
+        import gc
+
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
