@@ -14,9 +14,10 @@ least loaded rank), and the step runs in three phases:
 3. return: the owner broadcasts a replicated parameter's result, and
    scatters a sharded one's back so each rank gets the slice of its shard.
 
-Updates travel in the Newton-Schulz dtype (bf16 by default): Newton-Schulz
-casts to it first anyway, so the result is the same as on one rank, and
-the traffic is halved. Collectives are plain torch.distributed (gloo on CPU,
+Updates travel in the Newton-Schulz dtype (bf16 by default) both ways:
+Newton-Schulz casts to it first anyway, so the input is the same as on one
+rank, and the traffic is halved; results come back rounded to it on every
+rank, the owner included, so the ranks' weights stay equal. Collectives are plain torch.distributed (gloo on CPU,
 NCCL on GPU); every rank must step the same parameters in the same order,
 which DDP and FSDP2 guarantee.
 """
@@ -164,12 +165,13 @@ class DistributedOrthogonaliser:
         else:
             flat = torch.empty(sum(work[i].update.numel() for i in items), dtype=dtype, device=device)
         dist.broadcast(flat, group=self.group, group_src=owner)
-        if rank != owner:
-            offset = 0
-            for i in items:
-                n = work[i].update.numel()
-                results[i] = flat[offset: offset + n].reshape(work[i].update.shape)
-                offset += n
+        # The owner takes the rounded copy too: where Newton-Schulz computed in a wider dtype than the one
+        # results travel in (Gram in fp32 on a CPU without a bf16 GEMM), every rank applies the same update.
+        offset = 0
+        for i in items:
+            n = work[i].update.numel()
+            results[i] = flat[offset: offset + n].reshape(work[i].update.shape)
+            offset += n
 
     def _scatter(self, work, results, items, layouts, owner, rank, world, dtype) -> None:
         lengths = [sum(layouts[i].numel(k) for i in items) for k in range(world)]
