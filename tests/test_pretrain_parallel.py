@@ -41,6 +41,7 @@ def test_two_processes_match_one(mode, single, tmp_path):
     _close(losses(run), reference, range(1, STEPS + 1))
 
 
+@pytest.mark.slow  # about 25 s: a 2-process run, then its resume on one
 def test_saved_at_world_two_resumes_at_world_one(single, tmp_path):
     stores, reference = single
     run = tmp_path / "run"

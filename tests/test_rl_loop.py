@@ -4,6 +4,7 @@ import json
 import math
 import re
 
+import pytest
 import torch
 import yaml
 
@@ -129,6 +130,7 @@ def test_default_decode_logprobs_match_the_trainer(tmp_path):
         assert r["masked_fraction"] == 0.0
 
 
+@pytest.mark.slow  # about 30 s: an older checkpoint layout, two runs
 def test_a_checkpoint_from_before_the_rollout_manager_resumes(tmp_path):
     """The synchronous loop's checkpoints kept the task, buffer and reward counts at the top level of the
     trainer state; resumed from one, the run continues as if never stopped."""

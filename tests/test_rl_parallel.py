@@ -89,6 +89,7 @@ def test_two_ranks_train_asynchronously(setup):
     assert out.stdout.count("done: ") == 1 and weights
 
 
+@pytest.mark.slow  # about 45 s on a 2-core CPU without AVX-512; one-rank resume: test_rl_loop
 def test_two_ranks_resume_where_they_stopped(tmp_path):
     # Stopped after 2 of 4 iterations and resumed at world size 2 (rank 0's rollout manager state in the
     # checkpoint): the same records and the same weights, bit for bit, as the run that never stopped.
@@ -102,6 +103,7 @@ def test_two_ranks_resume_where_they_stopped(tmp_path):
     assert all(torch.equal(w_whole[k], w_split[k]) for k in w_whole)
 
 
+@pytest.mark.slow  # about 25 s: four posttrain runs
 def test_a_posttrain_plan_trains_on_two_ranks_as_on_one(tmp_path, chat_tokenizer):
     # SFT then RL through `orthon posttrain` at world sizes 1 and 2: each stage ends at the same weights
     # (the SFT step shares RL's DP schedule), and rank 0's evaluation summary is the one process's.
