@@ -17,9 +17,9 @@ least loaded rank), and the step runs in three phases:
 Updates travel in the Newton-Schulz dtype (bf16 by default) both ways:
 Newton-Schulz casts to it first anyway, so the input is the same as on one
 rank, and the traffic is halved; results come back rounded to it on every
-rank, the owner included, so the ranks' weights stay equal. Collectives are plain torch.distributed (gloo on CPU,
-NCCL on GPU); every rank must step the same parameters in the same order,
-which DDP and FSDP2 guarantee.
+rank, the owner included, so the ranks' weights stay equal. Collectives are
+plain torch.distributed (gloo on CPU, NCCL on GPU); every rank must step the
+same parameters in the same order, which DDP and FSDP2 guarantee.
 """
 from __future__ import annotations
 

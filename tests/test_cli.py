@@ -48,8 +48,11 @@ def test_ctrl_c_stops_with_one_line_naming_resume(tmp_path):
     stores = make_stores(tmp_path / "data")
     run_dir = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.yaml", stores, run_dir, train={"max_steps": 400, "checkpoint_interval": 2})
+    # SIGINT's default disposition in the child, as in a foreground terminal: a test run started in the
+    # background of a shell without job control inherits SIGINT ignored, and the run would finish unstopped.
     proc = subprocess.Popen([sys.executable, "-m", "orthon.launch.cli", "pretrain", "-c", str(recipe)], cwd=ROOT,
-                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     target = run_dir / "checkpoints" / "step_00000002"
     deadline = time.time() + 300
     while not target.exists() and proc.poll() is None and time.time() < deadline:
