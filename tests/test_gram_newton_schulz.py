@@ -168,6 +168,8 @@ def test_restarts_keep_bf16_stable():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not bf16_gemm_is_native("cpu"), reason="bf16 GEMM emulated on this CPU (about 1 GFLOP/s): "
+                    "these blocks would take over 20 minutes; the fast suite checks the same numerics on smaller ones")
 @pytest.mark.parametrize("rows, cols, count", [(1024, 4096, 2), (*EXPERT_UP, 1)])  # ~30 s, ~60-120 s
 def test_gram_bf16_on_large_glm5_blocks(rows, cols, count):
     exact, standard, gram = compare(rows, cols, count, torch.bfloat16)
