@@ -21,56 +21,22 @@ warning, or info when ORTHON_DECODE_KERNELS=0 asked for it).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from orthon.core.native import NativeLibrary
 
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 8  # above this the BLAS's blocked GEMM is as fast or faster
 PANEL = 16
 
-_SOURCE_PATH = Path(__file__).with_name("decode_kernels.c")
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-why_unavailable: str | None = None
-
-
-def _cpu_has_avx2_fma() -> bool:
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx2" in flags and " fma" in flags
-
-
-def _build() -> ctypes.CDLL:
-    source = _SOURCE_PATH.read_text()
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("ORTHON_CACHE", Path.home() / ".cache" / "orthon"))
-    target = cache / f"decode_kernels_{digest}.so"
-    if not target.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            src, out = Path(tmp) / "decode_kernels.c", Path(tmp) / "decode_kernels.so"
-            src.write_text(source)
-            cc = os.environ.get("CC", "cc")
-            subprocess.run([cc, "-O3", "-mavx2", "-mfma", "-shared", "-fPIC", str(src), "-o", str(out), "-lm"],
-                           check=True, capture_output=True, timeout=120)
-            os.replace(out, target)  # atomic: a concurrent build or a crash never leaves half a library
-    lib = ctypes.CDLL(str(target))
+def _declare(lib: ctypes.CDLL) -> None:
     lib.thin_pack.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
     lib.thin_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
     lib.thin_use_avx512.argtypes = [ctypes.c_int]
@@ -84,34 +50,17 @@ def _build() -> ctypes.CDLL:
                                     + [ctypes.c_float, ctypes.c_long] + [ctypes.c_void_p] * 3)
     lib.thin_latent_attention.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 2
                                           + [ctypes.c_long] * 6 + [ctypes.c_float] + [ctypes.c_void_p] * 2)
-    return lib
+    if os.environ.get("ORTHON_DECODE_AVX512") == "0":  # AVX2 kernels on an AVX-512 CPU
+        lib.thin_use_avx512(0)
+
+
+native = NativeLibrary(Path(__file__).with_name("decode_kernels.c"), "ORTHON_DECODE_KERNELS", "decode kernels",
+                       "decoding uses torch ops (same values, slower at small batches)", log, _declare)
 
 
 def library() -> ctypes.CDLL | None:
-    """The built kernel, or None (``why_unavailable`` says why)."""
-    global _lib, _tried, why_unavailable
-    with _lock:
-        if not _tried:
-            _tried = True
-            if os.environ.get("ORTHON_DECODE_KERNELS", "1") == "0":
-                why_unavailable = "disabled by ORTHON_DECODE_KERNELS=0"
-            elif not _cpu_has_avx2_fma():
-                why_unavailable = "the CPU lacks AVX2 / FMA (or is not x86-64)"
-            else:
-                try:
-                    _lib = _build()
-                    if os.environ.get("ORTHON_DECODE_AVX512") == "0":  # AVX2 kernels on an AVX-512 CPU
-                        _lib.thin_use_avx512(0)
-                except (OSError, subprocess.SubprocessError) as exc:
-                    detail = getattr(exc, "stderr", None)
-                    lines = detail.decode(errors="replace").strip().splitlines() if detail else []
-                    detail = [line for line in lines if "error" in line][:1] or lines[-1:]
-                    why_unavailable = f"could not build the kernel: {exc}" + (f" ({detail[0]})" if detail else "")
-            if why_unavailable is not None:
-                level = logging.INFO if os.environ.get("ORTHON_DECODE_KERNELS") == "0" else logging.WARNING
-                log.log(level, "orthon: decode kernels unavailable, %s; decoding uses torch ops "
-                               "(same values, slower at small batches)", why_unavailable)
-        return _lib
+    """The built kernel, or None (``native.why_unavailable`` says why)."""
+    return native.load()
 
 
 class PackedLinear:
@@ -147,10 +96,10 @@ class PackedLinear:
         flat = x.reshape(rows, self.in_features).contiguous()
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
         if self.eps is None:
-            _lib.thin_linear(flat.data_ptr(), self.panels.data_ptr(), y.data_ptr(), rows, self.out_features,
+            native.lib.thin_linear(flat.data_ptr(), self.panels.data_ptr(), y.data_ptr(), rows, self.out_features,
                              self.in_features)
         else:
-            _lib.thin_norm_linear(flat.data_ptr(), self.panels.data_ptr(), y.data_ptr(), rows, self.out_features,
+            native.lib.thin_norm_linear(flat.data_ptr(), self.panels.data_ptr(), y.data_ptr(), rows, self.out_features,
                                   self.in_features, self.eps)
         return y.view(*x.shape[:-1], self.out_features)
 
@@ -162,7 +111,7 @@ def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     K = x.shape[-1]
     rows = x.numel() // K if x.numel() else 0
     strided_rows = x.dim() == 2 and x.stride(-1) == 1
-    lib = _lib if _tried else library()
+    lib = library()
     if (lib is None or not 0 < rows <= MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu"
             or norm.weight.dtype != torch.float32 or torch.is_grad_enabled()
             or not (strided_rows or x.is_contiguous())):
@@ -209,7 +158,7 @@ class PackedMoE:
         weights = torch.empty(M, k, dtype=torch.float32)
         Is = 0 if self.shared_down is None else self.shared_down.in_features
         scratch = torch.empty(M * (2 * self.hidden + 3 * self.intermediate + Is), dtype=torch.float32)
-        _lib.thin_moe(x.data_ptr(), M, self.hidden, self.intermediate, self.num_experts, logits.data_ptr(),
+        native.lib.thin_moe(x.data_ptr(), M, self.hidden, self.intermediate, self.num_experts, logits.data_ptr(),
                       logits.stride(0), bias.data_ptr(), k, r["n_group"], r["topk_group"], int(r["norm_topk_prob"]),
                       float(r["scaling"]), self._gate_up_ptrs, self._down_ptrs,
                       None if shared_in is None else shared_in.data_ptr(), 0 if shared_in is None else shared_in.stride(0),
@@ -219,7 +168,7 @@ class PackedMoE:
 
 
 def _decode_kernel_applies(*tensors: torch.Tensor) -> bool:
-    lib = _lib if _tried else library()
+    lib = library()
     return (lib is not None and not torch.is_grad_enabled()
             and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors))
 
@@ -238,7 +187,7 @@ def index_topk(keys: torch.Tensor, length: int, q: torch.Tensor, w: torch.Tensor
         visible = visible.contiguous()
     out = torch.empty(B, k, dtype=torch.long)
     scores, heap = torch.empty(length, dtype=torch.float32), torch.empty(k, dtype=torch.long)
-    _lib.thin_index_topk(keys.data_ptr(), keys.stride(0), q.data_ptr(), w.data_ptr(),
+    native.lib.thin_index_topk(keys.data_ptr(), keys.stride(0), q.data_ptr(), w.data_ptr(),
                          None if visible is None else visible.data_ptr(), B, length, n, d, float(scale), k,
                          out.data_ptr(), scores.data_ptr(), heap.data_ptr())
     return out
@@ -261,7 +210,7 @@ def latent_attention_step(q: torch.Tensor, cache: torch.Tensor, length: int, sca
     keys = length if chosen is None else chosen.shape[1]
     out = torch.empty(B, H, rank, dtype=torch.float32)
     p = torch.empty(keys, dtype=torch.float32)
-    _lib.thin_latent_attention(q.data_ptr(), cache.data_ptr(), cache.stride(0),
+    native.lib.thin_latent_attention(q.data_ptr(), cache.data_ptr(), cache.stride(0),
                                None if chosen is None else chosen.data_ptr(),
                                None if visible is None else visible.data_ptr(), length, B, H, D, rank, keys,
                                float(scale), out.data_ptr(), p.data_ptr())
@@ -281,6 +230,6 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: i
     B, n, dim = x3.shape
     pairs = (dim if rope_dim is None else rope_dim) // 2
     y = torch.empty(B, n, dim, dtype=torch.float32)
-    _lib.thin_rope(x3.data_ptr(), B, n, x3.stride(0), x3.stride(1), dim, pairs, cos.data_ptr(), sin.data_ptr(),
+    native.lib.thin_rope(x3.data_ptr(), B, n, x3.stride(0), x3.stride(1), dim, pairs, cos.data_ptr(), sin.data_ptr(),
                    pairs if cos.shape[0] > 1 else 0, y.data_ptr())
     return y[:, 0] if squeeze else y

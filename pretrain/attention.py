@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+import orthon.pretrain.sparse_kernels as sparse_kernels
 from orthon.pretrain.config import ModelConfig, RuntimeOptions
 from orthon.pretrain.layers import RMSNorm, apply_rope, compute_dtype
 from orthon.pretrain.topk import deterministic_topk
@@ -214,6 +215,10 @@ def absorbed_attention(
             visible = idx <= slots[None, :, None]
             if k_docs is not None:
                 visible = visible & (k_docs.gather(1, idx.reshape(idx.shape[0], -1)).view_as(idx) == docs[..., None])
+            out = sparse_kernels.latent_attention(qc, latent, idx, visible, scale, rank)
+            if out is not None:
+                outputs.append(out)
+                continue
             if torch.is_grad_enabled() and (q.requires_grad or latent.requires_grad):
                 outputs.append(_GatheredLatentAttention.apply(qc, latent, idx, visible[:, :, None, :], scale, rank))
                 continue
@@ -357,7 +362,7 @@ class MLAttention(nn.Module):
     def _select(self, x, q_resid, cos, sin, index_keys, q_slots, prev_topk, want_scores, q_docs=None, k_docs=None,
                 ordered=True):
         """Top-k indices for this layer (own indexer or the shared previous one) and, when asked, the
-        differentiable index scores. ordered=False: the selected set in any order (for the masked path)."""
+        differentiable index scores. ordered=False: the selected set in any order (when nothing reads the order)."""
         if self.indexer is None:
             return prev_topk, None
         if not want_scores:
@@ -385,6 +390,10 @@ class MLAttention(nn.Module):
         skipped. Keeps at least k columns, so rows with fewer visible keys pad with the same invisible
         (lowest-position) keys a full-width selection returns: the indices are identical."""
         T, S, k = q_idx.shape[1], index_keys.shape[1], self.config.index_topk
+        if S == T:
+            picked = sparse_kernels.causal_topk(q_idx, w_idx, index_keys, k, self.indexer.scale, q_docs, ordered)
+            if picked is not None:
+                return picked
         chunk = min(self.runtime.query_chunk, SELECT_CHUNK)
         picks = []
         for start in range(0, T, chunk):
@@ -443,17 +452,20 @@ class MLAttention(nn.Module):
         S = latent.shape[1]
         topk, scores = None, None
         if self.runtime.sparse_attention and (S > self.config.index_topk or want_index_scores):
-            masked = cache is None and not self._use_gather(T)  # marks the selection: its order is free
+            # Without a cache nothing reads the selection's order (a KV cache's decode path does).
             topk, scores = self._select(x, q_resid, cos, sin, index_keys, q_slots, prev_topk, want_index_scores,
-                                        doc_ids, k_docs, ordered=not masked)
+                                        doc_ids, k_docs, ordered=cache is not None)
             if S <= self.config.index_topk:
                 topk = None  # every causal key is selected: plain causal attention
-        if cache is not None or (topk is not None and self._use_gather(T)):
+        if cache is not None or (topk is not None and self._use_gather(T, x)):
             out = self._absorbed(q_nope, q_rope, latent, q_slots, topk, doc_ids, k_docs)
         else:
             out = self._expanded(q_nope, q_rope, latent, attention_mask(topk, q_slots, S, doc_ids, k_docs, q_nope.dtype))
         return self.o_proj(out.reshape(B, T, -1)), topk, scores
 
-    def _use_gather(self, T: int) -> bool:
+    def _use_gather(self, T: int, x: torch.Tensor) -> bool:
         impl = self.runtime.sparse_impl
-        return impl == "gather" or (impl == "auto" and T >= self.runtime.gather_min_len)
+        if impl != "auto":
+            return impl == "gather"
+        # On CPU the sparse kernels make the gathered form the faster one at any length.
+        return T >= self.runtime.gather_min_len or (x.device.type == "cpu" and sparse_kernels.native.load() is not None)

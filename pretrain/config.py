@@ -186,9 +186,9 @@ class RuntimeOptions:
     # False: plain causal MLA, the indexer is not consulted (pretraining before DSA adaptation).
     sparse_attention: bool = True
     # How top-k sparse attention runs in a full forward: "mask" (dense SDPA with a top-k mask; fastest
-    # for short T), "gather" (absorbed MQA form over the gathered top-k latents; memory linear in T),
-    # "auto" (gather once T >= gather_min_len). On CPU, where SDPA's flash kernel takes the mask, the
-    # training step is faster masked up to about 2k tokens (2x1024: 1.3x; 1x4096: gather 1.4x faster).
+    # for short T on GPU), "gather" (absorbed MQA form over the gathered top-k latents; memory linear in
+    # T), "auto" (gather once T >= gather_min_len, and on CPU wherever orthon.pretrain.sparse_kernels
+    # is built: its kernels read k latents a query where the mask path scores all T).
     sparse_impl: Literal["auto", "mask", "gather"] = "auto"
     gather_min_len: int = 2048
     # Queries per chunk for the indexer and gathered attention: memory stays chunk x keys.

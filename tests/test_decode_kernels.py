@@ -12,7 +12,7 @@ from orthon.pretrain.moe import route
 from orthon.engine.decode_kernels import PackedLinear, PackedMoE, index_topk, latent_attention_step, rms_norm, rope_rows
 from orthon.pretrain.topk import deterministic_topk
 
-pytestmark = [pytest.mark.skipif(decode_kernels.library() is None, reason=f"decode kernels: {decode_kernels.why_unavailable}"),
+pytestmark = [pytest.mark.skipif(decode_kernels.library() is None, reason=f"decode kernels: {decode_kernels.native.why_unavailable}"),
               pytest.mark.usefixtures("one_thread")]
 
 

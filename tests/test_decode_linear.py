@@ -6,19 +6,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from orthon.core import native
+from orthon.core.native import cpu_has_avx2_fma
 from orthon.engine import decode_kernels
 from orthon.engine.decode_kernels import MAX_ROWS, PackedLinear
 
-needs_kernel = pytest.mark.skipif(decode_kernels.library() is None, reason=f"decode kernels: {decode_kernels.why_unavailable}")
+needs_kernel = pytest.mark.skipif(decode_kernels.library() is None, reason=f"decode kernels: {decode_kernels.native.why_unavailable}")
 
 
 def test_the_kernel_builds_where_it_can():
     """A C error in the kernel source would otherwise only show as every kernel test skipping."""
     import shutil
 
-    if not (decode_kernels._cpu_has_avx2_fma() and shutil.which("cc")) or decode_kernels.why_unavailable == "disabled by ORTHON_DECODE_KERNELS=0":
+    if not (cpu_has_avx2_fma() and shutil.which("cc")) or decode_kernels.native.why_unavailable == "disabled by ORTHON_DECODE_KERNELS=0":
         pytest.skip("no AVX2 / FMA or no C compiler here")
-    assert decode_kernels.library() is not None, decode_kernels.why_unavailable
+    assert decode_kernels.library() is not None, decode_kernels.native.why_unavailable
 
 
 @pytest.fixture(params=["avx512", "avx2"])
@@ -63,7 +65,7 @@ def test_outside_its_range_it_is_f_linear():
 def _probe(env: dict) -> str:
     code = ("from orthon.engine import decode_kernels; import torch; lib = decode_kernels.library();"
             "p = decode_kernels.PackedLinear(torch.ones(4, 4)); print(lib is None, p.panels is None, p(torch.ones(1, 4)).tolist());"
-            "print(decode_kernels.why_unavailable)")
+            "print(decode_kernels.native.why_unavailable)")
     import os
 
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, check=True)
@@ -75,18 +77,17 @@ def test_disabled_or_unbuildable_falls_back(tmp_path):
     assert out.splitlines()[0] == "True True [[4.0, 4.0, 4.0, 4.0]]" and "ORTHON_DECODE_KERNELS=0" in out
     # No compiler: a fresh cache, CC pointing at a program that fails.
     out = _probe({"ORTHON_CACHE": str(tmp_path / "cache"), "CC": "false"})
-    if decode_kernels._cpu_has_avx2_fma():
+    if cpu_has_avx2_fma():
         assert out.splitlines()[0] == "True True [[4.0, 4.0, 4.0, 4.0]]" and "could not build" in out
     assert not list((tmp_path / "cache").glob("*.so"))  # no half-built library left behind
 
 
-def test_fallback_is_logged_once_with_its_reason(monkeypatch, caplog):
+def test_fallback_is_logged_once_with_its_reason(monkeypatch, caplog, request):
     import logging
 
-    monkeypatch.setattr(decode_kernels, "_tried", False)
-    monkeypatch.setattr(decode_kernels, "_lib", None)
-    monkeypatch.setattr(decode_kernels, "why_unavailable", None)
-    monkeypatch.setattr(decode_kernels, "_cpu_has_avx2_fma", lambda: False)
+    monkeypatch.setattr(native, "cpu_has_avx2_fma", lambda: False)
+    decode_kernels.native.reset()
+    request.addfinalizer(decode_kernels.native.reset)  # later tests build the real library again
     monkeypatch.delenv("ORTHON_DECODE_KERNELS", raising=False)
     with caplog.at_level(logging.INFO, logger="orthon.engine.decode_kernels"):
         assert decode_kernels.library() is None
@@ -100,7 +101,7 @@ def test_fallback_is_logged_once_with_its_reason(monkeypatch, caplog):
 def test_unbuildable_kernel_says_so_on_stderr(tmp_path):
     import os
 
-    if not decode_kernels._cpu_has_avx2_fma():
+    if not cpu_has_avx2_fma():
         pytest.skip("the CPU lacks AVX2 / FMA: the build is never tried")
     code = ("from orthon.engine import decode_kernels; import torch;"
             "[decode_kernels.PackedLinear(torch.ones(4, 4)) for _ in range(3)]")

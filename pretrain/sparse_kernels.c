@@ -1,0 +1,233 @@
+/* orthon's CPU kernels for DSA sparse attention in a full forward and backward (training, prefill,
+   evaluation); pretrain/sparse_kernels.py builds and loads this file. fp32, AVX2 + FMA, OpenMP over
+   query rows with the caller's thread count. */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_KEYS 4096  /* index_topk at most this (GLM-5: 2048) */
+#define MAX_HEADS 1024
+
+static inline float hsum(__m256 acc) {
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(half, _mm_shuffle_ps(half, half, 1)));
+}
+
+/* out[h * os] = scale * a[h] . x over n numbers (n % 8 == 0) for the H rows a[h] = a + h * lda, four
+   rows per pass so that x is loaded once for them. */
+static void dots(const float* a, long lda, long H, const float* x, long n, float scale, float* out, long os) {
+    long h = 0;
+    for (; h + 4 <= H; h += 4) {
+        const float* a0 = a + h * lda;
+        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+        for (long i = 0; i < n; i += 8) {
+            __m256 xv = _mm256_loadu_ps(x + i);
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a0 + i), xv, s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a0 + lda + i), xv, s1);
+            s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a0 + 2 * lda + i), xv, s2);
+            s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a0 + 3 * lda + i), xv, s3);
+        }
+        out[h * os] = scale * hsum(s0);
+        out[(h + 1) * os] = scale * hsum(s1);
+        out[(h + 2) * os] = scale * hsum(s2);
+        out[(h + 3) * os] = scale * hsum(s3);
+    }
+    for (; h < H; h++) {
+        __m256 s = _mm256_setzero_ps();
+        for (long i = 0; i < n; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + h * lda + i), _mm256_loadu_ps(x + i), s);
+        out[h * os] = scale * hsum(s);
+    }
+}
+
+/* y[0 : 8 NV] (+)= sum_j c[j * cs] * (base + off[j])[0 : 8 NV] over j < count with off[j] >= 0, the sums
+   held in registers. */
+#define COMBINE(NV) \
+static void combine##NV(const float* c, long cs, const float* base, const long* off, long count, float* y, int add) { \
+    __m256 acc[NV]; \
+    for (int v = 0; v < NV; v++) acc[v] = _mm256_setzero_ps(); \
+    for (long j = 0; j < count; j++) { \
+        if (off[j] < 0) continue; \
+        const float* x = base + off[j]; \
+        __m256 cj = _mm256_set1_ps(c[j * cs]); \
+        for (int v = 0; v < NV; v++) acc[v] = _mm256_fmadd_ps(cj, _mm256_loadu_ps(x + 8 * v), acc[v]); \
+    } \
+    for (int v = 0; v < NV; v++) { \
+        if (add) acc[v] = _mm256_add_ps(acc[v], _mm256_loadu_ps(y + 8 * v)); \
+        _mm256_storeu_ps(y + 8 * v, acc[v]); \
+    } \
+}
+COMBINE(1) COMBINE(2) COMBINE(3) COMBINE(4) COMBINE(5) COMBINE(6) COMBINE(7) COMBINE(8)
+typedef void (*combine_fn)(const float*, long, const float*, const long*, long, float*, int);
+static const combine_fn COMBINES[9] = {0, combine1, combine2, combine3, combine4, combine5, combine6, combine7, combine8};
+
+/* The same over w numbers (w % 8 == 0), 64 at a time. */
+static void combine(const float* c, long cs, const float* base, const long* off, long count, long w, float* y, int add) {
+    for (long d = 0; d < w; d += 64) COMBINES[(w - d < 64 ? w - d : 64) / 8](c, cs, base + d, off, count, y + d, add);
+}
+
+/* Absorbed-MLA attention of N queries over their own K latents each.
+   q (N, H, D) absorbed queries; lat (rows, D) latents [c_kv; k_rope]; idx (N, K) each query's latent rows,
+   -1 for a key it may not see. out (N, H, R): sum_j p[h, j] lat[idx[j], :R]; probs (N, H, K): the softmax
+   of scale * q[h] . lat[idx[j]] over the visible j (0 elsewhere), kept for the backward. */
+void sparse_attention_forward(const float* q, const float* lat, const long* idx, long N, long H, long K, long D,
+                              long R, float scale, float* out, float* probs, int threads) {
+    #pragma omp parallel num_threads(threads)
+    {
+        long off[MAX_KEYS];
+        #pragma omp for schedule(static)
+        for (long n = 0; n < N; n++) {
+            const long* ix = idx + n * K;
+            float* p = probs + n * H * K;
+            for (long j = 0; j < K; j++) {
+                off[j] = ix[j] < 0 ? -1 : ix[j] * D;
+                if (off[j] >= 0) dots(q + n * H * D, D, H, lat + off[j], D, scale, p + j, K);
+            }
+            for (long h = 0; h < H; h++) {
+                float* ph = p + h * K;
+                float mx = -INFINITY, total = 0.0f;
+                for (long j = 0; j < K; j++) if (off[j] >= 0 && ph[j] > mx) mx = ph[j];
+                for (long j = 0; j < K; j++) { ph[j] = off[j] < 0 ? 0.0f : expf(ph[j] - mx); total += ph[j]; }
+                float inv = total > 0.0f ? 1.0f / total : 0.0f;
+                for (long j = 0; j < K; j++) ph[j] *= inv;
+                combine(ph, 1, lat, off, K, R, out + (n * H + h) * R, 0);
+            }
+        }
+    }
+}
+
+/* Its backward, given dout (N, H, R): dq (N, H, D) written; the latents' gradient accumulated per thread
+   in dlat (threads, rows, D), zeroed by the caller, and summed into dlat[0] at the end. */
+void sparse_attention_backward(const float* q, const float* lat, const long* idx, const float* probs,
+                               const float* dout, long N, long H, long K, long D, long R, float scale,
+                               float* dq, float* dlat, long rows, int threads) {
+    #pragma omp parallel num_threads(threads)
+    {
+        long off[MAX_KEYS], q_off[MAX_HEADS], o_off[MAX_HEADS];
+        float* ds = malloc(sizeof(float) * H * K);
+        float* g_lat = dlat + (long)omp_get_thread_num() * rows * D;
+        for (long h = 0; h < H; h++) { q_off[h] = h * D; o_off[h] = h * R; }
+        #pragma omp for schedule(static)
+        for (long n = 0; n < N; n++) {
+            const long* ix = idx + n * K;
+            const float* qn = q + n * H * D;
+            const float* p = probs + n * H * K;
+            const float* dn = dout + n * H * R;
+            for (long j = 0; j < K; j++) {  /* d probs = dout . value */
+                off[j] = ix[j] < 0 ? -1 : ix[j] * D;
+                if (off[j] >= 0) dots(dn, R, H, lat + off[j], R, 1.0f, ds + j, K);
+            }
+            for (long h = 0; h < H; h++) {  /* softmax backward, times the logits' scale */
+                float* dh = ds + h * K;
+                const float* ph = p + h * K;
+                float inner = 0.0f;
+                for (long j = 0; j < K; j++) if (off[j] >= 0) inner += ph[j] * dh[j];
+                for (long j = 0; j < K; j++) dh[j] = off[j] < 0 ? 0.0f : ph[j] * (dh[j] - inner) * scale;
+                combine(dh, 1, lat, off, K, D, dq + (n * H + h) * D, 0);
+            }
+            for (long j = 0; j < K; j++) {  /* each key: its scores' share and, in its first R, its value's */
+                if (off[j] < 0) continue;
+                combine(ds + j, K, qn, q_off, H, D, g_lat + off[j], 1);
+                combine(p + j, K, dn, o_off, H, R, g_lat + off[j], 1);
+            }
+        }
+        free(ds);
+        #pragma omp barrier
+        #pragma omp for schedule(static)
+        for (long r = 0; r < rows; r++)
+            for (int t = 1; t < threads; t++) {
+                float* dst = dlat + r * D;
+                const float* src = dlat + ((long)t * rows + r) * D;
+                for (long i = 0; i < D; i++) dst[i] += src[i];
+            }
+    }
+}
+
+/* A (score, position) pair as one integer that orders as the pair does: the larger score first, ties to
+   the lower position (orthon.pretrain.topk's total order). -0.0 is taken as +0.0, as they compare equal. */
+static inline uint64_t rank_key(float score, long pos) {
+    union { float f; uint32_t u; } v = {score + 0.0f};
+    uint32_t ordered = (v.u & 0x80000000u) ? ~v.u : (v.u | 0x80000000u);
+    return ((uint64_t)ordered << 32) | (uint32_t)(0xFFFFFFFFu - (uint32_t)pos);
+}
+static inline long key_position(uint64_t key) { return (long)(0xFFFFFFFFu - (uint32_t)key); }
+
+/* Reorder a[0:n] (distinct keys) so that a[0:k] are its k largest, in any order (quickselect). */
+static void select_largest(uint64_t* a, long n, long k) {
+    long lo = 0, hi = n - 1;
+    while (lo < hi) {
+        uint64_t x = a[lo], y = a[(lo + hi) / 2], z = a[hi];  /* median of three */
+        uint64_t pivot = x > y ? (y > z ? y : (x > z ? z : x)) : (x > z ? x : (y > z ? z : y));
+        long i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] > pivot) i++;
+            while (a[j] < pivot) j--;
+            if (i <= j) { uint64_t t = a[i]; a[i] = a[j]; a[j] = t; i++; j--; }
+        }
+        if (k - 1 <= j) hi = j;
+        else if (k - 1 >= i) lo = i;
+        else return;
+    }
+}
+
+static int descending(const void* a, const void* b) {
+    uint64_t x = *(const uint64_t*)a, y = *(const uint64_t*)b;
+    return (x < y) - (x > y);
+}
+
+/* The DSA indexer's top-k of every query of a causal sequence (query t at slot t; keys the same T
+   tokens): score[s] = sum_h w[t, h] * relu(scale * q[t, h] . key[s]) for s <= t (and, with docs, in the
+   query's document), -inf elsewhere; out[t, :k] the k best positions (k <= T), ties to the lower
+   position, as orthon.pretrain.topk orders them, best first if ordered (rows with fewer than k visible keys end with the
+   lowest-positioned invisible ones). q (B, T, n, d); w (B, T, n); keys_t (B, d, ld) the keys transposed,
+   ld >= T a multiple of 32, zero past T; docs (B, T) or NULL. */
+void causal_index_topk(const float* q, const float* w, const float* keys_t, long ld, const long* docs, long B,
+                       long T, long n, long d, float scale, long k, int ordered, long* out, int threads) {
+    #pragma omp parallel num_threads(threads)
+    {
+        float* s = malloc(sizeof(float) * ld);
+        uint64_t* keys = malloc(sizeof(uint64_t) * ld);
+        __m256 zero = _mm256_setzero_ps(), vscale = _mm256_set1_ps(scale);
+        #pragma omp for schedule(dynamic, 16)
+        for (long row = 0; row < B * T; row++) {
+            long b = row / T, t = row % T;
+            long width = t + 1 > k ? t + 1 : k;  /* past it every key is invisible and ranks below these */
+            if (width > T) width = T;
+            const float* kt = keys_t + b * d * ld;
+            for (long s0 = 0; s0 < width; s0 += 32) {  /* 32 keys at a time: four independent FMA chains */
+                __m256 t0 = zero, t1 = zero, t2 = zero, t3 = zero;
+                for (long h = 0; h < n; h++) {
+                    const float* qh = q + (row * n + h) * d;
+                    __m256 a0 = zero, a1 = zero, a2 = zero, a3 = zero;
+                    for (long j = 0; j < d; j++) {
+                        __m256 qv = _mm256_broadcast_ss(qh + j);
+                        const float* kj = kt + j * ld + s0;
+                        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj), a0);
+                        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + 8), a1);
+                        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + 16), a2);
+                        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + 24), a3);
+                    }
+                    __m256 wh = _mm256_broadcast_ss(w + row * n + h);
+                    t0 = _mm256_fmadd_ps(_mm256_max_ps(_mm256_mul_ps(a0, vscale), zero), wh, t0);
+                    t1 = _mm256_fmadd_ps(_mm256_max_ps(_mm256_mul_ps(a1, vscale), zero), wh, t1);
+                    t2 = _mm256_fmadd_ps(_mm256_max_ps(_mm256_mul_ps(a2, vscale), zero), wh, t2);
+                    t3 = _mm256_fmadd_ps(_mm256_max_ps(_mm256_mul_ps(a3, vscale), zero), wh, t3);
+                }
+                _mm256_storeu_ps(s + s0, t0); _mm256_storeu_ps(s + s0 + 8, t1);
+                _mm256_storeu_ps(s + s0 + 16, t2); _mm256_storeu_ps(s + s0 + 24, t3);
+            }
+            for (long j = 0; j < width; j++) {
+                int seen = j <= t && !(docs && docs[b * T + j] != docs[row]);
+                keys[j] = rank_key(seen ? s[j] : -INFINITY, j);
+            }
+            select_largest(keys, width, k);
+            if (ordered) qsort(keys, k, sizeof(uint64_t), descending);
+            for (long i = 0; i < k; i++) out[row * k + i] = key_position(keys[i]);
+        }
+        free(s);
+        free(keys);
+    }
+}
