@@ -9,7 +9,6 @@
 #include <string.h>
 
 #define MAX_KEYS 4096  /* index_topk at most this (GLM-5: 2048) */
-#define MAX_HEADS 1024
 
 static inline float hsum(__m256 acc) {
     __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
@@ -69,6 +68,34 @@ static void combine(const float* c, long cs, const float* base, const long* off,
     for (long d = 0; d < w; d += 64) COMBINES[(w - d < 64 ? w - d : 64) / 8](c, cs, base + d, off, count, y + d, add);
 }
 
+/* One key's gradient, added to g[0 : D]: sum_h ds[h K] q[h D :] (its scores' share) and, over its first
+   R numbers (its value), sum_h p[h K] dout[h R :]; one read and one write of g per 8 NV numbers. */
+#define KEY_GRAD(NV) \
+static void key_grad##NV(const float* ds, const float* p, long K, const float* q, const float* dout, long H, long D, \
+                         long R, long d0, float* g) { \
+    __m256 acc[NV]; \
+    for (int v = 0; v < NV; v++) acc[v] = _mm256_loadu_ps(g + d0 + 8 * v); \
+    for (long h = 0; h < H; h++) { \
+        __m256 c = _mm256_set1_ps(ds[h * K]); \
+        for (int v = 0; v < NV; v++) acc[v] = _mm256_fmadd_ps(c, _mm256_loadu_ps(q + h * D + d0 + 8 * v), acc[v]); \
+    } \
+    if (d0 < R) \
+        for (long h = 0; h < H; h++) { \
+            __m256 c = _mm256_set1_ps(p[h * K]); \
+            for (int v = 0; v < NV; v++) acc[v] = _mm256_fmadd_ps(c, _mm256_loadu_ps(dout + h * R + d0 + 8 * v), acc[v]); \
+        } \
+    for (int v = 0; v < NV; v++) _mm256_storeu_ps(g + d0 + 8 * v, acc[v]); \
+}
+KEY_GRAD(8) KEY_GRAD(1)
+
+static void key_grad(const float* ds, const float* p, long K, const float* q, const float* dout, long H, long D, long R,
+                     float* g) {
+    long d0 = 0;
+    /* 64-number blocks stay inside or outside the value part when R % 64 == 0 (GLM-5: 512 of 576) */
+    for (; d0 + 64 <= D && (d0 + 64 <= R || d0 >= R); d0 += 64) key_grad8(ds, p, K, q, dout, H, D, R, d0, g);
+    for (; d0 < D; d0 += 8) key_grad1(ds, p, K, q, dout, H, D, R, d0, g);
+}
+
 /* Absorbed-MLA attention of N queries over their own K latents each.
    q (N, H, D) absorbed queries; lat (rows, D) latents [c_kv; k_rope]; idx (N, K) each query's latent rows,
    -1 for a key it may not see. out (N, H, R): sum_j p[h, j] lat[idx[j], :R]; probs (N, H, K): the softmax
@@ -106,10 +133,9 @@ void sparse_attention_backward(const float* q, const float* lat, const long* idx
                                float* dq, float* dlat, long rows, int threads) {
     #pragma omp parallel num_threads(threads)
     {
-        long off[MAX_KEYS], q_off[MAX_HEADS], o_off[MAX_HEADS];
+        long off[MAX_KEYS];
         float* ds = malloc(sizeof(float) * H * K);
         float* g_lat = dlat + (long)omp_get_thread_num() * rows * D;
-        for (long h = 0; h < H; h++) { q_off[h] = h * D; o_off[h] = h * R; }
         #pragma omp for schedule(static)
         for (long n = 0; n < N; n++) {
             const long* ix = idx + n * K;
@@ -128,11 +154,8 @@ void sparse_attention_backward(const float* q, const float* lat, const long* idx
                 for (long j = 0; j < K; j++) dh[j] = off[j] < 0 ? 0.0f : ph[j] * (dh[j] - inner) * scale;
                 combine(dh, 1, lat, off, K, D, dq + (n * H + h) * D, 0);
             }
-            for (long j = 0; j < K; j++) {  /* each key: its scores' share and, in its first R, its value's */
-                if (off[j] < 0) continue;
-                combine(ds + j, K, qn, q_off, H, D, g_lat + off[j], 1);
-                combine(p + j, K, dn, o_off, H, R, g_lat + off[j], 1);
-            }
+            for (long j = 0; j < K; j++)
+                if (off[j] >= 0) key_grad(ds + j, p + j, K, qn, dn, H, D, R, g_lat + off[j]);
         }
         free(ds);
         #pragma omp barrier
@@ -182,8 +205,10 @@ static int descending(const void* a, const void* b) {
    tokens): score[s] = sum_h w[t, h] * relu(scale * q[t, h] . key[s]) for s <= t (and, with docs, in the
    query's document), -inf elsewhere; out[t, :k] the k best positions (k <= T), ties to the lower
    position, as orthon.pretrain.topk orders them, best first if ordered (rows with fewer than k visible keys end with the
-   lowest-positioned invisible ones). q (B, T, n, d); w (B, T, n); keys_t (B, d, ld) the keys transposed,
-   ld >= T a multiple of 32, zero past T; docs (B, T) or NULL. */
+   lowest-positioned invisible ones). q (B, T, n, d); w (B, T, n); keys_t (B, ld / 32, d, 32) the keys in
+   tiles of 32 transposed (each tile contiguous: a (d, ld) transpose would put the rows a tile reads
+   4 KB apart at T = 1024, all in one set of the L1 cache), ld >= T a multiple of 32, zero past T;
+   docs (B, T) or NULL. */
 void causal_index_topk(const float* q, const float* w, const float* keys_t, long ld, const long* docs, long B,
                        long T, long n, long d, float scale, long k, int ordered, long* out, int threads) {
     #pragma omp parallel num_threads(threads)
@@ -196,15 +221,15 @@ void causal_index_topk(const float* q, const float* w, const float* keys_t, long
             long b = row / T, t = row % T;
             long width = t + 1 > k ? t + 1 : k;  /* past it every key is invisible and ranks below these */
             if (width > T) width = T;
-            const float* kt = keys_t + b * d * ld;
             for (long s0 = 0; s0 < width; s0 += 32) {  /* 32 keys at a time: four independent FMA chains */
+                const float* tile = keys_t + (b * ld + s0) * d;  /* the 32 keys' (d, 32) tile */
                 __m256 t0 = zero, t1 = zero, t2 = zero, t3 = zero;
                 for (long h = 0; h < n; h++) {
                     const float* qh = q + (row * n + h) * d;
                     __m256 a0 = zero, a1 = zero, a2 = zero, a3 = zero;
                     for (long j = 0; j < d; j++) {
                         __m256 qv = _mm256_broadcast_ss(qh + j);
-                        const float* kj = kt + j * ld + s0;
+                        const float* kj = tile + j * 32;
                         a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj), a0);
                         a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + 8), a1);
                         a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + 16), a2);

@@ -27,7 +27,6 @@ from orthon.core.native import NativeLibrary
 log = logging.getLogger(__name__)
 
 MAX_KEYS = 4096  # as sparse_kernels.c
-MAX_HEADS = 1024
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -55,8 +54,9 @@ def causal_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, k: int, sc
     if not (_available(q, w, keys) and 0 < k <= min(T, MAX_KEYS)):
         return None
     ld = -(-T // 32) * 32
-    keys_t = keys.new_zeros((B, d, ld), dtype=torch.float32)
-    keys_t[:, :, :T] = keys.detach().float().transpose(1, 2)
+    padded = keys.new_zeros((B, ld, d), dtype=torch.float32)
+    padded[:, :T] = keys.detach()
+    keys_t = padded.view(B, ld // 32, 32, d).transpose(2, 3).contiguous()  # tiles of 32 keys, transposed
     q32, w32 = q.detach().float().contiguous(), w.detach().float().contiguous()
     docs = None if docs is None else docs.to(torch.long).contiguous()
     out = torch.empty(B, T, k, dtype=torch.long)
@@ -67,9 +67,8 @@ def causal_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, k: int, sc
 
 
 def _applies(q: torch.Tensor, latent: torch.Tensor, keys: int, rank: int) -> bool:
-    H, D = q.shape[-2:]
-    return (_available(q, latent) and D % 8 == 0 and rank % 8 == 0 and rank <= D and 0 < keys <= MAX_KEYS
-            and H <= MAX_HEADS)
+    D = q.shape[-1]
+    return _available(q, latent) and D % 8 == 0 and rank % 8 == 0 and rank <= D and 0 < keys <= MAX_KEYS
 
 
 class _LatentAttention(torch.autograd.Function):
