@@ -178,20 +178,27 @@ static inline uint64_t rank_key(float score, long pos) {
 }
 static inline long key_position(uint64_t key) { return (long)(0xFFFFFFFFu - (uint32_t)key); }
 
-/* Reorder a[0:n] (distinct keys) so that a[0:k] are its k largest, in any order (quickselect). */
+/* Reorder a[0:n] (distinct keys) so that a[0:k] are its k largest, in any order: quickselect with a
+   branch-free partition (the keys' order is random, so a branching one mispredicts every other key). */
 static void select_largest(uint64_t* a, long n, long k) {
     long lo = 0, hi = n - 1;
     while (lo < hi) {
-        uint64_t x = a[lo], y = a[(lo + hi) / 2], z = a[hi];  /* median of three */
-        uint64_t pivot = x > y ? (y > z ? y : (x > z ? z : x)) : (x > z ? x : (y > z ? z : y));
-        long i = lo, j = hi;
-        while (i <= j) {
-            while (a[i] > pivot) i++;
-            while (a[j] < pivot) j--;
-            if (i <= j) { uint64_t t = a[i]; a[i] = a[j]; a[j] = t; i++; j--; }
+        long mid = lo + (hi - lo) / 2;  /* the median of three, moved to a[hi], is the pivot */
+        uint64_t x = a[lo], y = a[mid], z = a[hi];
+        long m = x > y ? (y > z ? mid : (x > z ? hi : lo)) : (x > z ? lo : (y > z ? hi : mid));
+        { uint64_t t = a[m]; a[m] = a[hi]; a[hi] = t; }
+        uint64_t pivot = a[hi];
+        long store = lo;  /* a[lo:store] > pivot */
+        for (long i = lo; i < hi; i++) {
+            uint64_t v = a[i];
+            a[i] = a[store];
+            a[store] = v;
+            store += v > pivot;
         }
-        if (k - 1 <= j) hi = j;
-        else if (k - 1 >= i) lo = i;
+        a[hi] = a[store];
+        a[store] = pivot;
+        if (k - 1 < store) hi = store - 1;
+        else if (k - 1 > store) lo = store + 1;
         else return;
     }
 }
