@@ -30,16 +30,61 @@ static void dots(const float* a, long lda, long H, const float* x, long n, float
             s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a0 + 2 * lda + i), xv, s2);
             s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a0 + 3 * lda + i), xv, s3);
         }
-        out[h * os] = scale * hsum(s0);
-        out[(h + 1) * os] = scale * hsum(s1);
-        out[(h + 2) * os] = scale * hsum(s2);
-        out[(h + 3) * os] = scale * hsum(s3);
+        /* the four sums at once: pairwise adds within lanes, then the two 128-bit halves */
+        __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+        __m128 four = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)),
+                                 _mm_set1_ps(scale));
+        float sums[4];
+        _mm_storeu_ps(sums, four);
+        for (int i = 0; i < 4; i++) out[(h + i) * os] = sums[i];
     }
     for (; h < H; h++) {
         __m256 s = _mm256_setzero_ps();
         for (long i = 0; i < n; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + h * lda + i), _mm256_loadu_ps(x + i), s);
         out[h * os] = scale * hsum(s);
     }
+}
+
+/* e^x for x <= 0 (softmax's shifted logits), to about 2 ulp: 2^n * e^r with n = round(x / ln 2),
+   |r| <= ln 2 / 2 and a degree-6 polynomial; below -87 (e^x under FLT_MIN) it gives 0. */
+static inline __m256 exp_nonpositive(__m256 x) {
+    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+    const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+    __m256 small = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, ln2_hi, x);
+    r = _mm256_fnmadd_ps(n, ln2_lo, r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(small, _mm256_mul_ps(p, _mm256_castsi256_ps(pow2)));
+}
+
+/* p[0:K] <- softmax of p over the keys with off[j] >= 0, 0 elsewhere; scratch K floats (K % 8 == 0
+   not needed: the tail runs one number at a time). */
+static void softmax_keys(float* p, const long* off, long K) {
+    float mx = -INFINITY;
+    for (long j = 0; j < K; j++) if (off[j] >= 0 && p[j] > mx) mx = p[j];
+    if (mx == -INFINITY) { memset(p, 0, sizeof(float) * K); return; }
+    for (long j = 0; j < K; j++) if (off[j] < 0) p[j] = -INFINITY;
+    __m256 vmx = _mm256_set1_ps(mx), total = _mm256_setzero_ps();
+    long j = 0;
+    for (; j + 8 <= K; j += 8) {
+        __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j), vmx));
+        _mm256_storeu_ps(p + j, e);
+        total = _mm256_add_ps(total, e);
+    }
+    float sum = hsum(total);
+    for (; j < K; j++) { p[j] = off[j] < 0 ? 0.0f : expf(p[j] - mx); sum += p[j]; }
+    __m256 inv = _mm256_set1_ps(1.0f / sum);
+    for (j = 0; j + 8 <= K; j += 8) _mm256_storeu_ps(p + j, _mm256_mul_ps(_mm256_loadu_ps(p + j), inv));
+    for (; j < K; j++) p[j] *= 1.0f / sum;
 }
 
 /* y[0 : 8 NV] (+)= sum_j c[j * cs] * (base + off[j])[0 : 8 NV] over j < count with off[j] >= 0, the sums
@@ -114,13 +159,8 @@ void sparse_attention_forward(const float* q, const float* lat, const long* idx,
                 if (off[j] >= 0) dots(q + n * H * D, D, H, lat + off[j], D, scale, p + j, K);
             }
             for (long h = 0; h < H; h++) {
-                float* ph = p + h * K;
-                float mx = -INFINITY, total = 0.0f;
-                for (long j = 0; j < K; j++) if (off[j] >= 0 && ph[j] > mx) mx = ph[j];
-                for (long j = 0; j < K; j++) { ph[j] = off[j] < 0 ? 0.0f : expf(ph[j] - mx); total += ph[j]; }
-                float inv = total > 0.0f ? 1.0f / total : 0.0f;
-                for (long j = 0; j < K; j++) ph[j] *= inv;
-                combine(ph, 1, lat, off, K, R, out + (n * H + h) * R, 0);
+                softmax_keys(p + h * K, off, K);
+                combine(p + h * K, 1, lat, off, K, R, out + (n * H + h) * R, 0);
             }
         }
     }
