@@ -105,12 +105,19 @@ static void combine##NV(const float* c, long cs, const float* base, const long* 
     } \
 }
 COMBINE(1) COMBINE(2) COMBINE(3) COMBINE(4) COMBINE(5) COMBINE(6) COMBINE(7) COMBINE(8)
-typedef void (*combine_fn)(const float*, long, const float*, const long*, long, float*, int);
-static const combine_fn COMBINES[9] = {0, combine1, combine2, combine3, combine4, combine5, combine6, combine7, combine8};
-
-/* The same over w numbers (w % 8 == 0), 64 at a time. */
+/* The same over w numbers (w % 8 == 0), 64 at a time (a switch, so that each block's function is inlined). */
 static void combine(const float* c, long cs, const float* base, const long* off, long count, long w, float* y, int add) {
-    for (long d = 0; d < w; d += 64) COMBINES[(w - d < 64 ? w - d : 64) / 8](c, cs, base + d, off, count, y + d, add);
+    for (long d = 0; d < w; d += 64)
+        switch ((w - d < 64 ? w - d : 64) / 8) {
+            case 1: combine1(c, cs, base + d, off, count, y + d, add); break;
+            case 2: combine2(c, cs, base + d, off, count, y + d, add); break;
+            case 3: combine3(c, cs, base + d, off, count, y + d, add); break;
+            case 4: combine4(c, cs, base + d, off, count, y + d, add); break;
+            case 5: combine5(c, cs, base + d, off, count, y + d, add); break;
+            case 6: combine6(c, cs, base + d, off, count, y + d, add); break;
+            case 7: combine7(c, cs, base + d, off, count, y + d, add); break;
+            default: combine8(c, cs, base + d, off, count, y + d, add);
+        }
 }
 
 /* One key's gradient, added to g[0 : D]: sum_h ds[h K] q[h D :] (its scores' share) and, over its first
@@ -131,14 +138,26 @@ static void key_grad##NV(const float* ds, const float* p, long K, const float* q
         } \
     for (int v = 0; v < NV; v++) _mm256_storeu_ps(g + d0 + 8 * v, acc[v]); \
 }
-KEY_GRAD(8) KEY_GRAD(1)
-
+KEY_GRAD(1) KEY_GRAD(2) KEY_GRAD(3) KEY_GRAD(4) KEY_GRAD(5) KEY_GRAD(6) KEY_GRAD(7) KEY_GRAD(8)
 static void key_grad(const float* ds, const float* p, long K, const float* q, const float* dout, long H, long D, long R,
                      float* g) {
-    long d0 = 0;
-    /* 64-number blocks stay inside or outside the value part when R % 64 == 0 (GLM-5: 512 of 576) */
-    for (; d0 + 64 <= D && (d0 + 64 <= R || d0 >= R); d0 += 64) key_grad8(ds, p, K, q, dout, H, D, R, d0, g);
-    for (; d0 < D; d0 += 8) key_grad1(ds, p, K, q, dout, H, D, R, d0, g);
+    /* blocks of up to 64 numbers, each inside or outside the value part (the first R); a switch, not a
+       table of pointers, so that each block's function is inlined */
+    for (long d0 = 0; d0 < D;) {
+        long end = d0 < R ? R : D;
+        long w = end - d0 < 64 ? end - d0 : 64;
+        switch (w / 8) {
+            case 1: key_grad1(ds, p, K, q, dout, H, D, R, d0, g); break;
+            case 2: key_grad2(ds, p, K, q, dout, H, D, R, d0, g); break;
+            case 3: key_grad3(ds, p, K, q, dout, H, D, R, d0, g); break;
+            case 4: key_grad4(ds, p, K, q, dout, H, D, R, d0, g); break;
+            case 5: key_grad5(ds, p, K, q, dout, H, D, R, d0, g); break;
+            case 6: key_grad6(ds, p, K, q, dout, H, D, R, d0, g); break;
+            case 7: key_grad7(ds, p, K, q, dout, H, D, R, d0, g); break;
+            default: key_grad8(ds, p, K, q, dout, H, D, R, d0, g);
+        }
+        d0 += w;
+    }
 }
 
 /* Absorbed-MLA attention of N queries over their own K latents each.
@@ -182,16 +201,24 @@ void sparse_attention_backward(const float* q, const float* lat, const long* idx
             const float* qn = q + n * H * D;
             const float* p = probs + n * H * K;
             const float* dn = dout + n * H * R;
-            for (long j = 0; j < K; j++) {  /* d probs = dout . value */
+            for (long j = 0; j < K; j++) {  /* d probs = dout . value (0 for a hidden key, whose prob is 0) */
                 off[j] = ix[j] < 0 ? -1 : ix[j] * D;
                 if (off[j] >= 0) dots(dn, R, H, lat + off[j], R, 1.0f, ds + j, K);
+                else for (long h = 0; h < H; h++) ds[h * K + j] = 0.0f;
             }
             for (long h = 0; h < H; h++) {  /* softmax backward, times the logits' scale */
                 float* dh = ds + h * K;
                 const float* ph = p + h * K;
-                float inner = 0.0f;
-                for (long j = 0; j < K; j++) if (off[j] >= 0) inner += ph[j] * dh[j];
-                for (long j = 0; j < K; j++) dh[j] = off[j] < 0 ? 0.0f : ph[j] * (dh[j] - inner) * scale;
+                __m256 acc = _mm256_setzero_ps();
+                long j = 0;
+                for (; j + 8 <= K; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(ph + j), _mm256_loadu_ps(dh + j), acc);
+                float inner = hsum(acc);
+                for (; j < K; j++) inner += ph[j] * dh[j];
+                __m256 vin = _mm256_set1_ps(inner), vscale = _mm256_set1_ps(scale);
+                for (j = 0; j + 8 <= K; j += 8)
+                    _mm256_storeu_ps(dh + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(ph + j),
+                                                                         _mm256_sub_ps(_mm256_loadu_ps(dh + j), vin)), vscale));
+                for (; j < K; j++) dh[j] = ph[j] * (dh[j] - inner) * scale;
                 combine(dh, 1, lat, off, K, D, dq + (n * H + h) * D, 0);
             }
             for (long j = 0; j < K; j++)
