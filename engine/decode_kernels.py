@@ -97,10 +97,10 @@ class PackedLinear:
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
         if self.eps is None:
             native.lib.thin_linear(flat.data_ptr(), self.panels.data_ptr(), y.data_ptr(), rows, self.out_features,
-                             self.in_features)
+                                    self.in_features)
         else:
             native.lib.thin_norm_linear(flat.data_ptr(), self.panels.data_ptr(), y.data_ptr(), rows, self.out_features,
-                                  self.in_features, self.eps)
+                                         self.in_features, self.eps)
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -159,11 +159,11 @@ class PackedMoE:
         Is = 0 if self.shared_down is None else self.shared_down.in_features
         scratch = torch.empty(M * (2 * self.hidden + 3 * self.intermediate + Is), dtype=torch.float32)
         native.lib.thin_moe(x.data_ptr(), M, self.hidden, self.intermediate, self.num_experts, logits.data_ptr(),
-                      logits.stride(0), bias.data_ptr(), k, r["n_group"], r["topk_group"], int(r["norm_topk_prob"]),
-                      float(r["scaling"]), self._gate_up_ptrs, self._down_ptrs,
-                      None if shared_in is None else shared_in.data_ptr(), 0 if shared_in is None else shared_in.stride(0),
-                      Is, None if self.shared_down is None else self.shared_down.panels.data_ptr(),
-                      y.data_ptr(), chosen.data_ptr(), weights.data_ptr(), scratch.data_ptr())
+                             logits.stride(0), bias.data_ptr(), k, r["n_group"], r["topk_group"], int(r["norm_topk_prob"]),
+                             float(r["scaling"]), self._gate_up_ptrs, self._down_ptrs,
+                             None if shared_in is None else shared_in.data_ptr(), 0 if shared_in is None else shared_in.stride(0),
+                             Is, None if self.shared_down is None else self.shared_down.panels.data_ptr(),
+                             y.data_ptr(), chosen.data_ptr(), weights.data_ptr(), scratch.data_ptr())
         return y, chosen, weights
 
 
@@ -188,8 +188,8 @@ def index_topk(keys: torch.Tensor, length: int, q: torch.Tensor, w: torch.Tensor
     out = torch.empty(B, k, dtype=torch.long)
     scores, heap = torch.empty(length, dtype=torch.float32), torch.empty(k, dtype=torch.long)
     native.lib.thin_index_topk(keys.data_ptr(), keys.stride(0), q.data_ptr(), w.data_ptr(),
-                         None if visible is None else visible.data_ptr(), B, length, n, d, float(scale), k,
-                         out.data_ptr(), scores.data_ptr(), heap.data_ptr())
+                                None if visible is None else visible.data_ptr(), B, length, n, d, float(scale), k,
+                                out.data_ptr(), scores.data_ptr(), heap.data_ptr())
     return out
 
 
@@ -211,9 +211,9 @@ def latent_attention_step(q: torch.Tensor, cache: torch.Tensor, length: int, sca
     out = torch.empty(B, H, rank, dtype=torch.float32)
     p = torch.empty(keys, dtype=torch.float32)
     native.lib.thin_latent_attention(q.data_ptr(), cache.data_ptr(), cache.stride(0),
-                               None if chosen is None else chosen.data_ptr(),
-                               None if visible is None else visible.data_ptr(), length, B, H, D, rank, keys,
-                               float(scale), out.data_ptr(), p.data_ptr())
+                                      None if chosen is None else chosen.data_ptr(),
+                                      None if visible is None else visible.data_ptr(), length, B, H, D, rank, keys,
+                                      float(scale), out.data_ptr(), p.data_ptr())
     return out
 
 
@@ -231,5 +231,5 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: i
     pairs = (dim if rope_dim is None else rope_dim) // 2
     y = torch.empty(B, n, dim, dtype=torch.float32)
     native.lib.thin_rope(x3.data_ptr(), B, n, x3.stride(0), x3.stride(1), dim, pairs, cos.data_ptr(), sin.data_ptr(),
-                   pairs if cos.shape[0] > 1 else 0, y.data_ptr())
+                          pairs if cos.shape[0] > 1 else 0, y.data_ptr())
     return y[:, 0] if squeeze else y
