@@ -66,8 +66,7 @@ static inline __m256 exp_nonpositive(__m256 x) {
     return _mm256_andnot_ps(small, _mm256_mul_ps(p, _mm256_castsi256_ps(pow2)));
 }
 
-/* p[0:K] <- softmax of p over the keys with off[j] >= 0, 0 elsewhere; scratch K floats (K % 8 == 0
-   not needed: the tail runs one number at a time). */
+/* p[0:K] <- the softmax of p over the keys with off[j] >= 0, 0 at the others (all 0 if none is). */
 static void softmax_keys(float* p, const long* off, long K) {
     float mx = -INFINITY;
     for (long j = 0; j < K; j++) if (off[j] >= 0 && p[j] > mx) mx = p[j];
@@ -185,22 +184,24 @@ void sparse_attention_forward(const float* q, const float* lat, const long* idx,
     }
 }
 
-/* Its backward, given dout (N, H, R): dq (N, H, D) written; the latents' gradient accumulated per thread
-   in dlat (threads, rows, D), zeroed by the caller, and summed into dlat[0] at the end. */
+/* Its backward, given dout (N, H, R): dq (N, H, D) and dlat (rows, D) written. The latents' gradient is
+   gathered row by row, each row's contributions added in query order, so that the result does not depend
+   on the thread count (per-thread partial sums would make DDP ranks and one process differ). */
 void sparse_attention_backward(const float* q, const float* lat, const long* idx, const float* probs,
                                const float* dout, long N, long H, long K, long D, long R, float scale,
                                float* dq, float* dlat, long rows, int threads) {
+    float* ds_all = malloc(sizeof(float) * N * H * K);  /* d logits, kept for the per-row pass */
+    long* start = calloc(rows + 1, sizeof(long));
+    long* entries = malloc(sizeof(long) * N * K);
     #pragma omp parallel num_threads(threads)
     {
         long off[MAX_KEYS];
-        float* ds = malloc(sizeof(float) * H * K);
-        float* g_lat = dlat + (long)omp_get_thread_num() * rows * D;
         #pragma omp for schedule(static)
         for (long n = 0; n < N; n++) {
             const long* ix = idx + n * K;
-            const float* qn = q + n * H * D;
             const float* p = probs + n * H * K;
             const float* dn = dout + n * H * R;
+            float* ds = ds_all + n * H * K;
             for (long j = 0; j < K; j++) {  /* d probs = dout . value (0 for a hidden key, whose prob is 0) */
                 off[j] = ix[j] < 0 ? -1 : ix[j] * D;
                 if (off[j] >= 0) dots(dn, R, H, lat + off[j], R, 1.0f, ds + j, K);
@@ -221,19 +222,30 @@ void sparse_attention_backward(const float* q, const float* lat, const long* idx
                 for (; j < K; j++) dh[j] = ph[j] * (dh[j] - inner) * scale;
                 combine(dh, 1, lat, off, K, D, dq + (n * H + h) * D, 0);
             }
-            for (long j = 0; j < K; j++)
-                if (off[j] >= 0) key_grad(ds + j, p + j, K, qn, dn, H, D, R, g_lat + off[j]);
         }
-        free(ds);
-        #pragma omp barrier
-        #pragma omp for schedule(static)
-        for (long r = 0; r < rows; r++)
-            for (int t = 1; t < threads; t++) {
-                float* dst = dlat + r * D;
-                const float* src = dlat + ((long)t * rows + r) * D;
-                for (long i = 0; i < D; i++) dst[i] += src[i];
+        /* Who reads each latent row: (query, slot) entries grouped by row in query order (a counting sort). */
+        #pragma omp single
+        {
+            for (long e = 0; e < N * K; e++) if (idx[e] >= 0) start[idx[e] + 1]++;
+            for (long r = 0; r < rows; r++) start[r + 1] += start[r];
+            long* fill = malloc(sizeof(long) * rows);
+            memcpy(fill, start, sizeof(long) * rows);
+            for (long e = 0; e < N * K; e++) if (idx[e] >= 0) entries[fill[idx[e]]++] = e;
+            free(fill);
+        }
+        #pragma omp for schedule(dynamic, 16)
+        for (long r = 0; r < rows; r++) {
+            float* g = dlat + r * D;
+            memset(g, 0, sizeof(float) * D);
+            for (long i = start[r]; i < start[r + 1]; i++) {
+                long n = entries[i] / K, j = entries[i] % K;
+                key_grad(ds_all + n * H * K + j, probs + n * H * K + j, K, q + n * H * D, dout + n * H * R, H, D, R, g);
             }
+        }
     }
+    free(ds_all);
+    free(start);
+    free(entries);
 }
 
 /* A (score, position) pair as one integer that orders as the pair does: the larger score first, ties to
@@ -278,8 +290,9 @@ static int descending(const void* a, const void* b) {
 /* The DSA indexer's top-k of every query of a causal sequence (query t at slot t; keys the same T
    tokens): score[s] = sum_h w[t, h] * relu(scale * q[t, h] . key[s]) for s <= t (and, with docs, in the
    query's document), -inf elsewhere; out[t, :k] the k best positions (k <= T), ties to the lower
-   position, as orthon.pretrain.topk orders them, best first if ordered (rows with fewer than k visible keys end with the
-   lowest-positioned invisible ones). q (B, T, n, d); w (B, T, n); keys_t (B, ld / 32, d, 32) the keys in
+   position as orthon.pretrain.topk orders them, best first if ordered (rows with fewer than k visible
+   keys end with the lowest-positioned invisible ones). q (B, T, n, d); w (B, T, n); keys_t
+   (B, ld / 32, d, 32) the keys in
    tiles of 32 transposed (each tile contiguous: a (d, ld) transpose would put the rows a tile reads
    4 KB apart at T = 1024, all in one set of the L1 cache), ld >= T a multiple of 32, zero past T;
    docs (B, T) or NULL. */

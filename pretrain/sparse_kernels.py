@@ -94,16 +94,15 @@ class _LatentAttention(torch.autograd.Function):
     def backward(ctx, grad):
         q32, lat32, rows, probs = ctx.saved_tensors
         B, C, H, D = q32.shape
-        threads = torch.get_num_threads()
         g = grad.float().contiguous()
         dq = torch.empty_like(q32)
-        n_rows = lat32.shape[0] * lat32.shape[1]
-        dlat = torch.zeros(threads, n_rows, D, dtype=torch.float32)  # one accumulator a thread, summed into [0]
+        dlat = torch.empty_like(lat32)
         native.lib.sparse_attention_backward(q32.data_ptr(), lat32.data_ptr(), rows.data_ptr(), probs.data_ptr(),
                                              g.data_ptr(), B * C, H, rows.shape[-1], D, ctx.rank, float(ctx.scale),
-                                             dq.data_ptr(), dlat.data_ptr(), n_rows, threads)
+                                             dq.data_ptr(), dlat.data_ptr(), lat32.shape[0] * lat32.shape[1],
+                                             torch.get_num_threads())
         q_dtype, lat_dtype = ctx.dtypes
-        return dq.to(q_dtype), dlat[0].view(lat32.shape).to(lat_dtype), None, None, None
+        return dq.to(q_dtype), dlat.to(lat_dtype), None, None, None
 
 
 def latent_attention(q: torch.Tensor, latent: torch.Tensor, idx: torch.Tensor, visible: torch.Tensor, scale: float,

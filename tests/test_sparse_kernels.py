@@ -140,3 +140,27 @@ def test_disabled_kernels_fall_back_with_one_message():
     assert out.stdout.strip() == "None None"
     lines = [line for line in out.stderr.splitlines() if "sparse attention kernels unavailable" in line]
     assert len(lines) == 1 and "ORTHON_SPARSE_KERNELS=0" in lines[0] and "torch ops" in lines[0]
+
+
+@needs_kernel
+def test_results_do_not_depend_on_the_thread_count():
+    """Each output element is summed in one fixed order whatever the threads: a DDP rank (one thread under
+    torchrun) and one process (two) must train the same weights."""
+    torch.manual_seed(0)
+    B, T, H, D, R, K = 2, 90, 4, 80, 64, 16
+    q = torch.randn(B, T, H, D, requires_grad=True)
+    latent = torch.randn(B, T, D, requires_grad=True)
+    idx, visible = _random_selection(B, T, K)
+    grad = torch.randn(B, T, H, R)
+    qi, wi, ki = torch.randn(B, T, 2, 16), torch.randn(B, T, 2), torch.randn(B, T, 16)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            out = SK.latent_attention(q, latent, idx, visible, 0.1, R)
+            results.append((out, *torch.autograd.grad(out, (q, latent), grad), SK.causal_topk(qi, wi, ki, K, 0.2)))
+    finally:
+        torch.set_num_threads(threads)
+    for one, three in zip(*results):
+        assert torch.equal(one, three)
