@@ -36,10 +36,30 @@ def _run(tmp_path, pre, name, nproc, iterations=ITERATIONS, total_steps=0, resum
     path.write_text(yaml.safe_dump(recipe))
     out = orthon("rl", "-c", path, *(["--resume"] if resume else ["--from", pre]), nproc=nproc)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return out, [r for r in records if "reward_mean" in r], _weights(run / "final")
+
+
+def _trained_apart(one: dict, two: dict, start: dict) -> list:
+    """The tensors where two runs of the same training differ by more than 1% of how far the training moved
+    them. Not a fixed tolerance: the runs' micro-batches differ, so does the round-off of every sum, and
+    AdamW turns a round-off in a near-zero gradient (a rare token's embedding row) into a visible step
+    (5.8e-6 on a weight that moved 1.1e-3). A rank that dropped or doubled its share would be off by about
+    the movement itself."""
+    assert one.keys() == two.keys()
+    apart = []
+    for name in one:
+        moved = (one[name].float() - start[name].float()).abs().max().item()
+        gap = (two[name].float() - one[name].float()).abs().max().item()
+        if gap > 0.01 * moved + 1e-7:
+            apart.append((name, gap, moved))
+    return apart
+
+
+def _weights(directory):
     weights = {}
-    for file in sorted((run / "final").glob("*.safetensors")):
+    for file in sorted(directory.glob("*.safetensors")):
         weights.update(load_file(file))
-    return out, [r for r in records if "reward_mean" in r], weights
+    return weights
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +91,8 @@ def test_two_ranks_train_what_one_does(setup, parallel):
         assert (a["rollout_ranks"], b["rollout_ranks"]) == (1, 2 if parallel == "ddp" else 1)
         differ = {"micro_batches", "dp_balance", "rollout_ranks", "entropy", *WALL}
         assert {k: v for k, v in a.items() if k not in differ} == {k: v for k, v in b.items() if k not in differ}
-    assert w1.keys() == w2.keys()
-    changed = 0
-    for name in w1:
-        torch.testing.assert_close(w2[name].float(), w1[name].float(), rtol=1e-4, atol=1e-6, msg=name)
-        changed += not torch.equal(w1[name], w2[name])
-    assert changed  # round-off differs somewhere: two ranks really summed their shares
+    assert not _trained_apart(w1, w2, _weights(pre / "final"))
+    assert any(not torch.equal(w1[name], w2[name]) for name in w1)  # round-off differs: two ranks summed
 
 
 def test_two_ranks_train_asynchronously(setup):
@@ -139,9 +155,8 @@ def test_a_posttrain_plan_trains_on_two_ranks_as_on_one(tmp_path, chat_tokenizer
     for stage in ("sft", "reasoning_rl"):
         one, two = finals[1][stage], finals[2][stage]
         assert any(not torch.equal(one[k], before[k]) for k in one)  # the stage trained
+        assert not _trained_apart(one, two, before), stage
         before = one
-        for k in one:
-            torch.testing.assert_close(two[k].float(), one[k].float(), rtol=1e-4, atol=1e-6, msg=f"{stage} {k}")
 
 
 def test_the_ray_cluster_is_refused_under_torchrun():
