@@ -186,13 +186,13 @@ void sparse_attention_forward(const float* q, const float* lat, const long* idx,
 
 /* Its backward, given dout (N, H, R): dq (N, H, D) and dlat (rows, D) written. The latents' gradient is
    gathered row by row, each row's contributions added in query order, so that the result does not depend
-   on the thread count (per-thread partial sums would make DDP ranks and one process differ). */
+   on the thread count (per-thread partial sums would make DDP ranks and one process differ).
+   Scratch from the caller: ds_all (N, H, K) floats (the logits' gradient, kept for the per-row pass),
+   start (rows + 1) longs, zeroed, and entries (N K) longs. */
 void sparse_attention_backward(const float* q, const float* lat, const long* idx, const float* probs,
                                const float* dout, long N, long H, long K, long D, long R, float scale,
-                               float* dq, float* dlat, long rows, int threads) {
-    float* ds_all = malloc(sizeof(float) * N * H * K);  /* d logits, kept for the per-row pass */
-    long* start = calloc(rows + 1, sizeof(long));
-    long* entries = malloc(sizeof(long) * N * K);
+                               float* dq, float* dlat, long rows, float* ds_all, long* start, long* entries,
+                               int threads) {
     #pragma omp parallel num_threads(threads)
     {
         long off[MAX_KEYS];
@@ -227,11 +227,10 @@ void sparse_attention_backward(const float* q, const float* lat, const long* idx
         #pragma omp single
         {
             for (long e = 0; e < N * K; e++) if (idx[e] >= 0) start[idx[e] + 1]++;
-            for (long r = 0; r < rows; r++) start[r + 1] += start[r];
-            long* fill = malloc(sizeof(long) * rows);
-            memcpy(fill, start, sizeof(long) * rows);
-            for (long e = 0; e < N * K; e++) if (idx[e] >= 0) entries[fill[idx[e]]++] = e;
-            free(fill);
+            for (long r = 0; r < rows; r++) start[r + 1] += start[r];  /* start[r]: where row r's entries begin */
+            for (long e = 0; e < N * K; e++) if (idx[e] >= 0) entries[start[idx[e]]++] = e;
+            for (long r = rows; r > 0; r--) start[r] = start[r - 1];  /* each start[r] had moved to start[r + 1] */
+            start[0] = 0;
         }
         #pragma omp for schedule(dynamic, 16)
         for (long r = 0; r < rows; r++) {
@@ -243,9 +242,6 @@ void sparse_attention_backward(const float* q, const float* lat, const long* idx
             }
         }
     }
-    free(ds_all);
-    free(start);
-    free(entries);
 }
 
 /* A (score, position) pair as one integer that orders as the pair does: the larger score first, ties to
