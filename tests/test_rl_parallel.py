@@ -147,11 +147,10 @@ def test_a_posttrain_plan_trains_on_two_ranks_as_on_one(tmp_path, chat_tokenizer
         (tmp_path / f"plan{nproc}.yaml").write_text(yaml.safe_dump(plan))
         out = orthon("posttrain", "-c", tmp_path / f"plan{nproc}.yaml", "--from", source, nproc=nproc)
         assert out.stdout.count("held-out reward of each stage's model") == 1
-        finals[nproc] = {stage: load_file(str(run / stage / "final" / "model.safetensors"))
-                         for stage in ("sft", "reasoning_rl")}
+        finals[nproc] = {stage: _weights(run / stage / "final") for stage in ("sft", "reasoning_rl")}
         finals[nproc]["evaluation"] = json.loads((run / "stages.json").read_text())["evaluation"]
     assert finals[1]["evaluation"] == finals[2]["evaluation"]
-    before = load_file(str(source / "final" / "model.safetensors"))
+    before = _weights(source / "final")
     for stage in ("sft", "reasoning_rl"):
         one, two = finals[1][stage], finals[2][stage]
         assert any(not torch.equal(one[k], before[k]) for k in one)  # the stage trained
