@@ -1,7 +1,9 @@
 """The step loop every trainer runs (orthon's Trainer and the MindSpore backend's): a step, held-out
 evaluation every ``eval_interval`` steps, metrics every ``log_interval``, a checkpoint every
 ``checkpoint_interval``, a progress bar over tokens; at the end a final evaluation and a checkpoint of
-the last step.
+the last step. A stop signal (``stop_signals``, SIGTERM by default: preemption, a job's time limit) ends
+the loop after the step it arrived in, with a checkpoint of that step, on every rank at the same step
+(the ranks agree after each step, one all-reduce of a scalar), and raises ``StopRequested``.
 
 The trainer is duck-typed: ``cfg`` (those intervals), ``step``, ``tokens``, ``total_tokens``, ``done()``,
 ``train_step()`` (the step's figures: ``loss``, ``batch_tokens``, ...), ``evaluate()`` (a loss or None),
@@ -9,8 +11,14 @@ The trainer is duck-typed: ``cfg`` (those intervals), ``step``, ``tokens``, ``to
 """
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from typing import Any
+
+import torch
+
+from orthon.core import distributed
+from orthon.core.interrupts import StopRequested, stop_signals_recorded
 
 
 def run_steps(trainer: Any, metrics_log: Any, progress_label: str | None,
@@ -26,24 +34,46 @@ def run_steps(trainer: Any, metrics_log: Any, progress_label: str | None,
         bar = tqdm(total=trainer.total_tokens, initial=trainer.tokens, unit="tok", unit_scale=True,
                    desc=progress_label)
     last: dict = {}
-    while not trainer.done():
-        last = trainer.train_step()
-        if after_step is not None:
-            after_step()
-        if cfg.eval_interval and trainer.step % cfg.eval_interval == 0:
-            last["eval_loss"] = trainer.evaluate()
-        if trainer.step % cfg.log_interval == 0 or trainer.done():
-            metrics_log.log(trainer.step, **{k: v for k, v in last.items() if v is not None})
+    stop_signals = tuple(getattr(cfg, "stop_signals", ()))
+    try:
+        with stop_signals_recorded(stop_signals) as received:
+            while not trainer.done():
+                last = trainer.train_step()
+                if after_step is not None:
+                    after_step()
+                if cfg.eval_interval and trainer.step % cfg.eval_interval == 0:
+                    last["eval_loss"] = trainer.evaluate()
+                if trainer.step % cfg.log_interval == 0 or trainer.done():
+                    metrics_log.log(trainer.step, **{k: v for k, v in last.items() if v is not None})
+                if bar is not None:
+                    bar.update(last["batch_tokens"])
+                    bar.set_postfix(loss=f"{last['loss']:.3f}", step=trainer.step)
+                if cfg.checkpoint_interval and trainer.step % cfg.checkpoint_interval == 0:
+                    trainer.save_checkpoint()
+                if stop_signals:
+                    stop_if_signalled(received, getattr(trainer, "device", None), trainer.step,
+                                      lambda: trainer.checkpointer.has(trainer.step), trainer.save_checkpoint)
+    finally:
         if bar is not None:
-            bar.update(last["batch_tokens"])
-            bar.set_postfix(loss=f"{last['loss']:.3f}", step=trainer.step)
-        if cfg.checkpoint_interval and trainer.step % cfg.checkpoint_interval == 0:
-            trainer.save_checkpoint()
-    if bar is not None:
-        bar.close()
+            bar.close()
     final_eval = trainer.evaluate()
     if final_eval is not None:
         metrics_log.log(trainer.step, final_eval_loss=final_eval)
     if not trainer.checkpointer.has(trainer.step):
         trainer.save_checkpoint()
     return last, final_eval
+
+
+def stop_if_signalled(received: Callable[[], int], device, count: int, saved: Callable[[], bool],
+                      save: Callable[[], None], unit: str = "step") -> None:
+    """After step (or iteration) ``count``: if any rank received a stop signal, save a checkpoint unless
+    ``saved()`` says this one has one, and raise StopRequested on every rank. The ranks agree on it (the
+    highest signal number any received, one all-reduce), so all stop after the same step and save one
+    checkpoint together. ``device``: where the collective runs (CUDA for NCCL)."""
+    number = received()
+    if distributed.is_distributed():
+        number = int(distributed.all_reduce_max(torch.tensor([number], dtype=torch.int64, device=device)).item())
+    if number:
+        if not saved():
+            save()
+        raise StopRequested(signal.Signals(number).name, count, unit)

@@ -7,7 +7,9 @@ Each subcommand lives in its own module with ``register(parser)`` and
 What reaches this file is turned into one line, never a traceback: an OrthonError (a bad recipe, a
 damaged checkpoint, a missing run) is ``orthon CMD: message`` and exit code 2; Ctrl-C is
 ``orthon CMD: interrupted ...`` with the command that resumes the work, if the command has one
-(a module's ``resume_command(args)``), and exit code 130.
+(a module's ``resume_command(args)``), and exit code 130; a stop signal (SIGTERM: preemption, a time
+limit) is ``orthon CMD: stopped by SIGTERM after step N, checkpoint saved; resume with ...`` and exit
+code 128 + the signal's number (143).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import sys
 
 from orthon.core.allocator import retain_freed_memory
 from orthon.core.errors import ConfigError, OrthonError
+from orthon.core.interrupts import StopRequested
 from orthon.launch.threads import pop_threads, set_threads
 
 COMMANDS = {
@@ -114,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
             hint = getattr(module, "resume_command", lambda *_: None)(args, name)
             print(f"orthon {name}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
         return INTERRUPTED
+    except StopRequested as stop:
+        _close_progress_bars()
+        if _rank0():
+            hint = getattr(module, "resume_command", lambda *_: None)(args, name)
+            print(f"orthon {name}: {stop}" + (f"; {hint}" if hint else ""), file=sys.stderr)
+        return stop.exit_code
     except ConfigError as exc:
         print(f"orthon {name}: config error: {exc}", file=sys.stderr)
         return 2

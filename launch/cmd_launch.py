@@ -58,6 +58,8 @@ def register(parser, name):
     sl.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="exported in the script (repeatable), e.g. NCCL_SOCKET_IFNAME=ib0")
     sl.add_argument("--no-exclusive", dest="exclusive", action="store_false", help="share the nodes with other jobs")
+    sl.add_argument("--stop-grace", type=int, default=300, metavar="SECONDS",
+                    help="SIGTERM this long before the time limit: the run checkpoints its step and stops (0: none)")
     sl.add_argument("--script", help="write the script here (default: print it; --run writes orthon.sbatch)")
     ry = sub.add_parser("ray", help="a Ray cluster (ray start lines) and the RL driver on it")
     ry.add_argument("--nodes", type=int, default=1)
@@ -154,7 +156,7 @@ def _slurm(args, command) -> _Plan:
 
     script = sbatch_script(command, args.nodes, args.gpus_per_node, args.cpus_per_task, args.time, args.partition,
                            args.account, args.job_name, args.output, args.rdzv_port, parse_env(args.env),
-                           args.exclusive)
+                           args.exclusive, args.stop_grace)
     path = args.script or ("orthon.sbatch" if args.run else None)
     if path is None:
         return _Plan(script, [])

@@ -35,9 +35,14 @@ def parse_env(pairs: list[str]) -> dict[str, str]:
 def sbatch_script(orthon: list[str], nodes: int, gpus_per_node: int, cpus_per_task: int | None = None,
                   time: str | None = None, partition: str | None = None, account: str | None = None,
                   job_name: str = "orthon", output: str = "%x-%j.out", rdzv_port: int = RDZV_PORT,
-                  env: dict[str, str] | None = None, exclusive: bool = True) -> str:
+                  env: dict[str, str] | None = None, exclusive: bool = True, stop_grace: int = 300) -> str:
     """The sbatch script: directives, the rendezvous from SLURM_* variables, the environment, and the
-    ``srun torchrun ... -m orthon.launch.cli ORTHON...`` line."""
+    ``srun torchrun ... -m orthon.launch.cli ORTHON...`` line.
+
+    ``stop_grace`` seconds (0: none): Slurm sends SIGTERM that long before the time limit
+    (``--signal=TERM@``), torchrun forwards it and waits as long before killing its workers
+    (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default), and the run saves a checkpoint after its current
+    step and stops (``train.stop_signals``): the time to finish a step and write a checkpoint."""
     if not isinstance(nodes, int) or nodes < 1:
         raise ConfigError(f"nodes: must be a positive integer, got {nodes!r}")
     if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
@@ -45,6 +50,8 @@ def sbatch_script(orthon: list[str], nodes: int, gpus_per_node: int, cpus_per_ta
     if cpus_per_task is not None and cpus_per_task < gpus_per_node:
         raise ConfigError(f"cpus-per-task: {cpus_per_task} CPUs for {gpus_per_node} GPU processes; give at least "
                           f"one CPU each")
+    if not isinstance(stop_grace, int) or stop_grace < 0:
+        raise ConfigError(f"stop-grace: must be a whole number of seconds >= 0, got {stop_grace!r}")
     if time is not None and not _TIME.match(time):
         raise ConfigError(f"time: {time!r} is not a Slurm time limit (MINUTES, HH:MM:SS or DAYS-HH:MM:SS)")
     for value, what in ((job_name, "job-name"), (partition, "partition"), (account, "account")):
@@ -68,7 +75,10 @@ def sbatch_script(orthon: list[str], nodes: int, gpus_per_node: int, cpus_per_ta
     directives.append(f"--output={output}")
     if exclusive:
         directives.append("--exclusive")
-    environment = {**DEFAULT_ENV, **(env or {})}
+    if stop_grace:
+        directives.append(f"--signal=TERM@{stop_grace}")
+    environment = {**DEFAULT_ENV, **({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(stop_grace)} if stop_grace else {}),
+                   **(env or {})}
     if cpus_per_task is not None:
         environment.setdefault("OMP_NUM_THREADS", str(cpus_per_task // gpus_per_node))
     lines = ["#!/bin/bash"] + [f"#SBATCH {d}" for d in directives] + [

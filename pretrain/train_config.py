@@ -2,10 +2,11 @@
 their own sections of the recipe)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from orthon.core.errors import ConfigError
+from orthon.core.interrupts import check_stop_signals
 
 
 @dataclass
@@ -35,6 +36,11 @@ class TrainConfig:
     init_from: str = ""
     # Where the built-in corpus is prepared when data.sources is empty ("" = no built-in corpus).
     builtin_dir: str = "runs/builtin"
+    # Signals that stop the run after the current step with a checkpoint of it (exit code 128 + the
+    # signal's number): SIGTERM is what Slurm (at --time, or --signal=TERM@SECONDS before it), Kubernetes
+    # and torchrun send before killing. [] = the signals' default action (the run dies mid-step and
+    # resumes from its last interval checkpoint).
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
 
     def __post_init__(self):
         for name in ("micro_batch_size", "log_interval", "keep_last"):
@@ -43,5 +49,6 @@ class TrainConfig:
         for name in ("total_tokens", "max_steps", "eval_interval", "checkpoint_interval", "eval_samples", "loss_chunk"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        check_stop_signals(self.stop_signals)
         if self.grad_clip < 0:
             raise ConfigError(f"grad_clip: must be >= 0 (0 = off), got {self.grad_clip}")

@@ -262,10 +262,12 @@ class Trainer:
             samples_log.write(json.dumps({"step": self.step, "ids": self.sample_ids.tolist()}) + "\n")
             samples_log.flush()
         label = self.cfg.progress_label if self.cfg.progress and self.rank == 0 else None
-        last, final_eval = run_steps(self, metrics_log, label, log_sample_ids if samples_log is not None else None)
-        metrics_log.close()
-        if samples_log is not None:
-            samples_log.close()
+        try:
+            last, final_eval = run_steps(self, metrics_log, label, log_sample_ids if samples_log is not None else None)
+        finally:  # a stop signal or Ctrl-C: what was logged reaches the files (TensorBoard buffers events)
+            metrics_log.close()
+            if samples_log is not None:
+                samples_log.close()
         # Gathered on every rank (FSDP shards), written by rank 0.
         full_state = get_model_state_dict(self.wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:

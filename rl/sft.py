@@ -98,7 +98,9 @@ def fit_sft(recipe, tokenizer, conversations: list[list[Message]], log=print) ->
     ``final/`` weights and metrics. Returns the first and last logged losses."""
     import random
 
+    from orthon.core.interrupts import stop_signals_recorded
     from orthon.core.metrics import MetricsLogger, plot_curves, read_metrics
+    from orthon.core.step_loop import stop_if_signalled
     from orthon.pretrain.trainer import Trainer
     from orthon.pretrain.weights import save_weights
 
@@ -118,15 +120,22 @@ def fit_sft(recipe, tokenizer, conversations: list[list[Message]], log=print) ->
         random.Random(recipe.train.seed * 7_919 + epoch).shuffle(idx)
         return idx
 
-    while trainer.step < cfg.steps:
-        first = trainer.step * cfg.batch_size
-        picks = [order(i // len(examples))[i % len(examples)] for i in range(first, first + cfg.batch_size)]
-        batch = [examples[i] for i in picks]
-        out = trainer.train_step(batch, tokens=sum(len(e.tokens) for e in batch))
-        metrics.log(trainer.step, **out)
-        if recipe.train.checkpoint_interval and trainer.step % recipe.train.checkpoint_interval == 0:
-            trainer.save_checkpoint()
-    metrics.close()
+    stop_signals = recipe.train.stop_signals
+    try:
+        with stop_signals_recorded(stop_signals) as received:
+            while trainer.step < cfg.steps:
+                first = trainer.step * cfg.batch_size
+                picks = [order(i // len(examples))[i % len(examples)] for i in range(first, first + cfg.batch_size)]
+                batch = [examples[i] for i in picks]
+                out = trainer.train_step(batch, tokens=sum(len(e.tokens) for e in batch))
+                metrics.log(trainer.step, **out)
+                if recipe.train.checkpoint_interval and trainer.step % recipe.train.checkpoint_interval == 0:
+                    trainer.save_checkpoint()
+                if stop_signals:
+                    stop_if_signalled(received, trainer.device, trainer.step,
+                                      lambda: trainer.checkpointer.has(trainer.step), trainer.save_checkpoint)
+    finally:
+        metrics.close()
     if trainer.rank != 0:  # under torchrun every rank has the same (DDP) weights; rank 0 writes them
         return {"steps": trainer.step}
     save_weights(trainer.model, run_dir / "final")

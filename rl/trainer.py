@@ -29,7 +29,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from orthon.core import distributed
 from orthon.core.errors import ConfigError, DataError
 from orthon.core.files import atomic_write_text
+from orthon.core.interrupts import stop_signals_recorded
 from orthon.core.metrics import MetricsLogger, moving_average, plot_curves, read_metrics
+from orthon.core.step_loop import stop_if_signalled
 from orthon.engine.in_process import InProcessEngine
 from orthon.pretrain.trainer import Trainer
 from orthon.pretrain.weights import load_weights, save_weights
@@ -273,24 +275,30 @@ class RLTrainer:
             bar = tqdm(total=cfg.iterations, initial=self.iteration, desc="rl", unit="it")
         if cfg.mode == "async" and self.rank == 0:
             self.rollout.start()
+        stop_signals = self.recipe.train.stop_signals
         try:
-            while self.iteration < cfg.iterations:
-                stats = self.last_stats = self.iterate()
-                metrics.log(self.iteration, **stats)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(progress_postfix(stats))
-                interval = self.recipe.train.checkpoint_interval
-                if interval and self.iteration % interval == 0:
-                    self.save_checkpoint()
+            with stop_signals_recorded(stop_signals) as received:
+                while self.iteration < cfg.iterations:
+                    stats = self.last_stats = self.iterate()
+                    metrics.log(self.iteration, **stats)
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(progress_postfix(stats))
+                    interval = self.recipe.train.checkpoint_interval
+                    if interval and self.iteration % interval == 0:
+                        self.save_checkpoint()
+                    if stop_signals:
+                        stop_if_signalled(received, self.trainer.device, self.iteration,
+                                          lambda: self.trainer.checkpointer.has(self.trainer.step),
+                                          self.save_checkpoint, unit="iteration")
         finally:
             if cfg.mode == "async" and self.rank == 0:
                 self.rollout.stop()
-        if bar is not None:
-            bar.close()
+            if bar is not None:
+                bar.close()
+            metrics.close()
         if not self.trainer.checkpointer.has(self.trainer.step):
             self.save_checkpoint()
-        metrics.close()
         state = self._full_state()
         return self._from_rank_zero(lambda: self._finish(state))
 

@@ -197,13 +197,13 @@ def test_sbatch_script_structure(tmp_path):
     assert script.startswith("#!/bin/bash\n")
     assert _directives(script) == {"job-name": "orthon", "nodes": "4", "ntasks-per-node": "1", "gpus-per-node": "8",
                                    "cpus-per-task": "96", "time": "2-00:00:00", "partition": "gpu", "account": "llm",
-                                   "output": "%x-%j.out", "exclusive": None}
+                                   "output": "%x-%j.out", "exclusive": None, "signal": "TERM@300"}
     lines = script.splitlines()
     assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in lines
     assert "MASTER_PORT=29500" in lines
     exports = dict(line[len("export "):].split("=", 1) for line in lines if line.startswith("export ") and "=" in line)
     assert exports == {"NCCL_DEBUG": "INFO", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "NCCL_SOCKET_IFNAME": "ib0",
-                       "OMP_NUM_THREADS": "12"}
+                       "OMP_NUM_THREADS": "12", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"}
     srun = [line for line in lines if line.startswith("srun ")]
     assert len(srun) == 1
     words = shlex.split(srun[0])
@@ -223,6 +223,7 @@ def test_sbatch_script_structure(tmp_path):
     (dict(nodes=1, gpus_per_node=8, cpus_per_task=4), "4 CPUs for 8 GPU processes"),
     (dict(nodes=1, gpus_per_node=8, time="two days"), "'two days' is not a Slurm time limit"),
     (dict(nodes=1, gpus_per_node=8, partition="gpu; rm -rf"), "partition: 'gpu; rm -rf' may hold only"),
+    (dict(nodes=1, gpus_per_node=8, stop_grace=-5), "stop-grace: must be a whole number of seconds >= 0, got -5"),
 ])
 def test_sbatch_bad_settings(kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -237,6 +238,9 @@ def test_orthon_launch_slurm_writes_the_script(tmp_path, capsys):
                            "configs/tiny.yaml")
     assert code == 0 and out == f"# wrote {path}\nsbatch {path}\n"
     assert _directives(path.read_text())["nodes"] == "2"
+    _launch(capsys, "slurm", "--stop-grace", 0, "--script", path, "--", "smoke", "-c", "configs/tiny.yaml")
+    script = path.read_text()
+    assert "signal" not in _directives(script) and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in script
 
 
 # ------------------------------------------------------------------ ray
