@@ -57,13 +57,13 @@ class StopRequested(Exception):
         return 128 + int(signal.Signals[self.signal_name])
 
 
-def check_stop_signals(names: Sequence[str], key: str = "stop_signals") -> None:
-    """ConfigError naming ``key`` unless every name is a signal that can serve as a stop signal."""
+def check_stop_signals(names: Sequence[str]) -> None:
+    """ConfigError unless every name is a signal that can serve as a stop signal."""
     for name in names:
         if name not in signal.Signals.__members__:
-            raise ConfigError(f"{key}: {name!r} is not a signal name (e.g. SIGTERM, SIGUSR1)")
+            raise ConfigError(f"stop_signals: {name!r} is not a signal name (e.g. SIGTERM, SIGUSR1)")
         if name in _NOT_STOP_SIGNALS:
-            raise ConfigError(f"{key}: {name} cannot be a stop signal (SIGINT stops at once, as Ctrl-C; "
+            raise ConfigError(f"stop_signals: {name} cannot be a stop signal (SIGINT stops at once, as Ctrl-C; "
                               f"SIGKILL and SIGSTOP cannot be caught)")
 
 
