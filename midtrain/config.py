@@ -35,6 +35,12 @@ class StageConfig:
     seq_len: int
     tokens: int  # the stage's token budget
     rope_theta: float | None = None  # None: keep the previous stage's (or the pretrained) base
+    # Multiply every layer's attention logits by this at the stage's start (folded into q_b_proj: the
+    # model's shape and its HF export are unchanged). At a DSA hand-over it concentrates the dense
+    # attention that the indexers must then find, and sparse training, which never sees unselected keys,
+    # does not spread it again. (0.1 ln s + 1)^2 is YaRN's attention temperature for an s-fold extension
+    # (1.296 for 4x). 1.0: unchanged (GLM-5's recipe).
+    attention_scale: float = 1.0
     index_share: bool = False  # "shared" layers reuse the previous "full" layer's top-k
     dsa: DsaPhase = "off"
     indexer_only_steps: int = 0  # with dsa indexer_warmup: phase-1 steps at the start of the stage
@@ -56,6 +62,8 @@ class StageConfig:
             raise ConfigError(f"tokens: the stage's token budget must be positive, got {self.tokens}")
         if self.rope_theta is not None and self.rope_theta <= 0:
             raise ConfigError(f"rope_theta: must be positive, got {self.rope_theta}")
+        if not self.attention_scale > 0:
+            raise ConfigError(f"attention_scale: must be positive, got {self.attention_scale}")
         if self.indexer_only_steps < 0:
             raise ConfigError(f"indexer_only_steps: must be >= 0, got {self.indexer_only_steps}")
         if self.dsa == "indexer_warmup" and self.indexer_only_steps == 0:

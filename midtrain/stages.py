@@ -91,6 +91,15 @@ def stage_trainer(plan: MidtrainPlan, index: int, source: Recipe, run_dir, log=p
 
 
 # ---------------------------------------------------------------- stage hand-over
+@torch.no_grad()
+def scale_attention_logits(model, factor: float) -> None:
+    """Every layer's attention logits q.k times ``factor``: q_b_proj makes the whole query (both its
+    no-RoPE and RoPE halves) from the normed q_a output, so scaling it scales q alone; the indexers
+    read the q_a output itself and are untouched."""
+    for layer in model.model.layers:
+        layer.self_attn.q_b_proj.weight.mul_(factor)
+
+
 def _load_source_run(source_dir: Path, recipe: Recipe, log):
     """The pretraining run's newest good checkpoint in a model + optimizer built as its Trainer built them."""
     path = Checkpointer(source_dir, log=log).latest_good()
@@ -188,6 +197,9 @@ def run_plan(plan: MidtrainPlan, log=print) -> list[dict]:
                 src_model, src_opts = _load_stage_run(stage_dir(run_dir, plan, i - 1), log)
             copy_training_state(src_model, src_opts, trainer.model, trainer.optimizer.optimizers, log)
             del src_model, src_opts
+            if stage.attention_scale != 1.0:  # once, at the start: a resumed stage's weights hold it already
+                scale_attention_logits(trainer.model, stage.attention_scale)
+                log(f"attention logits scaled by {stage.attention_scale:g} (q_b_proj)")
         result = trainer.fit()
         trainer.step_fn.close()
         summary = {"stage": stage.name, "index": i, **{k: v for k, v in result.items() if not isinstance(v, torch.Tensor)}}

@@ -35,7 +35,7 @@ def plan(run_dir, **changes):
     stages = [
         {"name": "long", "seq_len": 64, "tokens": 512, "rope_theta": 100000.0},
         {"name": "dsa", "seq_len": 64, "tokens": 1024, "dsa": "indexer_warmup", "indexer_only_steps": 2,
-         "indexer_lr": 0.01, "lr_mode": "hold"},
+         "indexer_lr": 0.01, "lr_mode": "hold", "attention_scale": 2.0},
         {"name": "share", "seq_len": 128, "tokens": 512, "dsa": "sparse", "index_share": True},
     ]
     p = {"run_dir": str(run_dir), "lr_start": 0.004, "lr_end": 0.001, "batch_tokens": 256,
@@ -89,6 +89,7 @@ def _load_ckpt(run, stage, step):
 def test_stages_run_with_their_settings(reference):
     run, log = reference
     assert "continuing" in log and "carried optimizer state" in log
+    assert log.count("attention logits scaled by 2 (q_b_proj)") == 1  # the DSA stage's hand-over only
     from orthon.pretrain.recipe import load_recipe
 
     recipes = [load_recipe(run / "stages" / s / "config.yaml") for s in STAGES]
@@ -119,6 +120,8 @@ def test_phase1_moves_only_the_indexers_and_keeps_main_optimizer_state(reference
     for (name, p), q in zip(before.named_parameters(), after.parameters()):
         if ".indexer." in name:
             moved.append(not torch.equal(p, q))
+        elif name.endswith("q_b_proj.weight"):  # the stage's attention_scale 2, applied at its start
+            assert torch.equal(2 * p, q), name
         else:
             assert torch.equal(p, q), f"{name} changed during the indexer-only steps"
     assert moved and all(moved)
@@ -261,3 +264,35 @@ def test_resume_continues_the_run_it_names_even_when_moved(reference, tmp_path):
     logged = [r["loss"] for r in _metrics(copy, STAGES[-1]) if "loss" in r]
     assert json.loads((last / "stage_done.json").read_text())["loss"] == logged[-1]
     assert {p: p.stat().st_mtime_ns for p in ref.rglob("*") if p.is_file()} == stamps  # the original untouched
+
+
+def test_attention_scale_multiplies_the_logits_and_leaves_the_indexer_alone():
+    from orthon.midtrain.heads import attention_rows
+    from orthon.midtrain.stages import scale_attention_logits
+    from orthon.pretrain import GLMForCausalLM, ModelConfig
+    from orthon.pretrain.attention import index_scores
+    from orthon.pretrain.layers import rope_cos_sin
+    from pretrain_support import MODEL
+
+    torch.manual_seed(0)
+    model = GLMForCausalLM(ModelConfig(**MODEL))
+    attn = model.model.layers[1].self_attn
+    x = torch.randn(2, 40, MODEL["hidden_size"])
+    cos, sin = rope_cos_sin(torch.arange(40), MODEL["qk_rope_head_dim"], model.config.rope_theta, x.dtype)
+
+    def probs_and_index():
+        q_resid = attn.project(x, cos, sin)[0]
+        q_idx, w_idx = attn.indexer.queries(x, q_resid, cos, sin)
+        scores = index_scores(q_idx, w_idx, attn.indexer.keys(x, cos, sin), attn.indexer.scale)
+        return next(attention_rows(attn, x, cos, sin))[1], scores
+
+    before, index_before = probs_and_index()
+    scale_attention_logits(model, 1.5)
+    after, index_after = probs_and_index()
+    # softmax(1.5 * logits) row by row: log-probabilities are logits less a per-row constant.
+    want = torch.softmax(1.5 * before.log(), dim=-1)
+    assert torch.allclose(after, want, atol=1e-6) and not torch.allclose(after, before, atol=1e-3)
+    assert torch.equal(index_after, index_before)
+    with pytest.raises(Exception, match="attention_scale: must be positive"):
+        from orthon.midtrain.config import StageConfig
+        StageConfig(name="s", seq_len=8, tokens=8, attention_scale=0.0)
