@@ -68,12 +68,16 @@ def check_stop_signals(names: Sequence[str]) -> None:
 
 
 @contextmanager
-def stop_signals_recorded(names: Sequence[str]) -> Iterator[Callable[[], int]]:
+def stop_signals_recorded(names: Sequence[str]) -> Iterator[Callable[[], int] | None]:
     """Inside: each named signal is recorded, not acted on; yields a function returning the number of
-    the first one received (0: none). On leaving, the previous handlers are back. Outside the main
-    thread nothing can be installed, and the function always returns 0."""
+    the first one received (0: none), or None when no names are given. On leaving, the previous
+    handlers are back. Outside the main thread nothing can be installed, and the function always
+    returns 0."""
     received: list[int] = []
-    if threading.current_thread() is not threading.main_thread() or not names:
+    if not names:
+        yield None
+        return
+    if threading.current_thread() is not threading.main_thread():
         yield lambda: 0
         return
     numbers = [signal.Signals[n] for n in names]

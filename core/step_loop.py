@@ -34,9 +34,8 @@ def run_steps(trainer: Any, metrics_log: Any, progress_label: str | None,
         bar = tqdm(total=trainer.total_tokens, initial=trainer.tokens, unit="tok", unit_scale=True,
                    desc=progress_label)
     last: dict = {}
-    stop_signals = tuple(getattr(cfg, "stop_signals", ()))
     try:
-        with stop_signals_recorded(stop_signals) as received:
+        with stop_signals_recorded(getattr(cfg, "stop_signals", ())) as received:
             while not trainer.done():
                 last = trainer.train_step()
                 if after_step is not None:
@@ -50,9 +49,8 @@ def run_steps(trainer: Any, metrics_log: Any, progress_label: str | None,
                     bar.set_postfix(loss=f"{last['loss']:.3f}", step=trainer.step)
                 if cfg.checkpoint_interval and trainer.step % cfg.checkpoint_interval == 0:
                     trainer.save_checkpoint()
-                if stop_signals:
-                    stop_if_signalled(received, getattr(trainer, "device", None), trainer.step,
-                                      lambda: trainer.checkpointer.has(trainer.step), trainer.save_checkpoint)
+                stop_if_signalled(received, getattr(trainer, "device", None), trainer.step,
+                                  lambda: trainer.checkpointer.has(trainer.step), trainer.save_checkpoint)
     finally:
         if bar is not None:
             bar.close()
@@ -64,12 +62,15 @@ def run_steps(trainer: Any, metrics_log: Any, progress_label: str | None,
     return last, final_eval
 
 
-def stop_if_signalled(received: Callable[[], int], device, count: int, saved: Callable[[], bool],
+def stop_if_signalled(received: Callable[[], int] | None, device, count: int, saved: Callable[[], bool],
                       save: Callable[[], None], unit: str = "step") -> None:
     """After step (or iteration) ``count``: if any rank received a stop signal, save a checkpoint unless
     ``saved()`` says this one has one, and raise StopRequested on every rank. The ranks agree on it (the
     highest signal number any received, one all-reduce), so all stop after the same step and save one
-    checkpoint together. ``device``: where the collective runs (CUDA for NCCL)."""
+    checkpoint together. ``received``: from ``stop_signals_recorded`` (None: no stop signals, nothing to
+    agree on); ``device``: where the collective runs (CUDA for NCCL)."""
+    if received is None:
+        return
     number = received()
     if distributed.is_distributed():
         number = int(distributed.all_reduce_max(torch.tensor([number], dtype=torch.int64, device=device)).item())

@@ -120,9 +120,8 @@ def fit_sft(recipe, tokenizer, conversations: list[list[Message]], log=print) ->
         random.Random(recipe.train.seed * 7_919 + epoch).shuffle(idx)
         return idx
 
-    stop_signals = recipe.train.stop_signals
     try:
-        with stop_signals_recorded(stop_signals) as received:
+        with stop_signals_recorded(recipe.train.stop_signals) as received:
             while trainer.step < cfg.steps:
                 first = trainer.step * cfg.batch_size
                 picks = [order(i // len(examples))[i % len(examples)] for i in range(first, first + cfg.batch_size)]
@@ -131,9 +130,8 @@ def fit_sft(recipe, tokenizer, conversations: list[list[Message]], log=print) ->
                 metrics.log(trainer.step, **out)
                 if recipe.train.checkpoint_interval and trainer.step % recipe.train.checkpoint_interval == 0:
                     trainer.save_checkpoint()
-                if stop_signals:
-                    stop_if_signalled(received, trainer.device, trainer.step,
-                                      lambda: trainer.checkpointer.has(trainer.step), trainer.save_checkpoint)
+                stop_if_signalled(received, trainer.device, trainer.step,
+                                  lambda: trainer.checkpointer.has(trainer.step), trainer.save_checkpoint)
     finally:
         metrics.close()
     if trainer.rank != 0:  # under torchrun every rank has the same (DDP) weights; rank 0 writes them

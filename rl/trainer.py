@@ -275,9 +275,8 @@ class RLTrainer:
             bar = tqdm(total=cfg.iterations, initial=self.iteration, desc="rl", unit="it")
         if cfg.mode == "async" and self.rank == 0:
             self.rollout.start()
-        stop_signals = self.recipe.train.stop_signals
         try:
-            with stop_signals_recorded(stop_signals) as received:
+            with stop_signals_recorded(self.recipe.train.stop_signals) as received:
                 while self.iteration < cfg.iterations:
                     stats = self.last_stats = self.iterate()
                     metrics.log(self.iteration, **stats)
@@ -287,10 +286,9 @@ class RLTrainer:
                     interval = self.recipe.train.checkpoint_interval
                     if interval and self.iteration % interval == 0:
                         self.save_checkpoint()
-                    if stop_signals:
-                        stop_if_signalled(received, self.trainer.device, self.iteration,
-                                          lambda: self.trainer.checkpointer.has(self.trainer.step),
-                                          self.save_checkpoint, unit="iteration")
+                    stop_if_signalled(received, self.trainer.device, self.iteration,
+                                      lambda: self.trainer.checkpointer.has(self.trainer.step),
+                                      self.save_checkpoint, unit="iteration")
         finally:
             if cfg.mode == "async" and self.rank == 0:
                 self.rollout.stop()

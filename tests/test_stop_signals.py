@@ -148,3 +148,18 @@ def test_rl_stops_after_the_iteration_with_a_checkpoint(tmp_path):
     verify(Checkpointer(run).step_dirs()[-1])
     out = orthon("rl", "-c", recipe, "--resume", f"rl.iterations={iteration + 1}")
     assert f"resumed RL at iteration {iteration}" in out.stdout + out.stderr
+
+
+def test_no_stop_signals_means_no_handler_and_no_check():
+    from orthon.core.step_loop import stop_if_signalled
+
+    before = signal.getsignal(signal.SIGTERM)
+    with stop_signals_recorded([]) as received:
+        assert received is None and signal.getsignal(signal.SIGTERM) is before
+        stop_if_signalled(received, None, 3, lambda: False, lambda: pytest.fail("nothing to save"))
+    with stop_signals_recorded(["SIGUSR1"]) as received:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        saved = []
+        with pytest.raises(StopRequested, match="stopped by SIGUSR1 after iteration 3") as stop:
+            stop_if_signalled(received, None, 3, lambda: False, lambda: saved.append(3), unit="iteration")
+        assert saved == [3] and stop.value.exit_code == 128 + signal.SIGUSR1
