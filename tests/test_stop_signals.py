@@ -126,6 +126,7 @@ def test_one_rank_signalled_stops_every_rank_after_the_same_step(tmp_path):
     assert resumed_from(out.stdout + out.stderr)[1] == step
 
 
+@pytest.mark.slow  # about 30 s; the RL loop reaches the same stop_if_signalled as the step loop
 def test_rl_stops_after_the_iteration_with_a_checkpoint(tmp_path):
     import yaml
 
