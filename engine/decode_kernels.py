@@ -12,8 +12,8 @@ costs more than their arithmetic at these sizes.
 
 Each equals the torch function it replaces up to float summation order (tests/test_decode_kernels.py).
 Built on first use with the system C compiler into a per-user cache and loaded with ctypes
-(``orthon.core.native``, as the training-side sparse kernels are). Where it cannot be built or run (no compiler, a CPU without AVX2 / FMA,
-ORTHON_DECODE_KERNELS=0) every caller takes the torch path (ORTHON_DECODE_AVX512=0 keeps the kernels
+(``orthon.core.native``, as the training-side sparse kernels are). Where it cannot be built or run (no
+compiler, a CPU without AVX2 / FMA, ORTHON_DECODE_KERNELS=0) every caller takes the torch path (ORTHON_DECODE_AVX512=0 keeps the kernels
 but runs their AVX2 form): the same values up to summation order.
 The fallback is logged once per process with its reason (logger ``orthon.engine.decode_kernels``; a
 warning, or info when ORTHON_DECODE_KERNELS=0 asked for it).

@@ -73,6 +73,15 @@ def _close_progress_bars() -> None:
             pass
 
 
+def _say_stopped(module, args, name: str, what: str) -> None:
+    """``orthon NAME: WHAT; resume with ...`` on rank 0, on a line of its own (the command's
+    ``resume_command``, if it has one, says how to continue)."""
+    _close_progress_bars()
+    if _rank0():
+        hint = getattr(module, "resume_command", lambda *_: None)(args, name)
+        print(f"orthon {name}: {what}" + (f"; {hint}" if hint else ""), file=sys.stderr)
+
+
 def parse_command_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """A command's arguments; overrides may come before and after options
     (``orthon rl --resume a.b=1 -c rl.yaml c.d=2``), except for commands with sub-commands."""
@@ -112,16 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         code = int(module.run(args, name) or 0)
     except KeyboardInterrupt:
         _quiet_interrupts()
-        _close_progress_bars()
-        if _rank0():
-            hint = getattr(module, "resume_command", lambda *_: None)(args, name)
-            print(f"orthon {name}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
+        _say_stopped(module, args, name, "interrupted")
         return INTERRUPTED
     except StopRequested as stop:
-        _close_progress_bars()
-        if _rank0():
-            hint = getattr(module, "resume_command", lambda *_: None)(args, name)
-            print(f"orthon {name}: {stop}" + (f"; {hint}" if hint else ""), file=sys.stderr)
+        _say_stopped(module, args, name, str(stop))
         return stop.exit_code
     except ConfigError as exc:
         print(f"orthon {name}: config error: {exc}", file=sys.stderr)

@@ -10,8 +10,8 @@ runs as fused sparse-attention kernels, here in C with AVX2 and OpenMP.
 
 Each equals the torch function it replaces up to float summation order (tests/test_sparse_kernels.py);
 ``None`` from a function means "does not apply here" (no library, not CPU, more than MAX_KEYS keys, a
-width not a multiple of 8) and the caller runs its torch path. No result depends on the thread count. Built like the decode kernels
-(orthon.core.native); ``ORTHON_SPARSE_KERNELS=0`` turns them off.
+width not a multiple of 8) and the caller runs its torch path. No result depends on the thread count.
+Built like the decode kernels (orthon.core.native); ``ORTHON_SPARSE_KERNELS=0`` turns them off.
 """
 from __future__ import annotations
 
