@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from orthon.core.errors import ConfigError, OrthonError
+from orthon.launch.launchers import STOP_GRACE
 
 # cli.py leaves the CPU threads to the processes this command starts (it computes nothing itself).
 STARTS_PROCESSES = True
@@ -45,6 +46,9 @@ def register(parser, name):
     tr.add_argument("--rdzv-backend", default="c10d")
     tr.add_argument("--rdzv-id", default="orthon", help="the job's name in the rendezvous")
     tr.add_argument("--max-restarts", type=int, default=0)
+    tr.add_argument("--stop-grace", type=int, default=STOP_GRACE, metavar="SECONDS",
+                    help="after a SIGTERM, torchrun waits this long before killing the processes: the run "
+                         "checkpoints its step and stops (0: torchrun's 30 s)")
     sl = sub.add_parser("slurm", help="an sbatch script: one torchrun a node, one process a GPU")
     sl.add_argument("--nodes", type=int, default=1)
     sl.add_argument("--gpus-per-node", type=int, default=8)
@@ -58,7 +62,7 @@ def register(parser, name):
     sl.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="exported in the script (repeatable), e.g. NCCL_SOCKET_IFNAME=ib0")
     sl.add_argument("--no-exclusive", dest="exclusive", action="store_false", help="share the nodes with other jobs")
-    sl.add_argument("--stop-grace", type=int, default=300, metavar="SECONDS",
+    sl.add_argument("--stop-grace", type=int, default=STOP_GRACE, metavar="SECONDS",
                     help="SIGTERM this long before the time limit: the run checkpoints its step and stops (0: none)")
     sl.add_argument("--script", help="write the script here (default: print it; --run writes orthon.sbatch)")
     ry = sub.add_parser("ray", help="a Ray cluster (ray start lines) and the RL driver on it")
@@ -142,7 +146,8 @@ def _torchrun(args, command) -> _Plan:
     from orthon.launch.launchers import NodeCommand, torchrun_argv
 
     options = dict(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, rdzv_endpoint=args.rdzv_endpoint,
-                   rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id, max_restarts=args.max_restarts)
+                   rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id, max_restarts=args.max_restarts,
+                   stop_grace=args.stop_grace)
     argv = torchrun_argv(command, **options)
     notes = [f"the same line on each of the {args.nnodes} nodes"] if args.nnodes > 1 else []
     # --run: this interpreter's torchrun, so the processes import the orthon installed beside it.

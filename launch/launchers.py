@@ -16,6 +16,8 @@ from orthon.core.errors import ConfigError
 ORTHON_MODULE = ["-m", "orthon.launch.cli"]
 MSRUN_PORT = 8118  # msrun's default scheduler port
 RAY_PORT = 6379  # ray start --head's default GCS port
+# Seconds between SIGTERM and SIGKILL that the launchers leave a run to checkpoint its step.
+STOP_GRACE = 300
 _HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.\-]*[A-Za-z0-9])?$")
 
 
@@ -85,15 +87,21 @@ def split_endpoint(endpoint: str, what: str = "rendezvous endpoint") -> tuple[st
 # ------------------------------------------------------------------ torchrun
 def torchrun_argv(orthon: list[str], nnodes: int = 1, nproc_per_node: int = 1, rdzv_endpoint: str | None = None,
                   rdzv_backend: str = "c10d", rdzv_id: str = "orthon", max_restarts: int = 0,
-                  launcher: list[str] | None = None) -> list[str]:
+                  stop_grace: int = STOP_GRACE, launcher: list[str] | None = None) -> list[str]:
     """``torchrun ... -m orthon.launch.cli ORTHON...``. One node without an endpoint runs ``--standalone``
     (torchrun picks a free local port); more nodes need ``rdzv_endpoint`` (HOST:PORT of the first node),
     the same line then starts on every node. ``launcher`` replaces the word ``torchrun`` (``--run`` uses
-    this interpreter's ``python -m torch.distributed.run``)."""
+    this interpreter's ``python -m torch.distributed.run``).
+
+    ``stop_grace``: seconds torchrun waits, after forwarding a SIGTERM to its workers, before it kills them
+    (``--shutdown-timeout``; torchrun's own default is 30 s, 0 keeps it): the time a run stopped by the
+    signal has to finish its step and write a checkpoint (``train.stop_signals``)."""
     _positive(nnodes, "nnodes")
     _positive(nproc_per_node, "nproc-per-node")
     if max_restarts < 0:
         raise ConfigError(f"max-restarts: must be >= 0, got {max_restarts}")
+    if not isinstance(stop_grace, int) or stop_grace < 0:
+        raise ConfigError(f"stop-grace: must be a whole number of seconds >= 0, got {stop_grace!r}")
     argv = list(launcher or ["torchrun"]) + [f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}"]
     if rdzv_endpoint is None:
         if nnodes > 1:
@@ -108,6 +116,8 @@ def torchrun_argv(orthon: list[str], nnodes: int = 1, nproc_per_node: int = 1, r
         argv += [f"--rdzv-backend={rdzv_backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}"]
     if max_restarts:
         argv.append(f"--max-restarts={max_restarts}")
+    if stop_grace:
+        argv.append(f"--shutdown-timeout={stop_grace}")
     return argv + ORTHON_MODULE + list(orthon)
 
 

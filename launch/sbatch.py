@@ -7,7 +7,7 @@ import re
 import shlex
 
 from orthon.core.errors import ConfigError
-from orthon.launch.launchers import torchrun_argv
+from orthon.launch.launchers import STOP_GRACE, torchrun_argv
 
 # Set unless the caller gives its own value: NCCL reports problems (not every call), and a failed
 # collective raises instead of hanging the job until its time limit.
@@ -35,13 +35,13 @@ def parse_env(pairs: list[str]) -> dict[str, str]:
 def sbatch_script(orthon: list[str], nodes: int, gpus_per_node: int, cpus_per_task: int | None = None,
                   time: str | None = None, partition: str | None = None, account: str | None = None,
                   job_name: str = "orthon", output: str = "%x-%j.out", rdzv_port: int = RDZV_PORT,
-                  env: dict[str, str] | None = None, exclusive: bool = True, stop_grace: int = 300) -> str:
+                  env: dict[str, str] | None = None, exclusive: bool = True, stop_grace: int = STOP_GRACE) -> str:
     """The sbatch script: directives, the rendezvous from SLURM_* variables, the environment, and the
     ``srun torchrun ... -m orthon.launch.cli ORTHON...`` line.
 
     ``stop_grace`` seconds (0: none): Slurm sends SIGTERM that long before the time limit
     (``--signal=TERM@``), torchrun forwards it and waits as long before killing its workers
-    (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default), and the run saves a checkpoint after its current
+    (``--shutdown-timeout``, 30 s by default), and the run saves a checkpoint after its current
     step and stops (``train.stop_signals``): the time to finish a step and write a checkpoint."""
     if not isinstance(nodes, int) or nodes < 1:
         raise ConfigError(f"nodes: must be a positive integer, got {nodes!r}")
@@ -50,17 +50,16 @@ def sbatch_script(orthon: list[str], nodes: int, gpus_per_node: int, cpus_per_ta
     if cpus_per_task is not None and cpus_per_task < gpus_per_node:
         raise ConfigError(f"cpus-per-task: {cpus_per_task} CPUs for {gpus_per_node} GPU processes; give at least "
                           f"one CPU each")
-    if not isinstance(stop_grace, int) or stop_grace < 0:
-        raise ConfigError(f"stop-grace: must be a whole number of seconds >= 0, got {stop_grace!r}")
     if time is not None and not _TIME.match(time):
         raise ConfigError(f"time: {time!r} is not a Slurm time limit (MINUTES, HH:MM:SS or DAYS-HH:MM:SS)")
     for value, what in ((job_name, "job-name"), (partition, "partition"), (account, "account")):
         if value is not None and not _NAME.match(value):
             raise ConfigError(f"{what}: {value!r} may hold only letters, digits, '.', '_' and '-'")
     # torchrun's checks (node counts, the command) with placeholders the script fills in at run time.
-    torchrun = torchrun_argv(orthon, nodes, gpus_per_node, rdzv_endpoint=f"localhost:{rdzv_port}")
+    torchrun = torchrun_argv(orthon, nodes, gpus_per_node, rdzv_endpoint=f"localhost:{rdzv_port}", stop_grace=stop_grace)
     launcher = ["torchrun", "--nnodes=$SLURM_NNODES", f"--nproc-per-node={gpus_per_node}", "--rdzv-backend=c10d",
                 "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT", "--rdzv-id=$SLURM_JOB_ID"]
+    launcher += [word for word in torchrun if word.startswith("--shutdown-timeout=")]
     command = torchrun[torchrun.index("-m"):]
     directives = [f"--job-name={job_name}", f"--nodes={nodes}", "--ntasks-per-node=1",
                   f"--gpus-per-node={gpus_per_node}"]
@@ -77,8 +76,7 @@ def sbatch_script(orthon: list[str], nodes: int, gpus_per_node: int, cpus_per_ta
         directives.append("--exclusive")
     if stop_grace:
         directives.append(f"--signal=TERM@{stop_grace}")
-    environment = {**DEFAULT_ENV, **({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(stop_grace)} if stop_grace else {}),
-                   **(env or {})}
+    environment = {**DEFAULT_ENV, **(env or {})}
     if cpus_per_task is not None:
         environment.setdefault("OMP_NUM_THREADS", str(cpus_per_task // gpus_per_node))
     lines = ["#!/bin/bash"] + [f"#SBATCH {d}" for d in directives] + [

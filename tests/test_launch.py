@@ -51,6 +51,9 @@ def test_torchrun_line_for_many_nodes_is_what_torchrun_parses():
     assert (args.rdzv_endpoint, args.rdzv_id, args.standalone) == ("node0:29500", "glm5-run", False)
     assert args.module and args.training_script == "orthon.launch.cli"
     assert args.training_script_args == ["pretrain", "-c", "configs/glm5.yaml", "train.parallel=fsdp"]
+    # A SIGTERM gives the workers 300 s to checkpoint before torchrun kills them (its own default: 30 s).
+    assert args.shutdown_timeout == 300
+    assert _torchrun_args(torchrun_argv(["smoke"], stop_grace=0)).shutdown_timeout is None
 
 
 def test_torchrun_on_one_node_is_standalone_and_ipv6_endpoints_keep_brackets():
@@ -65,6 +68,7 @@ def test_torchrun_on_one_node_is_standalone_and_ipv6_endpoints_keep_brackets():
     (dict(nnodes=2, rdzv_endpoint="node0"), "'node0' is not HOST:PORT"),
     (dict(nnodes=2, rdzv_endpoint="node0:80"), "port 80 must be an integer in 1024..65535"),
     (dict(nproc_per_node=0), "nproc-per-node: must be a positive integer, got 0"),
+    (dict(stop_grace=-1), "stop-grace: must be a whole number of seconds >= 0, got -1"),
 ])
 def test_torchrun_bad_settings_name_what_is_wrong(kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -203,7 +207,7 @@ def test_sbatch_script_structure(tmp_path):
     assert "MASTER_PORT=29500" in lines
     exports = dict(line[len("export "):].split("=", 1) for line in lines if line.startswith("export ") and "=" in line)
     assert exports == {"NCCL_DEBUG": "INFO", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "NCCL_SOCKET_IFNAME": "ib0",
-                       "OMP_NUM_THREADS": "12", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"}
+                       "OMP_NUM_THREADS": "12"}
     srun = [line for line in lines if line.startswith("srun ")]
     assert len(srun) == 1
     words = shlex.split(srun[0])
@@ -211,6 +215,7 @@ def test_sbatch_script_structure(tmp_path):
     args = _torchrun_args(words[2:])
     assert (args.nnodes, args.nproc_per_node, args.rdzv_backend) == ("$SLURM_NNODES", "8", "c10d")
     assert (args.rdzv_endpoint, args.rdzv_id) == ("$MASTER_ADDR:$MASTER_PORT", "$SLURM_JOB_ID")
+    assert args.shutdown_timeout == 300  # as long as Slurm's --signal=TERM@300 leaves before the time limit
     assert args.module and args.training_script_args == ["pretrain", "-c", "configs/glm5.yaml",
                                                          "train.run_dir=$SCRATCH/glm5"]
     path = tmp_path / "job.sbatch"
@@ -240,7 +245,7 @@ def test_orthon_launch_slurm_writes_the_script(tmp_path, capsys):
     assert _directives(path.read_text())["nodes"] == "2"
     _launch(capsys, "slurm", "--stop-grace", 0, "--script", path, "--", "smoke", "-c", "configs/tiny.yaml")
     script = path.read_text()
-    assert "signal" not in _directives(script) and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in script
+    assert "signal" not in _directives(script) and "--shutdown-timeout" not in script
 
 
 # ------------------------------------------------------------------ ray
