@@ -101,6 +101,9 @@ class PolicyStep(SampleStep):
         super().__init__(dp_schedule)
         self.cfg, self.reference, self.opd, self.teachers = loss_cfg, reference, opd, teachers or {}
         self.mismatch_max = 0.0
+        # Set by RLTrainer for an update whose samples were generated on the weights it starts from:
+        # their rollout log-probs become this forward's (the rescore, without another forward).
+        self.rescore_in_forward = False
 
     @staticmethod
     def sample(item):
@@ -120,6 +123,9 @@ class PolicyStep(SampleStep):
         advantages = torch.tensor([float(a) for _, a in micro])
         form1 = self.opd is not None and self.opd.form == "kl_penalty"
         out = sample_log_probs(model, samples, with_entropy=True, with_logits=form1)
+        if self.rescore_in_forward:
+            for b, sample in enumerate(samples):
+                sample.rollout_log_probs = out.log_probs[b, : sample.response_length].detach().float().cpu().clone()
         device = out.log_probs.device
         rollout, mask = (t.to(device) for t in response_tensors(samples, out.mask.shape[1]))
         advantages, opd_sums = self._opd_advantages(samples, advantages.to(device), out, mask)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ from orthon.core.step_loop import stop_if_signalled
 from orthon.engine.in_process import InProcessEngine
 from orthon.pretrain.trainer import Trainer
 from orthon.pretrain.weights import load_weights, save_weights
+from orthon.rl.logprobs import sample_log_probs
 from orthon.rl.loss import grpo_advantages
 from orthon.rl.rank_rollouts import RankRollouts
 from orthon.rl.rollout_manager import RolloutManager, rollout_state
@@ -75,10 +77,16 @@ class RLTrainer:
         # module docstring).
         shared = (self.trainer.world > 1 and not self.sharded and self.cfg.mode == "sync"
                   and engine is None and rollout is None)
+        # Synchronous rollouts on engines of our own sample with the weights the trainer holds at the next
+        # update, so the engine's "rescore" (one more forward through the trainer's scoring) is the trainer's
+        # own forward: the engine keeps its sampling log-probs and train_on replaces them (see there).
+        self.trainer_rescores = (engine is None and rollout is None and self.cfg.mode == "sync"
+                                 and self.cfg.debug == "none" and self.cfg.engine.logprobs == "rescore")
         if self.rank != 0 and not shared:
             engine = rollout = None
         elif rollout is None:
-            engine = engine or InProcessEngine(load_weights(policy, device=self.trainer.device), self.cfg.engine)
+            engine_cfg = replace(self.cfg.engine, logprobs="decode") if self.trainer_rescores else self.cfg.engine
+            engine = engine or InProcessEngine(load_weights(policy, device=self.trainer.device), engine_cfg)
             rollout = RolloutManager(self.cfg, tokenizer, engine, recipe.train.seed, log=self.log)
         self.engine, self.rollout = engine, rollout
         self.shared_rollouts = RankRollouts(rollout, self.rank, self.trainer.world) if shared else None
@@ -128,12 +136,22 @@ class RLTrainer:
         rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)
         advantages = grpo_advantages(rewards, unbiased=self.cfg.loss.advantage_std == "unbiased")
         share = math.ceil(len(groups) / self.cfg.updates_per_iteration)
+        batches = [[(b, float(a)) for g, adv in zip(groups[start : start + share], advantages[start : start + share])
+                    for s, a in zip(g, adv) for b in branches(s)] for start in range(0, len(groups), share)]
+        if self.trainer_rescores:
+            # Rescored by the trainer on the weights that sampled them (nothing has updated them since):
+            # the first update's samples by its own forward (PolicyStep.rescore_in_forward), the later
+            # updates' now, before the first changes the weights. Groups the iteration dropped are never
+            # scored, where the engine's rescore scored every sample it generated.
+            self._rescore([s for batch in batches[1:] for s, _ in batch])
         stats, sums, tokens = {}, {}, 0.0
-        for k, start in enumerate(range(0, len(groups), share)):
-            batch = [(b, float(a)) for g, adv in zip(groups[start : start + share], advantages[start : start + share])
-                     for s, a in zip(g, adv) for b in branches(s)]
+        for k, batch in enumerate(batches):
             trained = sum(s.response_length for s, _ in batch)
-            metrics = self.trainer.train_step(batch, tokens=trained)
+            self.trainer.step_fn.rescore_in_forward = self.trainer_rescores and k == 0
+            try:
+                metrics = self.trainer.train_step(batch, tokens=trained)
+            finally:
+                self.trainer.step_fn.rescore_in_forward = False
             if k == 0:
                 stats["logp_mismatch_max"] = metrics["logp_mismatch_max"]
                 stats["lr"] = metrics["lr"]
@@ -151,6 +169,18 @@ class RLTrainer:
         stats.update({k: v / max(tokens, 1.0) for k, v in sums.items()})
         stats["trained_tokens"] = tokens
         return stats
+
+    def _rescore(self, samples: list[Sample]) -> None:
+        """Replace the rollout log-probs of ``samples`` by the trainer's forward of them on the current
+        weights (train.micro_batch_size at a time, under the training precision); on every rank alike."""
+        size = self.recipe.train.micro_batch_size
+        bf16 = self.recipe.train.precision == "bf16"
+        with torch.no_grad(), torch.autocast(self.trainer.device.type, dtype=torch.bfloat16, enabled=bf16):
+            for start in range(0, len(samples), size):
+                part = samples[start : start + size]
+                scored = sample_log_probs(self.trainer.wrapped, part).log_probs.float().cpu()
+                for sample, row in zip(part, scored):
+                    sample.rollout_log_probs = row[: sample.response_length].clone()
 
     def _update_engine(self, model, version: int) -> None:
         self.engine.update_weights(model.state_dict(), version=version)

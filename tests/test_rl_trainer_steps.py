@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 G = 4
 
 
-def _trainer(tmp_path, name, loss=None, **overrides):
+def _trainer(tmp_path, name, loss=None, own_engine=False, **overrides):
     pre = _pretrain_dir(tmp_path / name)
     model = load_config(pre / "final")
     recipe = build(RLRecipe, {
@@ -32,6 +32,11 @@ def _trainer(tmp_path, name, loss=None, **overrides):
     import yaml
 
     tokenizer = load_tokenizer(yaml.safe_load((pre / "config.yaml").read_text())["data"]["tokenizer"])
+    if own_engine:  # an engine the caller made (as orthon serve's or a test's): the trainer leaves it as it is
+        from orthon.engine.in_process import InProcessEngine
+        from orthon.pretrain.weights import load_weights
+
+        return RLTrainer(recipe, tokenizer, engine=InProcessEngine(load_weights(pre / "final"), recipe.rl.engine))
     return RLTrainer(recipe, tokenizer)
 
 
@@ -71,6 +76,36 @@ def test_updates_per_iteration_take_that_many_steps(tmp_path):
     assert stats["logp_mismatch_max"] == 0.0
     assert diffs[0] < 1e-6 and diffs[1] > 1e-4
     assert stats["logp_abs_diff"] == pytest.approx((diffs[0] + diffs[1]) / 2, rel=1e-3)
+
+
+def test_the_trainer_rescores_what_the_engine_would(tmp_path):
+    """rl.engine.logprobs: rescore in the synchronous loop: its engine keeps the sampling step's log-probs and
+    the trainer's forwards replace them (the first update's samples in its own forward, the second's before
+    it): the old log-probs of an engine that rescores itself, to round-off, and the same update, without
+    the engine's extra forward over every sample generated."""
+    overrides = dict(engine={"logprobs": "rescore", "max_batch_size": 8}, updates_per_iteration=2,
+                     prompts_per_iteration=4, max_new_tokens=6)
+    ours, theirs = _trainer(tmp_path, "a", **overrides), _trainer(tmp_path, "b", own_engine=True, **overrides)
+    assert ours.trainer_rescores and not theirs.trainer_rescores
+    assert (ours.engine.config.logprobs, theirs.engine.config.logprobs) == ("decode", "rescore")
+    groups = [trainer.collect_groups()[0] for trainer in (ours, theirs)]
+    flat = [[s for g in gs for s in g] for gs in groups]
+    assert len(flat[0]) == 4 * G and [s.tokens for s in flat[0]] == [s.tokens for s in flat[1]]
+    for a, b in zip(*flat):  # rewards that teach something (a random policy earns none)
+        a.reward = b.reward = float(sum(a.tokens) % 2)
+        # The sampling step's log-probs, which the trainer must replace, made unmistakable (they are
+        # within float round-off of the rescore otherwise).
+        a.rollout_log_probs = torch.full_like(a.rollout_log_probs, -1.0)
+    before = [p.detach().clone() for p in ours.model.parameters()]
+    stats = ours.train_on(groups[0]), theirs.train_on(groups[1])
+    for a, b in zip(*flat):
+        torch.testing.assert_close(a.rollout_log_probs, b.rollout_log_probs, atol=1e-5, rtol=0)
+    assert stats[0]["logp_mismatch_max"] == 0.0 and _steps(ours) == _steps(theirs) == 2
+    # The same two updates: equal here (the engine's rescore is bit-equal to the trainer's forward on this
+    # CPU kind); where GEMMs round by shape, a first Adam step's sign can flip on a near-zero gradient.
+    moved = sum(float((p - p0).abs().sum()) for p, p0 in zip(ours.model.parameters(), before))
+    apart = sum(float((p - q).abs().sum()) for p, q in zip(ours.model.parameters(), theirs.model.parameters()))
+    assert moved > 0 and apart < 0.01 * moved
 
 
 def _script_rollouts(trainer, rounds):
