@@ -51,7 +51,8 @@ class EngineConfig:
     # (cached decoding; equal to the trainer's recompute up to fp32 round-off, about 1e-5 at most on a
     # trained model). "rescore": one more forward of each finished wave through the trainer's own
     # scoring function (orthon.pretrain.logprobs), which gives the same bits whatever the batch holds, so
-    # rollout and trainer log-probs match exactly on the same weights. Costs one prefill per wave.
+    # rollout and trainer log-probs match exactly on the same weights. Costs one prefill per wave
+    # (orthon rl's synchronous loop on its own engine leaves it to the trainer, whose forward it is).
     logprobs: Literal["decode", "rescore"] = "decode"
     # Decode steps through fused, pre-packed weights (orthon.engine.fused_decode): the same function as the
     # model's cached forward to float round-off, about 1.6x faster at batch 8 on a CPU. False: the

@@ -70,7 +70,7 @@ def test_rl_loop_runs_and_resumes(tmp_path):
     evals = [r for r in records if "eval_reward" in r]
     assert [r["step"] for r in evals] == [0, 2, 3] and all(0 <= r["eval_greedy"] <= 1 for r in evals)
     for r in steps:
-        # The engine rescored its samples with the trainer's own scoring: the same bits, no mismatch.
+        # Rescored: the trainer's own forward of the weights that sampled them, no mismatch.
         assert r["logp_mismatch_max"] == 0.0
         assert r["masked_fraction"] == 0.0
         assert r["buffer_consumed_groups"] == 3 * r["step"]

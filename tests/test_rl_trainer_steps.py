@@ -99,7 +99,7 @@ def test_the_trainer_rescores_what_the_engine_would(tmp_path):
     before = [p.detach().clone() for p in ours.model.parameters()]
     stats = ours.train_on(groups[0]), theirs.train_on(groups[1])
     for a, b in zip(*flat):
-        torch.testing.assert_close(a.rollout_log_probs, b.rollout_log_probs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a.rollout_log_probs, b.rollout_log_probs, atol=1e-4, rtol=0)
     assert stats[0]["logp_mismatch_max"] == 0.0 and _steps(ours) == _steps(theirs) == 2
     # The same two updates: equal here (the engine's rescore is bit-equal to the trainer's forward on this
     # CPU kind); where GEMMs round by shape, a first Adam step's sign can flip on a near-zero gradient.
