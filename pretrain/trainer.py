@@ -169,6 +169,12 @@ class Trainer:
         self.optimizer.set_tokens(self.tokens, self.step)
         return lr_at(self.recipe.schedule, self.tokens, self.step)
 
+    def autocast(self):
+        """The context forwards run in under ``train.precision`` (bf16: autocast; fp32: nothing)."""
+        if self.cfg.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
     def train_step(self, batch=None, tokens: int | None = None) -> dict:
         """One optimizer step on ``batch`` (default: the next batch of the recipe's data, sized by the
         batch ramp); ``tokens`` is what the step consumes globally (for the schedule)."""
@@ -181,8 +187,7 @@ class Trainer:
         self.step_fn.begin(self, batch)
         micros = self.step_fn.micro_batches(batch, self.cfg.micro_batch_size, self.device)
         sums: dict[str, float] = {}
-        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.cfg.precision == "bf16"
-                    else nullcontext())
+        autocast = self.autocast()
         for i, micro in enumerate(micros):
             with parallel.no_sync(self.wrapped, last=i == len(micros) - 1), autocast:
                 objective, micro_sums = self.step_fn.loss(self.wrapped, micro)

@@ -174,8 +174,7 @@ class RLTrainer:
         """Replace the rollout log-probs of ``samples`` by the trainer's forward of them on the current
         weights (train.micro_batch_size at a time, under the training precision); on every rank alike."""
         size = self.recipe.train.micro_batch_size
-        bf16 = self.recipe.train.precision == "bf16"
-        with torch.no_grad(), torch.autocast(self.trainer.device.type, dtype=torch.bfloat16, enabled=bf16):
+        with torch.no_grad(), self.trainer.autocast():
             for start in range(0, len(samples), size):
                 part = samples[start : start + size]
                 scored = sample_log_probs(self.trainer.wrapped, part).log_probs.float().cpu()
