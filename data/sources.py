@@ -8,13 +8,21 @@ large input is never loaded whole.
 Undecodable bytes are replaced by U+FFFD while reading; ``classify`` then
 reports such a document as ``non_utf8`` so that callers skip and count it.
 (A document that legitimately contains U+FFFD is counted the same way.)
+
+A JSON-lines file is read by pyarrow a block at a time, and one malformed line (or a field whose
+type changes between records) fails the whole block; the rest of such a file is then read line by
+line, and each line that does not hold a JSON object comes out as a ``Malformed`` record, which
+``classify`` reports as ``malformed_json``: skipped and counted, its line number logged. A file in
+which no line holds a JSON object is an error (it is not JSON lines at all).
 """
 from __future__ import annotations
 
 import glob
+import json
+import logging
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from orthon.data.config import ReadConfig
 from orthon.core.errors import DataError
@@ -26,6 +34,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _SUFFIX_FORMAT = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 KNOWN_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt", ".text", ".md", ".py")
 REPLACEMENT_CHAR = "\ufffd"
+_MALFORMED_LOGGED = 5  # line numbers logged per file; the rest are only counted
+
+log = logging.getLogger(__name__)
+
+
+class Malformed(NamedTuple):
+    """A JSON-lines line that does not hold a JSON object."""
+    line: int
+    error: str
 
 
 def expand_inputs(patterns: list[str]) -> list[Path]:
@@ -62,9 +79,11 @@ def detect_format(path: str | Path, fmt: str = "auto") -> str:
 
 
 def iter_documents(path: str | Path, read: ReadConfig | None = None) -> Iterator[object]:
-    """Yield each record's text (``str``) or, for a record without a string text field, what it held.
+    """Yield each record's text (``str``) or, for a record without a string text field, what it held;
+    a JSON-lines line without a JSON object comes out as ``Malformed``.
 
-    Errors from the reader (invalid JSON, an unreadable file) become a DataError naming the file.
+    Errors from the reader (an unreadable file, a .jsonl file that is not JSON lines) become a DataError
+    naming the file.
     """
     import datasets
 
@@ -72,7 +91,7 @@ def iter_documents(path: str | Path, read: ReadConfig | None = None) -> Iterator
     # without offline mode it looks hosts up even for local files.
     datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its reader's failures are handled here
     read = read or ReadConfig()
     path = Path(path)
     if not path.is_file():
@@ -94,18 +113,56 @@ def iter_documents(path: str | Path, read: ReadConfig | None = None) -> Iterator
     else:
         raise DataError(f"{path}: unknown format {fmt!r}")
     field = "text" if fmt == "text" else read.text_field
+    read_so_far = 0
     try:
         ds = datasets.load_dataset(data_files=files, split="train", streaming=True, **kwargs)
         for record in ds:
             yield record.get(field)
+            read_so_far += 1
     except DataError:
         raise
     except Exception as exc:
-        raise DataError(f"{path}: cannot read as {fmt}: {type(exc).__name__}: {exc}") from exc
+        if fmt != "jsonl":
+            raise DataError(f"{path}: cannot read as {fmt}: {type(exc).__name__}: {exc}") from exc
+        # The records yielded so far are the file's first valid ones (pyarrow fails a whole block).
+        yield from _json_lines(path, field, skip=read_so_far)
+
+
+def _json_lines(path: Path, field: str, skip: int) -> Iterator[object]:
+    """The file's records line by line after its first ``skip`` valid ones; a line without a JSON object
+    comes out as ``Malformed``. Lines end at "\\n" only (U+2028 may stand inside a JSON string)."""
+    valid = malformed = 0
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            line = raw.decode("utf8", errors="replace").strip()
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                record = Malformed(line_no, str(exc))
+            if isinstance(record, dict):
+                valid += 1
+                if valid > skip:
+                    yield record.get(field)
+                continue
+            if not isinstance(record, Malformed):
+                record = Malformed(line_no, f"a JSON {type(record).__name__}, not an object")
+            malformed += 1
+            if malformed <= _MALFORMED_LOGGED:
+                log.warning("%s line %d: malformed JSON (%s); skipped and counted", path, line_no, record.error)
+            yield record
+    if valid == 0:
+        raise DataError(f"{path}: not JSON lines: none of its {malformed} lines holds a JSON object")
+    if malformed > _MALFORMED_LOGGED:
+        log.warning("%s: %d malformed lines in all, skipped and counted", path, malformed)
 
 
 def classify(text: object, min_chars: int = 1, max_chars: int | None = None) -> str | None:
-    """Why a document is skipped (``no_text``, ``empty``, ``non_utf8``, ``too_short``, ``too_long``), or None."""
+    """Why a document is skipped (``malformed_json``, ``no_text``, ``empty``, ``non_utf8``, ``too_short``,
+    ``too_long``), or None."""
+    if isinstance(text, Malformed):
+        return "malformed_json"
     if not isinstance(text, str):
         return "no_text"
     if max_chars is not None and len(text) > max_chars:

@@ -42,7 +42,7 @@ def _manifest(out):
 def test_prepare_keeps_order_and_counts_bad_input(tmp_path, tok):
     good = [f"def f{i}(x):\n    return x * {i}\n" for i in range(30)]
     a = write_jsonl(tmp_path / "a.jsonl", good[:10] + ["", "   \n", {"other": 1}, "tiny"] + good[10:20],
-                    raw_lines=[b'{"text": "bad \xff bytes in a long enough document"}'])
+                    raw_lines=[b'{"text": "bad \xff bytes in a long enough document"}', b'{"text": oops'])
     pq.write_table(pa.table({"text": good[20:25] + [""]}), tmp_path / "b.parquet")
     txt_docs = [f"plain text line number {i}" for i in range(5)]
     (tmp_path / "c.txt").write_text("\n".join(txt_docs) + "\n\n")  # ends in one blank line
@@ -55,8 +55,9 @@ def test_prepare_keeps_order_and_counts_bad_input(tmp_path, tok):
     expected = good[:25] + txt_docs
     assert _docs(tmp_path / "out") == [tokenizer.encode(t) for t in expected]
     assert report.docs_kept == len(expected)
-    assert report.skipped == {"empty": 4, "no_text": 1, "non_utf8": 1, "filtered:LengthScorer": 1}
-    assert report.docs_read == len(expected) + 7
+    assert report.skipped == {"empty": 4, "no_text": 1, "non_utf8": 1, "malformed_json": 1,
+                              "filtered:LengthScorer": 1}
+    assert report.docs_read == len(expected) + 8
     assert report.tokens == sum(len(tokenizer.encode(t)) for t in expected)
     manifest = _manifest(tmp_path / "out")
     assert manifest["complete"] and manifest["totals"]["skipped"] == report.skipped

@@ -1,3 +1,5 @@
+import json
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -63,10 +65,39 @@ def test_expand_inputs_sorts_globs_and_directories(tmp_path):
     assert detect_format("x.py") == "text" and detect_format("x.py", "jsonl") == "jsonl"
 
 
-def test_invalid_json_names_the_file(tmp_path):
-    path = tmp_path / "broken.jsonl"
-    path.write_text('{"text": "ok"}\n{"text": oops\n')
-    with pytest.raises(DataError, match="broken.jsonl: cannot read as jsonl"):
+def test_malformed_json_lines_are_skipped_counted_and_logged(tmp_path, caplog):
+    path = write_jsonl(tmp_path / "broken.jsonl", ["ok"], raw_lines=[
+        b'{"text": oops', b"", b'["a list"]', b'{"text": "after", "note": "\xe2\x80\xa8 stays one line"}'])
+    with caplog.at_level("WARNING", logger="orthon.data.sources"):
+        docs = list(iter_documents(path))
+    assert docs[0] == "ok" and docs[3] == "after"
+    assert [classify(d) for d in docs] == [None, "malformed_json", "malformed_json", None]
+    assert (docs[1].line, docs[2].line) == (2, 4)  # line numbers in the file, the blank line 3 counted
+    assert "broken.jsonl line 2: malformed JSON" in caplog.text and "line 4" in caplog.text
+
+
+def test_a_bad_line_after_the_first_block_repeats_and_loses_nothing(tmp_path):
+    """pyarrow parses ~10 MB blocks and fails a whole block on one bad line: the records of the blocks
+    before it come out once, the rest line by line."""
+    texts = [f"{i:06d} " + "x" * 1000 for i in range(12_000)]  # 12 MB
+    path = write_jsonl(tmp_path / "big.jsonl", texts[:11_000], raw_lines=[b"{bad"])
+    with open(path, "ab") as f:
+        for t in texts[11_000:]:
+            f.write(json.dumps({"text": t}).encode() + b"\n")
+    docs = list(iter_documents(path))
+    assert [d for d in docs if isinstance(d, str)] == texts
+    assert [d.line for d in docs if classify(d) == "malformed_json"] == [11_001]
+
+
+def test_a_field_whose_type_changes_does_not_fail_the_file(tmp_path):
+    path = write_jsonl(tmp_path / "mixed.jsonl", [{"text": "a", "meta": {"k": 1}}, {"text": "b", "meta": "s"}])
+    assert list(iter_documents(path)) == ["a", "b"]
+
+
+def test_a_file_that_is_not_json_lines_is_an_error(tmp_path):
+    path = tmp_path / "notes.jsonl"
+    path.write_text("just some text\nmore text\n")
+    with pytest.raises(DataError, match="notes.jsonl: not JSON lines: none of its 2 lines"):
         list(iter_documents(path))
 
 
