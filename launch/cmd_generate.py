@@ -1,12 +1,15 @@
 """`orthon generate RUN_DIR --prompt "def "`: sample text from a run's final model, through the
-in-process engine (orthon.engine), the same generation path as RL rollouts and the passkey eval."""
+in-process engine (orthon.engine), the same generation path as RL rollouts and the passkey eval.
+RUN_DIR may also be a weights directory (what `orthon export` writes) holding its tokenizer, or
+any weights directory with `--tokenizer`."""
 from __future__ import annotations
 
 from pathlib import Path
 
 
 def register(parser, name):
-    parser.add_argument("run_dir")
+    parser.add_argument("run_dir", help="a run directory, or a weights directory (config.json + safetensors)")
+    parser.add_argument("--tokenizer", help="the tokenizer (default: the run's, or the weights directory's own)")
     parser.add_argument("--prompt", default="def ")
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -16,31 +19,40 @@ def register(parser, name):
 
 
 def sample_text(run_dir, prompt: str, max_new_tokens: int = 100, temperature: float = 0.8, top_k: int = 40,
-                top_p: float = 1.0, seed: int = 0) -> str:
+                top_p: float = 1.0, seed: int = 0, tokenizer=None) -> str:
     """The prompt and its continuation by the run's final model (RUN_DIR/final, the tokenizer its
-    config.yaml names), ending at the tokenizer's end-of-sequence token or after max_new_tokens."""
+    config.yaml names) or a weights directory's model (its own tokenizer), ending at the tokenizer's
+    end-of-sequence token or after max_new_tokens. ``tokenizer`` replaces the one found there."""
     from orthon.core.errors import ConfigError, OrthonError
     from orthon.data.tokenizer import load_tokenizer
     from orthon.engine.in_process import InProcessEngine
     from orthon.engine.sampling import SamplingParams
     from orthon.pretrain.recipe import load_recipe
-    from orthon.pretrain.weights import load_weights
+    from orthon.pretrain.weights import load_weights, weights_tokenizer
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise OrthonError(f"{run_dir}: no such run directory (give the train.run_dir of a finished run, "
                           f"e.g. runs/tiny after `orthon pretrain -c configs/tiny.yaml`)")
-    for need in ("config.yaml", "final"):
-        if not (run_dir / need).exists():
-            raise OrthonError(f"{run_dir}: not a finished run directory (no {need})")
-    recipe = load_recipe(run_dir / "config.yaml")
-    if not recipe.data.tokenizer:
-        raise ConfigError(f"{run_dir / 'config.yaml'}: data.tokenizer: the run names no tokenizer")
-    tokenizer = load_tokenizer(recipe.data.tokenizer)
+    if (run_dir / "config.json").is_file():  # a weights directory
+        weights, tokenizer = run_dir, tokenizer or weights_tokenizer(run_dir)
+        if tokenizer is None:
+            raise OrthonError(f"{run_dir}: the weights directory holds no tokenizer; pass --tokenizer")
+    else:
+        for need in ("config.yaml", "final"):
+            if not (run_dir / need).exists():
+                raise OrthonError(f"{run_dir}: not a finished run directory (no {need}) nor a weights "
+                                  f"directory (no config.json)")
+        weights = run_dir / "final"
+        if tokenizer is None:
+            tokenizer = load_recipe(run_dir / "config.yaml").data.tokenizer
+            if not tokenizer:
+                raise ConfigError(f"{run_dir / 'config.yaml'}: data.tokenizer: the run names no tokenizer")
+    tokenizer = load_tokenizer(tokenizer)
     eos = tokenizer.eos_id
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             stop_token_ids=() if eos is None else (eos,), seed=seed)
-    result = InProcessEngine(load_weights(run_dir / "final")).generate([tokenizer.encode(prompt)], params)[0]
+    result = InProcessEngine(load_weights(weights)).generate([tokenizer.encode(prompt)], params)[0]
     if not result.ok:
         raise OrthonError(f"prompt: {result.error}")
     tokens = result.tokens[:-1] if result.finish_reason == "stop" else result.tokens  # the eos is not text
@@ -49,5 +61,5 @@ def sample_text(run_dir, prompt: str, max_new_tokens: int = 100, temperature: fl
 
 def run(args, name):
     print(sample_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                      args.seed))
+                      args.seed, args.tokenizer))
     return 0

@@ -3,14 +3,17 @@
 A weights directory (a run's final/) is already the Hugging Face glm_moe_dsa layout (config.json +
 safetensors) plus orthon's sidecar (orthon.json), so neither command converts between formats:
 
-    orthon export SRC --out DIR [--dtype bfloat16] [--max-shard-size 5GB]
+    orthon export SRC --out DIR [--dtype bfloat16] [--max-shard-size 5GB] [--tokenizer PATH]
         a fresh copy of a run's model (SRC: a run directory, its final/ is used, or a weights
-        directory), cast and re-sharded for publishing; transformers loads DIR as it loads SRC.
-    orthon import SRC --out DIR [--set sparse_impl=gather ...]
+        directory), cast and re-sharded for publishing, with its tokenizer (the run's, the weights
+        directory's own, or --tokenizer); transformers loads DIR as it loads SRC, and
+        `orthon generate DIR` samples from it.
+    orthon import SRC --out DIR [--set sparse_impl=gather ...] [--tokenizer PATH]
         check an HF glm_moe_dsa directory (config orthon supports, every tensor present with its
         shape, files readable) and write it as an orthon weights directory, the sidecar holding
-        orthon's own model fields (defaults, or --set). SRC may also be a weights directory in the old
-        orthon layout (recipe.yaml + model.safetensors), which this converts (in place when DIR = SRC).
+        orthon's own model fields (defaults, or --set), with SRC's tokenizer if it has one. SRC may
+        also be a weights directory in the old orthon layout (recipe.yaml + model.safetensors), which
+        this converts (in place when DIR = SRC).
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def register(parser, name):
+    parser.add_argument("--tokenizer", help="a tokenizer to include (sentencepiece .model, or HF tokenizer.json "
+                                            "or its directory); default: SRC's own")
     if name == "export":
         parser.add_argument("source", metavar="SRC", help="run directory (its final/) or weights directory")
         parser.add_argument("--out", required=True, help="directory to write (new, or a weights directory to replace)")
@@ -75,18 +80,35 @@ def _load_old_layout(directory: Path, fields: dict):
     return model
 
 
+def _source_tokenizer(source: Path, weights: Path) -> Path | None:
+    """The tokenizer SRC comes with: a run's (its config.yaml's data.tokenizer), else the weights directory's."""
+    from orthon.pretrain.recipe import load_recipe
+    from orthon.pretrain.weights import weights_tokenizer
+
+    if (source / "config.yaml").is_file() and source != weights:
+        named = load_recipe(source / "config.yaml").data.tokenizer
+        if named and not Path(named).exists():
+            raise ConfigError(f"{source / 'config.yaml'}: data.tokenizer: {named} does not exist (run from the "
+                              f"directory the run was made in, or pass --tokenizer)")
+        if named:
+            return Path(named)
+    return weights_tokenizer(weights)
+
+
 def run(args, name):
     from orthon.pretrain.weights import load_weights, parse_size, save_weights
 
     source = Path(args.source)
     if name == "export":
-        if (source / "final").is_dir() and not (source / "config.json").is_file():
-            source = source / "final"
-        model = load_weights(source)
+        weights = source / "final" if (source / "final").is_dir() and not (source / "config.json").is_file() else source
+        model = load_weights(weights)
+        tokenizer = args.tokenizer or _source_tokenizer(source, weights)
         save_weights(model, args.out, dtype=DTYPES[args.dtype] if args.dtype else None,
-                     max_shard_bytes=parse_size(args.max_shard_size))
+                     max_shard_bytes=parse_size(args.max_shard_size), tokenizer=tokenizer)
     else:
         from orthon.pretrain.hf_io import read_hf_config
+
+        from orthon.pretrain.weights import weights_tokenizer
 
         fields = _runtime_fields(args.set)
         if not (source / "config.json").is_file() and (source / "recipe.yaml").is_file():
@@ -94,8 +116,10 @@ def run(args, name):
         else:
             model = load_weights(source, **fields)
             dtype = DTYPES.get(str(read_hf_config(source).get("dtype") or read_hf_config(source).get("torch_dtype")))
-        save_weights(model, args.out, dtype=dtype)  # the checkpoint's own dtype (the model loads as float32)
+        tokenizer = args.tokenizer or weights_tokenizer(source)  # copied before DIR = SRC is replaced
+        save_weights(model, args.out, dtype=dtype, tokenizer=tokenizer)  # the checkpoint's own dtype
     n = sum(p.numel() for p in model.parameters())
+    with_tokenizer = f", tokenizer {Path(tokenizer).name}" if tokenizer else "; no tokenizer (pass --tokenizer)"
     print(f"wrote {args.out} ({n:,} parameters, hidden {model.config.hidden_size}, "
-          f"{model.config.num_hidden_layers} layers; HF layout + orthon.json)")
+          f"{model.config.num_hidden_layers} layers; HF layout + orthon.json{with_tokenizer})")
     return 0

@@ -7,6 +7,8 @@ generation and evaluation read) is what transformers' ``GlmMoeDsaForCausalLM.fro
     model.safetensors                   or model-0000i-of-0000n.safetensors + model.safetensors.index.json
     orthon.json                         the sidecar: the model's RuntimeOptions (how it runs: sparse attention
                                         on or off, the sparse kernel, chunk sizes), which HF has no key for
+    tokenizer.model | tokenizer.json    optional (``orthon export`` writes it): the model's tokenizer, a
+                                        sentencepiece model or an HF tokenizer (+ its tokenizer_config.json)
 
 transformers ignores the sidecar; a directory without it (a real HF checkpoint) loads with the
 default RuntimeOptions. Resumable training state (optimizer, data position, RNG) is not here: that
@@ -43,7 +45,9 @@ SIDECAR_VERSION = 1
 OLD_LAYOUT = ("recipe.yaml", "model.safetensors")
 # What a weights directory may hold; a save replaces the directory whole, so it refuses one holding
 # anything else (it is not ours to delete).
-_OURS = {hf_io.CONFIG_NAME, hf_io.SINGLE_NAME, hf_io.INDEX_NAME, SIDECAR, "generation_config.json", "recipe.yaml"}
+SENTENCEPIECE_FILE, HF_TOKENIZER_FILES = "tokenizer.model", ("tokenizer.json", "tokenizer_config.json")
+_OURS = {hf_io.CONFIG_NAME, hf_io.SINGLE_NAME, hf_io.INDEX_NAME, SIDECAR, "generation_config.json", "recipe.yaml",
+         SENTENCEPIECE_FILE, *HF_TOKENIZER_FILES}
 
 
 def _is_ours(name: str) -> bool:
@@ -78,11 +82,12 @@ def read_sidecar(directory) -> dict:
 
 
 def save_weights(model: GLMForCausalLM, directory, state: dict | None = None, *, dtype: torch.dtype | None = None,
-                 max_shard_bytes: int = hf_io.DEFAULT_SHARD_BYTES) -> Path:
+                 max_shard_bytes: int = hf_io.DEFAULT_SHARD_BYTES, tokenizer=None) -> Path:
     """Write ``model`` (or ``state``, a full state dict of it, e.g. gathered from FSDP shards) as a weights
     directory: HF layout + sidecar. ``dtype`` casts the floating tensors (the routers' selection bias stays
-    float32); ``max_shard_bytes`` sizes the safetensors shards. An existing weights directory is replaced
-    whole; a directory holding other files is refused."""
+    float32); ``max_shard_bytes`` sizes the safetensors shards; ``tokenizer`` (a sentencepiece model, or an
+    HF tokenizer.json or its directory) is copied in. An existing weights directory is replaced whole; a
+    directory holding other files is refused."""
     directory = Path(os.path.abspath(directory))
     old = directory.with_name(directory.name + ".old")
     if not directory.exists() and old.is_dir():  # a save that died between its two renames: put it back
@@ -101,8 +106,32 @@ def save_weights(model: GLMForCausalLM, directory, state: dict | None = None, *,
         tensors = hf_io.hf_tensors(model, state, dtype)
         hf_io.write_hf(tmp, tensors, hf_io.hf_config(model, tensors), max_shard_bytes)
         atomic_write_json(tmp / SIDECAR, sidecar(model.runtime))
+        if tokenizer is not None:
+            _copy_tokenizer(Path(tokenizer), tmp)
         _swap_in(tmp, directory)
     return directory
+
+
+def _copy_tokenizer(source: Path, directory: Path) -> None:
+    tokenizer_json, tokenizer_config = HF_TOKENIZER_FILES
+    if source.is_dir():
+        source = source / tokenizer_json
+    if not source.is_file():
+        raise CheckpointError(f"{source}: no such tokenizer")
+    if source.suffix != ".json":
+        shutil.copyfile(source, directory / SENTENCEPIECE_FILE)
+        return
+    shutil.copyfile(source, directory / tokenizer_json)
+    if (source.parent / tokenizer_config).is_file():  # names the eos token
+        shutil.copyfile(source.parent / tokenizer_config, directory / tokenizer_config)
+
+
+def weights_tokenizer(directory) -> Path | None:
+    """The tokenizer saved in a weights directory (the file, or the directory for an HF one), or None."""
+    directory = Path(directory)
+    if (directory / SENTENCEPIECE_FILE).is_file():
+        return directory / SENTENCEPIECE_FILE
+    return directory if (directory / HF_TOKENIZER_FILES[0]).is_file() else None
 
 
 def _swap_in(tmp: Path, directory: Path) -> None:

@@ -90,7 +90,9 @@ class LengthScorer:
 
 def run_cli(name: str, argv: list[str]) -> int:
     """Run an orthon subcommand module the way launch/cli.py does."""
-    module = importlib.import_module(f"orthon.launch.cmd_{name}")
+    from orthon.launch.cli import COMMANDS
+
+    module = importlib.import_module(COMMANDS[name][0])
     parser = argparse.ArgumentParser(prog=f"orthon {name}")
     module.register(parser, name)
     return int(module.run(parser.parse_args(argv), name) or 0)

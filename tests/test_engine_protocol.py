@@ -254,5 +254,33 @@ def test_generate_cli_names_a_missing_run_directory(tmp_path):
     with pytest.raises(OrthonError, match="nosuch: no such run directory"):
         run_cli("generate", [str(tmp_path / "nosuch")])
     (tmp_path / "half").mkdir()
-    with pytest.raises(OrthonError, match="no config.yaml"):
+    with pytest.raises(OrthonError, match="no config.yaml.* nor a weights directory"):
         run_cli("generate", [str(tmp_path / "half")])
+
+
+def test_an_exported_model_carries_its_tokenizer_and_generates_as_the_run(run_dir, tmp_path, capsys):
+    """`orthon export RUN` copies the run's tokenizer into the weights directory; `orthon generate` on that
+    directory samples what it samples from the run; `orthon import` keeps the tokenizer; a weights
+    directory without one asks for --tokenizer."""
+    from test_data_support import run_cli
+
+    from orthon.core.errors import OrthonError
+    from orthon.pretrain.recipe import load_recipe
+
+    tokenizer = load_recipe(run_dir / "config.yaml").data.tokenizer
+    assert run_cli("export", [str(run_dir), "--out", str(tmp_path / "pub")]) == 0
+    assert "tokenizer tiny.model" in capsys.readouterr().out
+    assert (tmp_path / "pub" / "tokenizer.model").read_bytes() == open(tokenizer, "rb").read()
+    assert run_cli("import", [str(tmp_path / "pub"), "--out", str(tmp_path / "imp")]) == 0
+    capsys.readouterr()
+
+    def sampled(source, *extra):
+        assert run_cli("generate", [str(source), "--prompt", "x = ", "--seed", "3", "--max-new-tokens", "12",
+                                    *extra]) == 0
+        return capsys.readouterr().out
+
+    from_run = sampled(run_dir)
+    assert sampled(tmp_path / "pub") == sampled(tmp_path / "imp") == from_run
+    assert sampled(run_dir / "final", "--tokenizer", tokenizer) == from_run
+    with pytest.raises(OrthonError, match="final: the weights directory holds no tokenizer; pass --tokenizer"):
+        run_cli("generate", [str(run_dir / "final")])
