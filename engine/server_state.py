@@ -77,24 +77,10 @@ async def read_json(request, limit: int, empty_ok: bool = False):
 
 
 def find_tokenizer(weights_dir: Path, explicit: str | None = None):
-    """(tokenizer, its path) for a weights directory: ``explicit`` if given; else a tokenizer.json or
-    tokenizer.model beside the weights (an HF checkpoint's); else the tokenizer the run that wrote them
-    names (RUN/final's RUN/config.yaml, data.tokenizer). (None, None) when there is none."""
+    """(tokenizer, its path) for a weights directory: ``explicit`` if given, else the directory's own
+    (``orthon.pretrain.weights.weights_tokenizer``); (None, None) when there is none."""
     from orthon.data.tokenizer import load_tokenizer
+    from orthon.pretrain.weights import weights_tokenizer
 
-    if explicit:
-        return load_tokenizer(explicit), str(explicit)
-    for name in ("tokenizer.json", "tokenizer.model"):
-        if (weights_dir / name).is_file():
-            return load_tokenizer(weights_dir / name), str(weights_dir / name)
-    run_config = weights_dir.parent / "config.yaml"
-    if run_config.is_file():
-        import yaml
-
-        try:
-            named = ((yaml.safe_load(run_config.read_text()) or {}).get("data") or {}).get("tokenizer")
-        except (yaml.YAMLError, AttributeError, OSError):
-            named = None
-        if named and Path(named).exists():
-            return load_tokenizer(named), str(named)
-    return None, None
+    path = explicit or weights_tokenizer(weights_dir)
+    return (load_tokenizer(path), str(path)) if path else (None, None)

@@ -23,31 +23,26 @@ def sample_text(run_dir, prompt: str, max_new_tokens: int = 100, temperature: fl
     """The prompt and its continuation by the run's final model (RUN_DIR/final, the tokenizer its
     config.yaml names) or a weights directory's model (its own tokenizer), ending at the tokenizer's
     end-of-sequence token or after max_new_tokens. ``tokenizer`` replaces the one found there."""
-    from orthon.core.errors import ConfigError, OrthonError
+    from orthon.core.errors import OrthonError
     from orthon.data.tokenizer import load_tokenizer
     from orthon.engine.in_process import InProcessEngine
     from orthon.engine.sampling import SamplingParams
-    from orthon.pretrain.recipe import load_recipe
     from orthon.pretrain.weights import load_weights, weights_tokenizer
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise OrthonError(f"{run_dir}: no such run directory (give the train.run_dir of a finished run, "
                           f"e.g. runs/tiny after `orthon pretrain -c configs/tiny.yaml`)")
-    if (run_dir / "config.json").is_file():  # a weights directory
-        weights, tokenizer = run_dir, tokenizer or weights_tokenizer(run_dir)
-        if tokenizer is None:
-            raise OrthonError(f"{run_dir}: the weights directory holds no tokenizer; pass --tokenizer")
-    else:
+    weights = run_dir  # a weights directory
+    if not (run_dir / "config.json").is_file():
         for need in ("config.yaml", "final"):
             if not (run_dir / need).exists():
                 raise OrthonError(f"{run_dir}: not a finished run directory (no {need}) nor a weights "
                                   f"directory (no config.json)")
         weights = run_dir / "final"
-        if tokenizer is None:
-            tokenizer = load_recipe(run_dir / "config.yaml").data.tokenizer
-            if not tokenizer:
-                raise ConfigError(f"{run_dir / 'config.yaml'}: data.tokenizer: the run names no tokenizer")
+    tokenizer = tokenizer or weights_tokenizer(weights)
+    if tokenizer is None:
+        raise OrthonError(f"{weights}: no tokenizer in the weights directory or named by its run; pass --tokenizer")
     tokenizer = load_tokenizer(tokenizer)
     eos = tokenizer.eos_id
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,

@@ -80,35 +80,18 @@ def _load_old_layout(directory: Path, fields: dict):
     return model
 
 
-def _source_tokenizer(source: Path, weights: Path) -> Path | None:
-    """The tokenizer SRC comes with: a run's (its config.yaml's data.tokenizer), else the weights directory's."""
-    from orthon.pretrain.recipe import load_recipe
-    from orthon.pretrain.weights import weights_tokenizer
-
-    if (source / "config.yaml").is_file() and source != weights:
-        named = load_recipe(source / "config.yaml").data.tokenizer
-        if named and not Path(named).exists():
-            raise ConfigError(f"{source / 'config.yaml'}: data.tokenizer: {named} does not exist (run from the "
-                              f"directory the run was made in, or pass --tokenizer)")
-        if named:
-            return Path(named)
-    return weights_tokenizer(weights)
-
-
 def run(args, name):
-    from orthon.pretrain.weights import load_weights, parse_size, save_weights
+    from orthon.pretrain.weights import load_weights, parse_size, save_weights, weights_tokenizer
 
     source = Path(args.source)
     if name == "export":
         weights = source / "final" if (source / "final").is_dir() and not (source / "config.json").is_file() else source
         model = load_weights(weights)
-        tokenizer = args.tokenizer or _source_tokenizer(source, weights)
+        tokenizer = args.tokenizer or weights_tokenizer(weights)
         save_weights(model, args.out, dtype=DTYPES[args.dtype] if args.dtype else None,
                      max_shard_bytes=parse_size(args.max_shard_size), tokenizer=tokenizer)
     else:
         from orthon.pretrain.hf_io import read_hf_config
-
-        from orthon.pretrain.weights import weights_tokenizer
 
         fields = _runtime_fields(args.set)
         if not (source / "config.json").is_file() and (source / "recipe.yaml").is_file():

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 import orthon.pretrain.hf_io as hf_io
-from orthon.core.config import build, to_dict
+from orthon.core.config import build, read_yaml, to_dict
 from orthon.core.errors import CheckpointError, ConfigError
 from orthon.core.files import atomic_write_json
 from orthon.core.interrupts import sigint_deferred
@@ -127,11 +127,18 @@ def _copy_tokenizer(source: Path, directory: Path) -> None:
 
 
 def weights_tokenizer(directory) -> Path | None:
-    """The tokenizer saved in a weights directory (the file, or the directory for an HF one), or None."""
+    """The tokenizer of a weights directory: a tokenizer.json or tokenizer.model in it (what ``orthon
+    export`` writes, an HF checkpoint's), else the one the run that wrote it names (RUN/final's
+    RUN/config.yaml, data.tokenizer) where that file exists; None when there is none."""
     directory = Path(directory)
-    if (directory / SENTENCEPIECE_FILE).is_file():
-        return directory / SENTENCEPIECE_FILE
-    return directory if (directory / HF_TOKENIZER_FILES[0]).is_file() else None
+    for name in (HF_TOKENIZER_FILES[0], SENTENCEPIECE_FILE):
+        if (directory / name).is_file():
+            return directory / name
+    try:
+        named = (read_yaml(directory.parent / "config.yaml").get("data") or {}).get("tokenizer")
+    except (ConfigError, AttributeError):
+        return None
+    return Path(named) if named and Path(named).exists() else None
 
 
 def _swap_in(tmp: Path, directory: Path) -> None:

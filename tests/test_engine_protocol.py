@@ -262,6 +262,8 @@ def test_an_exported_model_carries_its_tokenizer_and_generates_as_the_run(run_di
     """`orthon export RUN` copies the run's tokenizer into the weights directory; `orthon generate` on that
     directory samples what it samples from the run; `orthon import` keeps the tokenizer; a weights
     directory without one asks for --tokenizer."""
+    import shutil
+
     from test_data_support import run_cli
 
     from orthon.core.errors import OrthonError
@@ -281,6 +283,8 @@ def test_an_exported_model_carries_its_tokenizer_and_generates_as_the_run(run_di
 
     from_run = sampled(run_dir)
     assert sampled(tmp_path / "pub") == sampled(tmp_path / "imp") == from_run
-    assert sampled(run_dir / "final", "--tokenizer", tokenizer) == from_run
-    with pytest.raises(OrthonError, match="final: the weights directory holds no tokenizer; pass --tokenizer"):
-        run_cli("generate", [str(run_dir / "final")])
+    assert sampled(run_dir / "final") == from_run  # its run names the tokenizer
+    shutil.copytree(run_dir / "final", tmp_path / "bare")
+    assert sampled(tmp_path / "bare", "--tokenizer", tokenizer) == from_run
+    with pytest.raises(OrthonError, match="bare: no tokenizer in the weights directory or named by its run"):
+        run_cli("generate", [str(tmp_path / "bare")])
