@@ -11,7 +11,7 @@ from pathlib import Path
 
 from orthon.core.errors import OrthonError
 from orthon.launch.args import add_recipe_args, check_model_fits, held_out, require_recipe
-from orthon.pretrain.recipe import Recipe, load_recipe
+from orthon.pretrain.recipe import Recipe, load_recipe, with_tokenizer_ids
 
 
 def register(parser, name):
@@ -21,9 +21,10 @@ def register(parser, name):
 
 
 def with_builtin_data(recipe: Recipe, log=print) -> Recipe:
-    """Fill data.sources/valid/tokenizer from the built-in corpus when the recipe names no sources."""
+    """Fill data.sources/valid/tokenizer from the built-in corpus when the recipe names no sources; then
+    the model's token ids from the tokenizer (``with_tokenizer_ids``)."""
     if recipe.data.sources or not recipe.train.builtin_dir:
-        return recipe
+        return with_tokenizer_ids(recipe, log)
     from orthon.data.builtin import prepare_builtin
 
     b = recipe.builtin
@@ -32,7 +33,7 @@ def with_builtin_data(recipe: Recipe, log=print) -> Recipe:
     d = recipe.data
     data = paths.data_config(seq_len=d.seq_len, weights=dict(b.weights) or None, seed=d.seed, shuffle=d.shuffle, document_mask=d.document_mask,
                              blend_cycle=d.blend_cycle, num_samples=d.num_samples)
-    return replace(recipe, data=data)
+    return with_tokenizer_ids(replace(recipe, data=data), log)
 
 
 def resume_command(args, name) -> str:

@@ -14,6 +14,7 @@ from typing import Literal
 from orthon.core.errors import ConfigError
 
 INDEXER_TYPES = ("full", "shared")
+TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 @dataclass
@@ -51,6 +52,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
+    # Not the architecture: what the model's tokenizer calls them (a pretraining run sets them from
+    # data.tokenizer); train.init_from does not compare them.
     bos_token_id: int | None = 0
     eos_token_id: int | None = 1
     pad_token_id: int | None = None
@@ -103,7 +106,7 @@ class ModelConfig:
                     raise ConfigError(f"indexer_types[{i}]: {kind!r} is not one of {list(INDEXER_TYPES)}")
             if self.indexer_types and self.indexer_types[0] != "full":
                 raise ConfigError("indexer_types[0]: the first layer must be 'full' (a shared layer reuses an earlier one)")
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        for name in TOKEN_ID_FIELDS:
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:
                 raise ConfigError(f"{name}: {value} is outside the vocabulary (0..{self.vocab_size - 1})")

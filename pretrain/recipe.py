@@ -2,7 +2,7 @@
 its stages' recipes from it, and RL extends it with its own section (``orthon.rl.recipe``)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from orthon.data.config import BuiltinConfig, DataConfig
@@ -54,3 +54,21 @@ class Recipe:
 
 def load_recipe(path=None, overrides=()) -> Recipe:
     return config_io.load(Recipe, path, overrides)
+
+
+def with_tokenizer_ids(recipe: Recipe, log=print) -> Recipe:
+    """The recipe with the model's bos / eos / pad token ids its tokenizer's (``data.tokenizer``): its
+    documents end in that eos, so it is the token generation stops at by default and the one config.json
+    gives transformers. Without a tokenizer the recipe is returned as it is."""
+    if not recipe.data.tokenizer:
+        return recipe
+    from orthon.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(recipe.data.tokenizer)
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+    changed = {k: v for k, v in ids.items() if getattr(recipe.model, k) != v}
+    if not changed:
+        return recipe
+    log("model: " + ", ".join(f"{k} {getattr(recipe.model, k)} -> {v}" for k, v in changed.items())
+        + f" (the tokenizer's, {recipe.data.tokenizer})")
+    return replace(recipe, model=recipe.model.replace(**changed))

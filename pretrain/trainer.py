@@ -33,6 +33,7 @@ from orthon.optim import batch_size_at, build_for_model, lr_at
 from orthon.optim.newton_schulz import bf16_gemm_is_native
 from orthon.pretrain import parallel
 from orthon.pretrain.checkpoint import Checkpointer
+from orthon.pretrain.config import TOKEN_ID_FIELDS
 from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.moe import update_expert_bias
 from orthon.pretrain.steps import NextTokenStep, TrainStep
@@ -68,7 +69,8 @@ def initial_weights(source, config) -> dict:
     the model ``config`` describes."""
     path = Path(source)
     loaded = load_weights(path / "final" if (path / "final").is_dir() else path)
-    differ = [f.name for f in dataclasses.fields(config) if getattr(loaded.config, f.name) != getattr(config, f.name)]
+    differ = [f.name for f in dataclasses.fields(config)
+              if f.name not in TOKEN_ID_FIELDS and getattr(loaded.config, f.name) != getattr(config, f.name)]
     if differ:
         raise ConfigError(f"train.init_from: {source} holds another model (model.{', model.'.join(differ)} differ)")
     return loaded.state_dict()

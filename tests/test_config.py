@@ -89,3 +89,28 @@ def test_base_recipe_merges_and_overrides(tmp_path):
     (tmp_path / "c.yaml").write_text("base: c.yaml\n")
     with pytest.raises(ConfigError, match="includes itself"):
         load_recipe(tmp_path / "c.yaml")
+
+
+def test_a_pretraining_recipe_takes_its_token_ids_from_its_tokenizer(tmp_path):
+    """The model's bos / eos / pad ids become data.tokenizer's (the eos its documents end in), said in one
+    line; without a tokenizer the recipe is unchanged; train.init_from does not compare them."""
+    import dataclasses
+
+    from test_data_support import train_tiny_tokenizer
+
+    from orthon.data.tokenizer import load_tokenizer
+    from orthon.pretrain.recipe import Recipe, with_tokenizer_ids
+
+    path = train_tiny_tokenizer(tmp_path)
+    tok = load_tokenizer(path)
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 2, 3)  # sentencepiece's layout here; the defaults are 0 / 1 / None
+    recipe = Recipe()
+    assert with_tokenizer_ids(recipe) is recipe
+    recipe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, tokenizer=str(path)))
+    lines = []
+    model = with_tokenizer_ids(recipe, lines.append).model
+    assert (model.bos_token_id, model.eos_token_id, model.pad_token_id) == (1, 2, 3)
+    assert lines == [f"model: bos_token_id 0 -> 1, eos_token_id 1 -> 2, pad_token_id None -> 3 (the tokenizer's, {path})"]
+    assert model.replace(bos_token_id=0, eos_token_id=1, pad_token_id=None) == recipe.model  # nothing else moved
+    again = dataclasses.replace(recipe, model=model)
+    assert with_tokenizer_ids(again, lines.append) is again and len(lines) == 1

@@ -26,6 +26,9 @@ def test_init_from_starts_from_the_source_weights_and_checks_the_model(tmp_path)
 
     with pytest.raises(ConfigError, match=r"train.init_from: .*model.num_hidden_layers"):
         Trainer(load_recipe(recipe_path, ["model.num_hidden_layers=3"]), tmp_path / "d")
+    # The token ids are the tokenizer's, not the architecture: another tokenizer's ids do not refuse it.
+    moved = Trainer(load_recipe(recipe_path, ["model.eos_token_id=5", "model.bos_token_id=4"]), tmp_path / "e").model
+    assert all(torch.equal(moved.state_dict()[k], trained[k]) for k in trained)
 
 
 @pytest.mark.parametrize("native", [True, False])
