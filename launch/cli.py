@@ -25,11 +25,11 @@ from orthon.launch.threads import pop_threads, set_threads
 
 COMMANDS = {
     "model-info": ("orthon.launch.cmd_model_info", "parameter counts per component (meta device)"),
-    "export": ("orthon.launch.cmd_hf", "copy a run's weights (HF glm_moe_dsa layout) cast / re-sharded for publishing"),
+    "export": ("orthon.launch.cmd_hf", "copy a run's weights (HF glm_moe_dsa layout) and tokenizer, cast / re-sharded for publishing"),
     "import": ("orthon.launch.cmd_hf", "check an HF glm_moe_dsa directory and write it as an orthon weights directory"),
     "smoke": ("orthon.launch.cmd_smoke", "build the model of a recipe, train a few steps, print the loss"),
     "pretrain": ("orthon.launch.cmd_pretrain", "pretrain (or --resume) a model; the built-in corpus by default"),
-    "generate": ("orthon.launch.cmd_generate", "sample text from a run's final model"),
+    "generate": ("orthon.launch.cmd_generate", "sample text from a run's final model or a weights directory"),
     "ablate": ("orthon.launch.cmd_ablate", "optimizer ablation: AdamW vs Muon vs Muon + Split on one recipe"),
     "midtrain": ("orthon.launch.cmd_midtrain", "long-context mid-training + DSA adaptation (--from a pretraining run); --eval: passkey heat map, perplexity by position"),
     "rl": ("orthon.launch.cmd_rl", "GRPO + IcePop from a pretraining run (--from RUN_DIR)"),
