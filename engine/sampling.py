@@ -39,8 +39,9 @@ class SamplingParams:
     # "policy": log-prob of each sampled token under the unmodified policy (temperature 1, no top-k /
     # top-p), what the trainer recomputes, so IcePop's rho is 1 when weights match (the default).
     # "sampling": under the distribution actually sampled from (after temperature and filtering;
-    # 0 for greedy rows).
-    logprob_mode: Literal["policy", "sampling"] = "policy"
+    # 0 for greedy rows). "none": the caller reads none (evaluation): the decode's policy log-probs,
+    # never rescored (an engine in ``logprobs: rescore`` mode saves that forward).
+    logprob_mode: Literal["policy", "sampling", "none"] = "policy"
 
     def __post_init__(self):
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
@@ -58,8 +59,8 @@ class SamplingParams:
             self.stop_token_ids = ids
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed: must be an int or None, got {self.seed!r}")
-        if self.logprob_mode not in ("policy", "sampling"):
-            raise ConfigError(f"logprob_mode: must be 'policy' or 'sampling', got {self.logprob_mode!r}")
+        if self.logprob_mode not in ("policy", "sampling", "none"):
+            raise ConfigError(f"logprob_mode: must be 'policy', 'sampling' or 'none', got {self.logprob_mode!r}")
 
     @property
     def greedy(self) -> bool:

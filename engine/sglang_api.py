@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 import torch
@@ -162,6 +162,8 @@ def parse_generate(body: Any, eos_token_id: int | None) -> tuple[list[GenerateIt
             rid = f"{rid}-{i}"  # one rid given for a batch: each request still needs its own
         if not isinstance(logprob[i], bool):
             raise BadRequest(f"return_logprob: expected true or false, got {logprob[i]!r}")
+        if not logprob[i] and params.logprob_mode == "policy":
+            params = replace(params, logprob_mode="none")  # nobody reads them: no rescore
         items.append(GenerateItem(prompts[i], texts[i], params, rid, logprob[i]))
     return items, batched
 

@@ -70,10 +70,11 @@ class RolloutManager:
         self.roll_round = self._roll
 
     # ------------------------------------------------------------ generation
-    def sampling(self, greedy: bool = False, seed: int | None = None) -> SamplingParams:
+    def sampling(self, greedy: bool = False, seed: int | None = None, logprob_mode: str = "policy") -> SamplingParams:
         cfg = self.cfg
         return SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=0.0 if greedy else cfg.temperature,
-                              top_p=1.0 if greedy else cfg.top_p, stop_token_ids=self.task.stop_token_ids, seed=seed)
+                              top_p=1.0 if greedy else cfg.top_p, stop_token_ids=self.task.stop_token_ids, seed=seed,
+                              logprob_mode=logprob_mode)
 
     def _draw(self, n: int) -> list[_Item]:
         items = [_Item(self.drawn + i, p) for i, p in enumerate(self.task.sample(n))]
@@ -259,8 +260,10 @@ class RolloutManager:
             samples = rollout(self._context(sampling, group_size, collections.Counter()), self.eval_prompts)
             return sum(s.reward for s in samples) / len(samples)
 
-        return {"eval_reward": mean_reward(self.sampling(seed=self.seed + 7_919), self.cfg.eval_samples),
-                "eval_greedy": mean_reward(self.sampling(greedy=True), 1)}
+        # No log-probs are read here: an engine that rescores its samples skips these.
+        return {"eval_reward": mean_reward(self.sampling(seed=self.seed + 7_919, logprob_mode="none"),
+                                           self.cfg.eval_samples),
+                "eval_greedy": mean_reward(self.sampling(greedy=True, logprob_mode="none"), 1)}
 
     # ------------------------------------------------------------ state
     def state_dict(self) -> dict:

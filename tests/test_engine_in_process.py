@@ -79,6 +79,34 @@ def test_rescored_log_probs_equal_the_trainer_recompute_exactly(case, overrides)
         assert (a.log_probs - b.log_probs).abs().max() < 1e-5
 
 
+def test_requests_that_read_no_log_probs_are_not_rescored(monkeypatch):
+    """logprob_mode "none" (evaluation, an HTTP request without return_logprob): the same tokens, the
+    decode's log-probs, and no rescoring forward for those rows."""
+    import orthon.engine.in_process as in_process
+
+    model = _model()
+    prompts = _prompts()
+    scored_rows = []
+    real = in_process.sequence_log_probs
+    monkeypatch.setattr(in_process, "sequence_log_probs",
+                        lambda m, seqs, counts, **kw: scored_rows.append(len(seqs)) or real(m, seqs, counts, **kw))
+
+    def run(mode, logprobs):
+        engine = InProcessEngine(model, EngineConfig(logprobs=logprobs, max_batch_size=8))
+        return engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0.8, seed=3, stop_token_ids=(),
+                                                       logprob_mode=mode))
+
+    decoded = run("policy", "decode")
+    assert scored_rows == []
+    rescored = run("policy", "rescore")
+    assert scored_rows == [len(prompts)]
+    unread = run("none", "rescore")
+    assert scored_rows == [len(prompts)]  # no second rescore
+    for a, b, c in zip(decoded, rescored, unread):
+        assert a.tokens == b.tokens == c.tokens
+        assert torch.equal(c.log_probs, a.log_probs)
+
+
 def test_recompute_has_gradients_and_entropy():
     model = _model()
     seqs = [[5, 6, 7, 8, 9], [10, 11, 12]]

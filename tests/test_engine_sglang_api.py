@@ -68,8 +68,10 @@ def test_parse_generate_single_batch_and_text():
                                      "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 2}]}, EOS)
     assert batched and [i.prompt for i in items] == [[3], [4, 5]] and [i.rid for i in items] == ["x", "y"]
     assert [i.params.max_new_tokens for i in items] == [1, 2]
-    items, _ = parse_generate({"input_ids": [[3], [4]], "rid": "r"}, EOS)
+    items, _ = parse_generate({"input_ids": [[3], [4]], "rid": "r", "return_logprob": [True, False]}, EOS)
     assert [i.rid for i in items] == ["r-0", "r-1"]  # one rid for a batch: still one per request
+    # Log-probs nobody asked for are not rescored (SGLang's default is return_logprob false).
+    assert [i.params.logprob_mode for i in items] == ["policy", "none"]
     items, batched = parse_generate({"text": ["hi", "yo"]}, EOS)
     assert batched and [i.text for i in items] == ["hi", "yo"] and items[0].prompt is None
     # Keys sglang-router adds when it forwards a request, and orthon's routing_key, are accepted.

@@ -139,3 +139,27 @@ def test_no_engine_answers_stops_with_an_error_not_a_hang(tmp_path):
         manager.stop()
     # Nothing was lost: the prompts that failed wait in the queue for a working engine.
     assert manager.counters["engine_retries"] > 0 and len(manager.state_dict()["queue"]) >= 1
+
+
+def test_evaluation_asks_for_no_log_probs_so_a_rescoring_engine_skips_it(tmp_path, monkeypatch):
+    """Held-out rewards read no log-probs: an engine that rescores its samples (a Ray engine, orthon
+    serve) runs no rescoring forward for them; a training round's samples are rescored."""
+    import orthon.engine.in_process as in_process
+    from orthon.pretrain.weights import load_weights
+    from orthon.rl.rollout_manager import RolloutManager
+    from orthon.rl.train_config import RLConfig
+
+    rescored = []
+    real = in_process.sequence_log_probs
+    monkeypatch.setattr(in_process, "sequence_log_probs",
+                        lambda m, seqs, counts, **kw: rescored.append(len(seqs)) or real(m, seqs, counts, **kw))
+    pre = _pretrain_dir(tmp_path)
+    tokenizer = load_tokenizer(yaml.safe_load((pre / "config.yaml").read_text())["data"]["tokenizer"])
+    engine = in_process.InProcessEngine(load_weights(pre / "final"), in_process.EngineConfig(logprobs="rescore"))
+    cfg = RLConfig(prompts_per_iteration=2, max_new_tokens=4, eval_samples=2,
+                   task_args={"difficulty": 1, "eval_size": 2})
+    manager = RolloutManager(cfg, tokenizer, engine, seed=0, log=lambda *a: None)
+    manager.evaluate()
+    assert engine.stats.generated_tokens > 0 and rescored == []
+    manager.generate(2)
+    assert sum(rescored) > 0
