@@ -120,6 +120,11 @@ def fit_sft(recipe, tokenizer, conversations: list[list[Message]], log=print) ->
         random.Random(recipe.train.seed * 7_919 + epoch).shuffle(idx)
         return idx
 
+    bar = None
+    if recipe.train.progress and trainer.rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=trainer.step, desc="sft", unit="step")
     try:
         with stop_signals_recorded(recipe.train.stop_signals) as received:
             while trainer.step < cfg.steps:
@@ -128,11 +133,16 @@ def fit_sft(recipe, tokenizer, conversations: list[list[Message]], log=print) ->
                 batch = [examples[i] for i in picks]
                 out = trainer.train_step(batch, tokens=sum(len(e.tokens) for e in batch))
                 metrics.log(trainer.step, **out)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{out['sft_loss']:.3f}")
                 if recipe.train.checkpoint_interval and trainer.step % recipe.train.checkpoint_interval == 0:
                     trainer.save_checkpoint()
                 stop_if_signalled(received, trainer.device, trainer.step,
                                   lambda: trainer.checkpointer.has(trainer.step), trainer.save_checkpoint)
     finally:
+        if bar is not None:
+            bar.close()
         metrics.close()
     if trainer.rank != 0:  # under torchrun every rank has the same (DDP) weights; rank 0 writes them
         return {"steps": trainer.step}

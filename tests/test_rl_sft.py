@@ -76,15 +76,17 @@ def test_gradient_is_the_masked_nll(chat_tokenizer):
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-7, msg=name)
 
 
-def test_short_sft_run_learns_the_demonstrations(tmp_path, chat_tokenizer):
+def test_short_sft_run_learns_the_demonstrations(tmp_path, chat_tokenizer, capsys):
     tok = chat_tokenizer
     torch.manual_seed(0)
     save_weights(GLMForCausalLM(ModelConfig(**{**MODEL, "vocab_size": tok.vocab_size})), tmp_path / "init")
-    recipe = build(RLRecipe, {"train": {"run_dir": str(tmp_path / "sft"), "progress": False, "micro_batch_size": 8,
+    recipe = build(RLRecipe, {"train": {"run_dir": str(tmp_path / "sft"), "progress": True, "micro_batch_size": 8,
                                         "init_from": str(tmp_path / "init"), "checkpoint_interval": 10},
                               "schedule": {"peak_lr": 3e-3, "floor_lr": 3e-3},
                               "sft": {"steps": 20, "batch_size": 8}})
     recipe.model = ModelConfig(**{**MODEL, "vocab_size": tok.vocab_size})
     result = fit_sft(recipe, tok, tool_demonstrations(tok, 32, seed=2), log=lambda *a: None)
     assert result["steps"] == 20 and result["loss_end"] < 0.6 * result["loss_start"]
+    err = capsys.readouterr().err  # the progress bar, over optimizer steps
+    assert "sft: 100%" in err and "20/20" in err
     assert (tmp_path / "sft" / "final" / "config.json").is_file() and (tmp_path / "sft" / "loss.png").is_file()
