@@ -151,7 +151,12 @@ def run_posttrain(plan: PosttrainPlan, plan_path: Path, source: Path, tokenizer,
     # What each stage's model can do on each RL stage's task (the starting model's too).
     models = {"start": source / "final", **finals}
     if distributed.rank() == 0:
-        summary["evaluation"] = {model: {task: evaluate(path, recipes[task], tokenizer)["eval_reward"]
-                                         for task in recipes} for model, path in models.items()}
+        from tqdm import tqdm
+
+        pairs = [(model, task) for model in models for task in recipes]
+        progress = any(r.train.progress for r in recipes.values())
+        summary["evaluation"] = {model: {} for model in models}
+        for model, task in tqdm(pairs, desc="evaluate stages", unit="run", disable=not progress):
+            summary["evaluation"][model][task] = evaluate(models[model], recipes[task], tokenizer)["eval_reward"]
         atomic_write_text(Path(plan.run_dir) / "stages.json", json.dumps(summary, indent=1, default=str))
     return distributed.broadcast_object(summary)
