@@ -194,9 +194,10 @@ class RLCluster:
         """Runs the loop in the trainer actor; meanwhile shows its progress and prints its log lines."""
         import ray
 
-        from orthon.rl.trainer import progress_postfix
+        from orthon.rl.trainer import ProgressPostfix
 
         done = self.trainer.fit.remote()
+        postfix = ProgressPostfix()
         bar = None
         if self.recipe.train.progress:
             from tqdm import tqdm
@@ -211,7 +212,7 @@ class RLCluster:
                     (bar.write if bar is not None else self.log)(message)
                 if bar is not None and iteration > bar.n:
                     bar.update(iteration - bar.n)
-                    bar.set_postfix(progress_postfix(stats))
+                    bar.set_postfix(postfix(stats))
                 if finished:
                     return ray.get(done)
         finally:

@@ -293,10 +293,12 @@ class RLTrainer:
         cfg = self.cfg
         resumed = self.iteration or None
         metrics = MetricsLogger(self.run_dir, enabled=self.rank == 0, resume_step=resumed)
+        postfix = ProgressPostfix()
         if not resumed:
             start = self.evaluate()
             metrics.log(0, **start)
             self.log(f"iteration 0: held-out reward {start['eval_reward']:.3f} (greedy {start['eval_greedy']:.3f})")
+            postfix.held_out = start["eval_reward"]
         bar = None
         if self.recipe.train.progress and self.rank == 0:
             from tqdm import tqdm
@@ -311,7 +313,7 @@ class RLTrainer:
                     metrics.log(self.iteration, **stats)
                     if bar is not None:
                         bar.update(1)
-                        bar.set_postfix(progress_postfix(stats))
+                        bar.set_postfix(postfix(stats))
                     interval = self.recipe.train.checkpoint_interval
                     if interval and self.iteration % interval == 0:
                         self.save_checkpoint()
@@ -344,10 +346,19 @@ class RLTrainer:
                 "greedy_start": greedy[0] if greedy else math.nan, "greedy_end": greedy[-1] if greedy else math.nan}
 
 
-def progress_postfix(stats: dict) -> dict:
-    """What the progress bar shows after an iteration: its mean training reward, and the held-out reward
-    on iterations that evaluated."""
-    return {"reward": f"{stats['reward_mean']:.2f}", "eval": stats.get("eval_reward", "")}
+class ProgressPostfix:
+    """What the progress bar shows after an iteration: its mean training reward and the latest held-out
+    reward (evaluations are every ``rl.eval_interval`` iterations)."""
+
+    def __init__(self, held_out: float | None = None):
+        self.held_out = held_out
+
+    def __call__(self, stats: dict) -> dict:
+        self.held_out = stats.get("eval_reward", self.held_out)
+        shown = {"reward": f"{stats['reward_mean']:.2f}"}
+        if self.held_out is not None:
+            shown["held_out"] = f"{self.held_out:.2f}"
+        return shown
 
 
 def plot_opd_kl(records: list[dict], out_png: Path, window: int = 10) -> None:

@@ -156,3 +156,12 @@ def test_a_checkpoint_from_before_the_rollout_manager_resumes(tmp_path):
     drop = ("iteration_time_s", "wait_s", "train_s", "sync_s", "eval_s")
     a, b = ([{k: v for k, v in r.items() if k not in drop} for r in _records(run)] for run in (whole, split))
     assert b == a
+
+
+def test_the_progress_bar_keeps_the_latest_held_out_reward():
+    from orthon.rl.trainer import ProgressPostfix
+
+    postfix = ProgressPostfix()
+    assert postfix({"reward_mean": 0.123}) == {"reward": "0.12"}  # nothing evaluated yet
+    assert postfix({"reward_mean": 0.5, "eval_reward": 0.3047}) == {"reward": "0.50", "held_out": "0.30"}
+    assert postfix({"reward_mean": 0.25}) == {"reward": "0.25", "held_out": "0.30"}  # until the next evaluation
