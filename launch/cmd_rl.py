@@ -33,7 +33,7 @@ def run(args, name):
     from orthon.pretrain.trainer import write_run_config
     from orthon.pretrain.weights import load_config, load_runtime
     from orthon.rl.recipe import load_rl_recipe, source_tokenizer
-    from orthon.rl.trainer import RLTrainer
+    from orthon.rl.trainer import RLTrainer, summary_line
 
     recipe = load_rl_recipe(args.config, args.overrides)
     if recipe.rl.cluster.enabled and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -69,7 +69,5 @@ def run(args, name):
         result = trainer.fit()
         if trainer.rank != 0:  # under torchrun: rank 0 says it
             return 0
-    print(f"done: {result['iterations']} iterations; held-out mean reward {result['eval_start']:.3f} -> "
-          f"{result['eval_end']:.3f} (best {result['eval_best']:.3f}), greedy {result['greedy_start']:.3f} -> "
-          f"{result['greedy_end']:.3f}; {run_dir / 'reward.png'}")
+    print(f"done: {summary_line(result)}; {run_dir / 'reward.png'}")
     return 0

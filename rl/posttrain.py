@@ -113,7 +113,7 @@ def evaluate(weights: Path, recipe, tokenizer) -> dict:
 def run_posttrain(plan: PosttrainPlan, plan_path: Path, source: Path, tokenizer, log=print) -> dict:
     from orthon.pretrain.trainer import write_run_config
     from orthon.rl.sft import fit_sft
-    from orthon.rl.trainer import RLTrainer
+    from orthon.rl.trainer import RLTrainer, summary_line
 
     if distributed.rank() != 0:
         log = lambda *_: None  # noqa: E731 - rank 0 speaks for the job
@@ -141,6 +141,10 @@ def run_posttrain(plan: PosttrainPlan, plan_path: Path, source: Path, tokenizer,
                 result = trainer.fit()
         distributed.barrier()  # every rank sees this stage's final weights before the next stage loads them
         result["time_s"] = time.perf_counter() - began
+        if not result.get("skipped") and distributed.rank() == 0:  # (SFT's other ranks return no losses)
+            done = (f"{result['steps']} steps, loss {result['loss_start']:.3f} -> {result['loss_end']:.3f}"
+                    if stage.kind == "sft" else summary_line(result))
+            log(f"stage {stage.name} done: {done}; {result['time_s']:.0f} s")
         summary["stages"].append({"name": stage.name, "kind": stage.kind, **result})
         finals[stage.name] = start = run_dir / "final"
         if stage.kind == "rl":

@@ -346,6 +346,13 @@ class RLTrainer:
                 "greedy_start": greedy[0] if greedy else math.nan, "greedy_end": greedy[-1] if greedy else math.nan}
 
 
+def summary_line(result: dict) -> str:
+    """One line of a finished RL run's summary (``RLTrainer.fit``'s result)."""
+    return (f"{result['iterations']} iterations; held-out mean reward {result['eval_start']:.3f} -> "
+            f"{result['eval_end']:.3f} (best {result['eval_best']:.3f}), greedy {result['greedy_start']:.3f} -> "
+            f"{result['greedy_end']:.3f}")
+
+
 class ProgressPostfix:
     """What the progress bar shows after an iteration: its mean training reward and the latest held-out
     reward (evaluations are every ``rl.eval_interval`` iterations)."""

@@ -1,6 +1,7 @@
 """The post-training plan: its checks, the GLM-5 numbers in configs/posttrain_glm5.yaml, and every stage
 (SFT, RL, agentic RL with tools, OPD from two earlier stages) run end to end in miniature, then resumed."""
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -70,8 +71,14 @@ def test_every_stage_runs_and_the_plan_resumes(tmp_path, chat_tokenizer):
     ]}
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
     loaded = load_plan(tmp_path / "plan.yaml")
-    summary = run_posttrain(loaded, tmp_path / "plan.yaml", source, tok, log=lambda *a: None)
+    lines = []
+    summary = run_posttrain(loaded, tmp_path / "plan.yaml", source, tok, log=lines.append)
     assert [s["name"] for s in summary["stages"]] == ["sft", "reasoning_rl", "agentic_rl", "general_rl", "opd"]
+    # Each stage closes with one line of what it did.
+    done = [line for line in lines if " done: " in line]
+    assert [line.split()[1] for line in done] == [s["name"] for s in summary["stages"]]
+    assert re.fullmatch(r"stage sft done: \d+ steps, loss \d\.\d{3} -> \d\.\d{3}; \d+ s", done[0])
+    assert all(re.match(r"stage \w+ done: \d+ iterations; held-out mean reward \d\.\d{3} -> ", x) for x in done[1:])
     for stage in summary["stages"]:
         assert (tmp_path / "post" / stage["name"] / "final" / "config.json").is_file()
     evaluation = json.loads((tmp_path / "post" / "stages.json").read_text())["evaluation"]
