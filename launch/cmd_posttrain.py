@@ -32,10 +32,17 @@ def run(args, name):
         return 0
     for stage in summary["stages"]:
         print(f"{stage['name']:>14} ({stage['kind']}): {stage['time_s']:.0f} s")
-    tasks = list(next(iter(summary["evaluation"].values())))
     print("held-out reward of each stage's model on each RL stage's task:")
-    print(" " * 15 + "".join(f"{t:>14}" for t in tasks))
-    for model, row in summary["evaluation"].items():
-        print(f"{model:>14} " + "".join(f"{row[t]:>14.3f}" for t in tasks))
+    print(reward_table(summary["evaluation"]))
     print(f"{plan.run_dir}/stages.json")
     return 0
+
+
+def reward_table(evaluation: dict[str, dict[str, float]]) -> str:
+    """Rows: models; columns: tasks, each as wide as its name (two spaces apart)."""
+    tasks = list(next(iter(evaluation.values())))
+    first = max(len(model) for model in evaluation)
+    lines = [" " * first + "".join(f"  {task:>{max(len(task), 5)}}" for task in tasks)]
+    for model, row in evaluation.items():
+        lines.append(f"{model:>{first}}" + "".join(f"  {row[task]:>{max(len(task), 5)}.3f}" for task in tasks))
+    return "\n".join(lines)

@@ -93,3 +93,13 @@ def test_every_stage_runs_and_the_plan_resumes(tmp_path, chat_tokenizer):
         assert source_tokenizer(tmp_path / "post" / stage["name"]) == str(tok.path)
     again = run_posttrain(loaded, tmp_path / "plan.yaml", source, tok, log=lambda *a: None)
     assert all(s.get("skipped") for s in again["stages"])
+
+
+def test_the_reward_table_keeps_its_columns_apart():
+    from orthon.launch.cmd_posttrain import reward_table
+
+    table = reward_table({"start": {"agentic_rl (no tools)": 0.0, "opd": 0.6081}, "reasoning_rl": {"agentic_rl (no tools)": 0.5, "opd": 0.25}})
+    lines = table.split("\n")
+    assert lines == ["              agentic_rl (no tools)    opd",
+                     "       start                  0.000  0.608",
+                     "reasoning_rl                  0.500  0.250"]
