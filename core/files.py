@@ -56,6 +56,22 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     os.replace(tmp, path)
 
 
+@contextmanager
+def exclusive(path: str | Path) -> Iterator[None]:
+    """One process at a time in the block, across processes of this machine (an advisory lock on the file
+    ``path``, created if absent): the others wait at the door. The lock goes with the process, so a
+    crashed holder never blocks the next."""
+    import fcntl
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 

@@ -41,7 +41,7 @@ from pathlib import Path
 from orthon.data import retrieval
 from orthon.data.arithmetic import make_document
 from orthon.data.config import BuiltinConfig, DataConfig, PrepareConfig, ReadConfig, RetrievalCorpusConfig, StoreSource
-from orthon.core.files import atomic_path, atomic_write_json
+from orthon.core.files import atomic_path, atomic_write_json, exclusive
 from orthon.data.prepare import prepare
 from orthon.data.recall import make_mixed_recall_document
 from orthon.data.store import read_manifest
@@ -180,7 +180,14 @@ def prepare_builtin(out_dir: str | Path, vocab_size: int = 4096, seed: int = 0, 
     """Build the corpus, train the tokenizer, prepare the stores; returns where everything is.
 
     ``overrides`` are further BuiltinConfig fields (``arithmetic_problems``, ``max_code_mb``, ...).
+    One process builds at a time: the ranks of a torchrun job all call this, and the first builds while
+    the others wait, then reuse what it built (two builders would delete each other's unfinished files).
     """
+    with exclusive(Path(out_dir) / ".lock"):
+        return _prepare_builtin(out_dir, vocab_size, seed, log, **overrides)
+
+
+def _prepare_builtin(out_dir, vocab_size: int, seed: int, log, **overrides) -> BuiltinPaths:
     log = log or (lambda _msg: None)
     cfg = BuiltinConfig(vocab_size=vocab_size, seed=seed, **overrides)
     root = Path(out_dir)

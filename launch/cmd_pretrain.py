@@ -79,7 +79,10 @@ def run(args, name):
         require_recipe(args, name)
         recipe = load_recipe(args.config, args.overrides)
         check_model_fits(recipe.model, recipe.train.parallel, "train")  # before the corpus, before any weights
-        recipe = with_builtin_data(recipe)
+        from orthon.core import distributed
+
+        # Every rank of a torchrun job prepares (the first builds, the others wait and reuse); rank 0 speaks.
+        recipe = with_builtin_data(recipe, log=print if distributed.rank() == 0 else (lambda *_: None))
         run_dir = Path(recipe.train.run_dir)
         if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
             raise SystemExit(f"orthon pretrain: {run_dir} already holds checkpoints; use --resume {run_dir} "

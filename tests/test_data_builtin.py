@@ -151,3 +151,26 @@ def test_reused_builtin_corpus_says_so(small_builtin):
     assert stores and all("(reused: already prepared)" in line for line in stores), lines
     assert any(line.startswith("built-in corpus") and "reused" in line for line in lines)
     assert any(line.startswith("tokenizer") and "(reused)" in line for line in lines)
+
+
+def test_ranks_that_prepare_at_once_build_once(tmp_path):
+    """The ranks of a torchrun job all prepare the built-in data: run at the same moment in two processes,
+    one builds while the other waits, then reuses what it built (both used to build, and one deleted the
+    other's unfinished shards)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from orthon.data.builtin import prepare_builtin; "
+            "prepare_builtin(sys.argv[1], vocab_size=600, seed=0, arithmetic_problems=3000, max_code_mb=0.4, "
+            "valid_fraction=0.05, workers=1)")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "b")], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
+    printed = [out for out, _ in outs]
+    built = [out for out in printed if "reused" not in out]
+    waited = [out for out in printed if out not in built]
+    assert len(built) == 1 and len(waited) == 1
+    assert waited[0].splitlines() and all("reused" in line for line in waited[0].splitlines())
+    manifest = json.loads((tmp_path / "b" / "builtin.json").read_text())
+    assert manifest["corpus"]
