@@ -40,9 +40,9 @@ def run(args, name):
 
 def reward_table(evaluation: dict[str, dict[str, float]]) -> str:
     """Rows: models; columns: tasks, each as wide as its name (two spaces apart)."""
-    tasks = list(next(iter(evaluation.values())))
+    widths = {task: max(len(task), 5) for task in next(iter(evaluation.values()))}  # 5: "0.000"
     first = max(len(model) for model in evaluation)
-    lines = [" " * first + "".join(f"  {task:>{max(len(task), 5)}}" for task in tasks)]
+    lines = [" " * first + "".join(f"  {task:>{w}}" for task, w in widths.items())]
     for model, row in evaluation.items():
-        lines.append(f"{model:>{first}}" + "".join(f"  {row[task]:>{max(len(task), 5)}.3f}" for task in tasks))
+        lines.append(f"{model:>{first}}" + "".join(f"  {row[task]:>{w}.3f}" for task, w in widths.items()))
     return "\n".join(lines)
