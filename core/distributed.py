@@ -7,9 +7,17 @@ import os
 import torch
 import torch.distributed as dist
 
+from orthon.core.errors import OrthonError
+
 
 def init_distributed() -> tuple[int, int, torch.device]:
     """(rank, world size, device). Starts the process group when launched by torchrun with WORLD_SIZE > 1."""
+    if os.environ.get("MS_ROLE") == "MS_WORKER" and "WORLD_SIZE" not in os.environ:
+        # msrun's workers know nothing of each other through torch: each would train its own full copy
+        # into the same run directory.
+        raise OrthonError("this process was started by msrun (MindSpore's launcher), which runs the MindSpore "
+                          "backend: add backend=mindspore to `orthon pretrain` (for torch on many processes: "
+                          "orthon launch torchrun)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     cuda = torch.cuda.is_available()
@@ -26,7 +34,10 @@ def is_distributed() -> bool:
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    """This process's rank: torch.distributed's, else the launcher's (torchrun's RANK, msrun's RANK_ID)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", os.environ.get("RANK_ID", "0")))
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,8 @@ the loop after the step it arrived in, with a checkpoint of that step, on every 
 
 The trainer is duck-typed: ``cfg`` (those intervals), ``step``, ``tokens``, ``total_tokens``, ``done()``,
 ``train_step()`` (the step's figures: ``loss``, ``batch_tokens``, ...), ``evaluate()`` (a loss or None),
-``save_checkpoint()`` and ``checkpointer.has(step)``.
+``save_checkpoint()`` and ``checkpointer.has(step)``; optionally ``reduce_max(int) -> int``, the ranks'
+agreement when they are not torch.distributed's (the MindSpore backend's workers).
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def run_steps(trainer: Any, metrics_log: Any, progress_label: str | None,
                 if cfg.checkpoint_interval and trainer.step % cfg.checkpoint_interval == 0:
                     trainer.save_checkpoint()
                 stop_if_signalled(received, getattr(trainer, "device", None), trainer.step,
-                                  lambda: trainer.checkpointer.has(trainer.step), trainer.save_checkpoint)
+                                  lambda: trainer.checkpointer.has(trainer.step), trainer.save_checkpoint,
+                                  reduce_max=getattr(trainer, "reduce_max", None))
     finally:
         if bar is not None:
             bar.close()
@@ -63,16 +65,20 @@ def run_steps(trainer: Any, metrics_log: Any, progress_label: str | None,
 
 
 def stop_if_signalled(received: Callable[[], int] | None, device, count: int, saved: Callable[[], bool],
-                      save: Callable[[], None], unit: str = "step") -> None:
+                      save: Callable[[], None], unit: str = "step",
+                      reduce_max: Callable[[int], int] | None = None) -> None:
     """After step (or iteration) ``count``: if any rank received a stop signal, save a checkpoint unless
     ``saved()`` says this one has one, and raise StopRequested on every rank. The ranks agree on it (the
     highest signal number any received, one all-reduce), so all stop after the same step and save one
     checkpoint together. ``received``: from ``stop_signals_recorded`` (None: no stop signals, nothing to
-    agree on); ``device``: where the collective runs (CUDA for NCCL)."""
+    agree on); ``device``: where the collective runs (CUDA for NCCL); ``reduce_max``: the all-reduce
+    itself, where the ranks are not torch.distributed's."""
     if received is None:
         return
     number = received()
-    if distributed.is_distributed():
+    if reduce_max is not None:
+        number = reduce_max(number)
+    elif distributed.is_distributed():
         number = int(distributed.all_reduce_max(torch.tensor([number], dtype=torch.int64, device=device)).item())
     if number:
         if not saved():

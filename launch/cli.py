@@ -47,7 +47,7 @@ INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 
 
 def _rank0() -> bool:
-    return os.environ.get("RANK", "0") == "0"
+    return os.environ.get("RANK", os.environ.get("RANK_ID", "0")) == "0"  # torchrun's, msrun's
 
 
 def _quiet_interrupts() -> None:
@@ -107,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if argv else 2
     name = argv[0]
+    if os.environ.get("MS_ROLE") == "MS_SCHED":  # msrun's scheduler process: the rendezvous, not the command
+        from orthon.backends.mindspore.distributed import run_scheduler
+
+        return run_scheduler()
     module = importlib.import_module(COMMANDS[name][0])
     cmd_parser = argparse.ArgumentParser(prog=f"orthon {name}", description=COMMANDS[name][1])
     module.register(cmd_parser, name)

@@ -88,7 +88,7 @@ def run(args, name):
     for note in plan.notes:
         print(note, file=sys.stderr)
     for argv in plan.local:
-        code = subprocess.call(_executable(argv))
+        code = subprocess.call(_executable(argv), env={**os.environ, **plan.env})
         if code:
             return code
     return 0
@@ -96,10 +96,10 @@ def run(args, name):
 
 class _Plan:
     """What a launcher produced: ``text`` to print (a shell snippet), ``local`` the commands --run starts
-    here, ``notes`` what --run says first."""
+    here, ``notes`` what --run says first, ``env`` what --run adds to their environment."""
 
-    def __init__(self, text: str, local: list[list[str]], notes: list[str] = ()):
-        self.text, self.local, self.notes = text, local, list(notes)
+    def __init__(self, text: str, local: list[list[str]], notes: list[str] = (), env: dict | None = None):
+        self.text, self.local, self.notes, self.env = text, local, list(notes), dict(env or {})
 
 
 def _snippet(commands, notes=()) -> str:
@@ -112,12 +112,39 @@ def _snippet(commands, notes=()) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _mindspore_recipe(command: list[str]):
+    """The recipe of the command msrun starts, checked: msrun's workers train through the MindSpore backend,
+    which `orthon pretrain` has; with any other backend each worker would train a full copy of its own."""
+    from orthon.pretrain.recipe import load_recipe
+    from orthon.pretrain.trainer import CONFIG_NAME
+
+    if command[0] != "pretrain":
+        raise ConfigError(f"orthon launch msrun starts MindSpore workers, which `orthon pretrain ... backend=mindspore` "
+                          f"trains; got {command[0]!r} (mid-training and RL run on torch: orthon launch torchrun)")
+    words, config, overrides = command[1:], None, []
+    for i, word in enumerate(words):
+        if word in ("-c", "--config") and i + 1 < len(words):
+            config = words[i + 1]
+        elif word == "--resume" and i + 1 < len(words):
+            config = str(Path(words[i + 1]) / CONFIG_NAME)
+        elif word.startswith(("--config=", "--resume=")):
+            value = word.split("=", 1)[1]
+            config = value if word.startswith("--config=") else str(Path(value) / CONFIG_NAME)
+        elif "=" in word and not word.startswith("-"):
+            overrides.append(word)
+    recipe = load_recipe(config, overrides)
+    if recipe.backend != "mindspore":
+        raise ConfigError("backend: msrun's workers run the MindSpore backend; add backend=mindspore to the command "
+                          "(and mindspore.device_target=Ascend on 910B nodes), or launch torch with orthon launch torchrun")
+    return recipe
+
+
 def _msrun(args, command) -> _Plan:
     from orthon.core.files import atomic_write_json
     from orthon.launch.launchers import msrun_commands, msrun_layout
     from orthon.launch.rank_table import rank_table, read_host_list
 
-    notes, hosts, options = [], None, {}
+    notes, hosts, options, table, env = [], None, {}, None, {}
     if args.hosts:
         entries = read_host_list(args.hosts)
         if args.nodes is not None and args.nodes != len(entries):
@@ -126,12 +153,23 @@ def _msrun(args, command) -> _Plan:
         per_node = len(table["server_list"][0]["device"])
         worker_num, local, _ = msrun_layout(args.worker_num, per_node, len(entries))
         path = Path(os.path.abspath(args.rank_table))
-        atomic_write_json(path, table)
         hosts = [h.server_id for h in entries]
         options["rank_table_file"] = str(path)
         notes.append(f"rank table for {len(entries)} nodes x {per_node} NPUs: {path} (copy it to the same path on every node)")
     else:
         worker_num, local, _ = msrun_layout(args.worker_num, args.local_worker_num, args.nodes)
+    recipe = _mindspore_recipe(command)
+    if table is not None:
+        if recipe.mindspore.device_target != "Ascend":
+            raise ConfigError(f"mindspore.device_target: {recipe.mindspore.device_target}, but --hosts writes an HCCL "
+                              f"rank table, which only Ascend NPUs read; add mindspore.device_target=Ascend")
+        atomic_write_json(path, table)
+    if recipe.mindspore.device_target == "CPU" and not os.environ.get("OMP_NUM_THREADS"):
+        # msrun leaves threads to its workers, and each would take every core: share them out instead.
+        threads = max(1, (os.cpu_count() or 1) // local)
+        env["OMP_NUM_THREADS"] = str(threads)
+        notes.append(f"CPU workers share a node's cores: export OMP_NUM_THREADS={threads} before msrun "
+                     f"({local} workers a node; --run sets it)")
     if args.master_addr:
         options["master_addr"] = args.master_addr
     commands = msrun_commands(command, worker_num, local, hosts, master_port=args.master_port, log_dir=args.log_dir,
@@ -139,7 +177,7 @@ def _msrun(args, command) -> _Plan:
                               **options)
     if not 0 <= args.node_rank < len(commands):
         raise ConfigError(f"node-rank: {args.node_rank} is outside 0..{len(commands) - 1}")
-    return _Plan(_snippet(commands, notes), [commands[args.node_rank].argv], [f"orthon launch: {n}" for n in notes])
+    return _Plan(_snippet(commands, notes), [commands[args.node_rank].argv], [f"orthon launch: {n}" for n in notes], env)
 
 
 def _torchrun(args, command) -> _Plan:

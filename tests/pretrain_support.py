@@ -71,13 +71,13 @@ def env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "PYTHONPATH": path}
 
 
-def orthon(*args, nproc: int = 1, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
+def orthon(*args, nproc: int = 1, check: bool = True, env_extra: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
                "-m", "orthon.launch.cli", *map(str, args)]
     else:
         cmd = [sys.executable, "-m", "orthon.launch.cli", *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), cwd=ROOT, **kwargs)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**env(), **(env_extra or {})}, cwd=ROOT, **kwargs)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc

@@ -161,7 +161,7 @@ def test_orthon_launch_msrun_writes_the_rank_table_and_prints_each_node(tmp_path
     hosts.write_text(HOSTS)
     table = tmp_path / "rt.json"
     code, out, _ = _launch(capsys, "msrun", "--hosts", hosts, "--rank-table", table, "--",
-                           "pretrain", "-c", "configs/glm5.yaml")
+                           "pretrain", "-c", "configs/glm5.yaml", "backend=mindspore", "mindspore.device_target=Ascend")
     assert code == 0
     assert json.loads(table.read_text()) == rank_table(parse_host_list(HOSTS))
     lines = [line for line in out.splitlines() if not line.startswith("#")]
@@ -184,7 +184,7 @@ def test_orthon_launch_msrun_bad_input_is_one_line(tmp_path, capsys):
 
 def test_msrun_run_without_mindspore_names_the_extra(capsys, monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
-    code, _, err = _launch(capsys, "msrun", "--worker-num", "2", "--run", "--", "pretrain")
+    code, _, err = _launch(capsys, "msrun", "--worker-num", "2", "--run", "--", "pretrain", "backend=mindspore")
     assert code == 2 and "msrun is not on the PATH; it comes with MindSpore: pip install orthon[mindspore]" in err
 
 

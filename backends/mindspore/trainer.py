@@ -7,7 +7,8 @@ checkpoints as ``orthon pretrain``; what differs is the framework: gradients com
 (``mindspore.mode: graph``) that gradient function is compiled with ``mindspore.jit``, the routed
 experts then running in their static-shape dense form. The model starts from the torch model's
 initialisation under ``train.seed`` (or ``train.init_from``), so both backends begin a run from the
-same weights.
+same weights. Under msrun the workers train data parallel (``orthon.backends.mindspore.distributed``):
+each takes its share of every global batch, the gradients are summed across them, rank 0 writes.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from orthon.backends.mindspore.checkpoint import MindSporeCheckpointer
+from orthon.backends.mindspore.distributed import DataParallel, local_device_id
 from orthon.backends.mindspore.optim import HybridOptimizer
 from orthon.backends.mindspore.runtime import ms, place
 from orthon.backends.mindspore.weights import build, save_hf
@@ -40,12 +42,12 @@ def global_norm(grads) -> float:
 
 
 class MindSporeTrainer:
-    """``fit`` trains the recipe's model on the recipe's data on one MindSpore device."""
+    """``fit`` trains the recipe's model on the recipe's data on one MindSpore device, or data parallel on
+    the devices of the workers msrun started."""
 
     def __init__(self, recipe, run_dir, log=print, with_data: bool = True):
-        self.recipe, self.cfg, self.run_dir, self.log = recipe, recipe.train, Path(run_dir), log
-        self.rank, self.world = 0, 1
-        place(recipe.mindspore)
+        self.recipe, self.cfg, self.run_dir = recipe, recipe.train, Path(run_dir)
+        place(dataclasses.replace(recipe.mindspore, device_id=local_device_id(recipe.mindspore.device_id)))
         ms.set_seed(self.cfg.seed)
         state = None
         if self.cfg.init_from:
@@ -58,17 +60,21 @@ class MindSporeTrainer:
         self.model.set_grouped_experts(not graph)
         self.optimizer = HybridOptimizer(self.model, recipe.optim, recipe.schedule)
         self.params = self.model.trainable_params()
+        self.parallel = DataParallel(self.params)
+        self.rank, self.world = self.parallel.rank, self.parallel.world
+        self.log = log if self.rank == 0 else (lambda *_: None)
         grad_fn = ms.value_and_grad(self._loss, None, self.params, has_aux=True)
         self.grad_fn = ms.jit(grad_fn) if graph else grad_fn
         self.data = self.valid = None
         if with_data:
-            self.data = TrainData(recipe.data)
+            self.data = TrainData(recipe.data, self.rank, self.world)
             if recipe.data.valid:
                 self.valid = ValidData(recipe.data, self.cfg.eval_samples, self.data.eod_id)
             if self.data.vocab_size > recipe.model.vocab_size:
                 raise ConfigError(f"data: the stores' vocabulary ({self.data.vocab_size}) exceeds model.vocab_size "
                                   f"({recipe.model.vocab_size})")
         self.checkpointer = MindSporeCheckpointer(self.run_dir, self.cfg.keep_last, log=self.log)
+        self.reduce_max = self.parallel.max  # the ranks agree on a stop signal (core.step_loop)
         self.seq_len = recipe.data.seq_len
         self.step, self.tokens = 0, 0
         self.total_tokens = self.cfg.total_tokens or recipe.schedule.total_tokens
@@ -96,6 +102,8 @@ class MindSporeTrainer:
         return state
 
     def save_checkpoint(self) -> None:
+        if self.rank != 0:  # the state is the same on every rank
+            return
         state = {"step": self.step, "tokens": self.tokens, "backend": "mindspore"}
         if self.data is not None:
             state["data"] = self.data.state_dict()
@@ -113,7 +121,7 @@ class MindSporeTrainer:
             batch, tokens = self.data.next_batch(n_seqs), n_seqs * self.seq_len
         self.optimizer.set_tokens(self.tokens, self.step)
         lr = lr_at(self.recipe.schedule, self.tokens, self.step)
-        count = max(int((batch.labels != IGNORE_INDEX).sum()), 1)
+        local_count = int((batch.labels != IGNORE_INDEX).sum())
         size = self.cfg.micro_batch_size
         grads, loss_sum, loads = None, 0.0, None
         micros = range(0, batch.input_ids.shape[0], size)
@@ -123,7 +131,10 @@ class MindSporeTrainer:
             grads = list(micro_grads) if grads is None else [a + b for a, b in zip(grads, micro_grads)]
             if micro_loads is not None:
                 loads = micro_loads if loads is None else loads + micro_loads
-        grads = [g / count for g in grads]  # the gradient of the batch's mean loss
+        grads = self.parallel.grads(grads)
+        loss_sum, count = self.parallel.sum([loss_sum, local_count])
+        count = max(round(count), 1)
+        grads = [g / count for g in grads]  # the gradient of the global batch's mean loss
         grad_norm = global_norm(grads)
         if self.cfg.grad_clip > 0 and grad_norm > self.cfg.grad_clip:
             grads = [g * (self.cfg.grad_clip / (grad_norm + 1e-6)) for g in grads]
@@ -147,7 +158,7 @@ class MindSporeTrainer:
         from orthon.pretrain.moe import update_expert_bias
 
         ratios = []
-        for router, load in zip(self.model.moe_routers(), loads.asnumpy()):
+        for router, load in zip(self.model.moe_routers(), self.parallel.sum(loads.asnumpy())):
             if load.sum() > 0:
                 ratios.append(float(load.max() / load.mean()))
                 bias = torch.from_numpy(router.e_score_correction_bias.asnumpy())
@@ -160,24 +171,29 @@ class MindSporeTrainer:
         if self.valid is None:
             return None
         total, count = 0.0, 0
-        for batch in self.valid.batches(self.cfg.micro_batch_size):
+        for batch in self.valid.batches(self.cfg.micro_batch_size, self.rank, self.world):
             ids, labels, docs, cos, sin = self._inputs(batch)
             total += float(self.model.loss_and_loads(ids, labels, cos, sin, docs)[0])
             count += int((batch.labels != IGNORE_INDEX).sum())
-        return total / count if count else None
+        total, count = self.parallel.sum([total, count])
+        return float(total / count) if count else None
 
     # ------------------------------------------------------------ the loop
     def done(self) -> bool:
         return self.tokens >= self.total_tokens or bool(self.cfg.max_steps and self.step >= self.cfg.max_steps)
 
     def fit(self) -> dict:
-        metrics_log = MetricsLogger(self.run_dir, resume_step=self.step or None)
-        last, final_eval = run_steps(self, metrics_log,
-                                     f"{self.cfg.progress_label} (mindspore)" if self.cfg.progress else None)
+        metrics_log = MetricsLogger(self.run_dir, enabled=self.rank == 0, resume_step=self.step or None)
+        label = f"{self.cfg.progress_label} (mindspore)" if self.cfg.progress and self.rank == 0 else None
+        last, final_eval = run_steps(self, metrics_log, label)
         metrics_log.close()
+        if self.rank == 0:
+            self._finish()
+        return {"step": self.step, "tokens": self.tokens, "final_eval_loss": final_eval, **last}
+
+    def _finish(self) -> None:
         save_hf(self.model, self.run_dir / "final")
         plot_training(read_metrics(self.run_dir / "metrics.jsonl"), self.run_dir / "loss.png",
                       title=f"{self.cfg.progress_label} loss, MindSpore ({self.recipe.model.hidden_size}-wide, "
                             f"{self.recipe.model.num_hidden_layers} layers)",
                       reference=math.log(self.recipe.model.vocab_size), reference_label="ln(vocab)")
-        return {"step": self.step, "tokens": self.tokens, "final_eval_loss": final_eval, **last}

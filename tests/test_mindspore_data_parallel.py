@@ -1,0 +1,81 @@
+"""`orthon launch msrun --worker-num 2 --run -- pretrain ... backend=mindspore` trains data parallel on two
+MindSpore CPU workers: each takes half of every global batch, the gradients are summed across them, and
+the run is the one a single process makes on the same global batches (losses, held-out loss, final
+weights); rank 0 alone writes. Also the launcher's and the torch backend's refusals of a command msrun
+cannot run."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mindspore", reason="MindSpore is not installed (extra: pip install 'orthon[mindspore]')")
+if shutil.which("msrun") is None:
+    pytest.skip("msrun (MindSpore's launcher) is not on the PATH", allow_module_level=True)
+
+from pretrain_support import free_port, losses, make_stores, orthon, write_recipe  # noqa: E402
+from safetensors.numpy import load_file  # noqa: E402
+
+STEPS = 3
+
+
+def test_two_msrun_workers_train_as_one_process(tmp_path):
+    stores = make_stores(tmp_path / "data")
+    train = {"max_steps": STEPS, "checkpoint_interval": 2, "eval_interval": STEPS, "log_sample_ids": False}
+    runs = {"two": tmp_path / "two", "one": tmp_path / "one"}
+    two = write_recipe(tmp_path / "two.yaml", stores, runs["two"], train={**train, "micro_batch_size": 2},
+                       optim={"ns_dtype": "fp32"})
+    one = write_recipe(tmp_path / "one.yaml", stores, runs["one"], train={**train, "micro_batch_size": 4},
+                       optim={"ns_dtype": "fp32"})
+    proc = orthon("launch", "msrun", "--worker-num", 2, "--master-port", free_port(), "--log-dir", tmp_path / "log",
+                  "--cluster-time-out", 120, "--run", "--", "pretrain", "-c", two, "backend=mindspore", "--sample", "")
+    assert proc.returncode == 0
+    worker_logs = {p.name: p.read_text() for p in (tmp_path / "log").glob("worker_*.log")}
+    assert f"done: step {STEPS}" in worker_logs["worker_0.log"] and "done:" not in worker_logs["worker_1.log"]
+    orthon("pretrain", "-c", one, "backend=mindspore", "--sample", "")
+
+    records = [json.loads(line) for line in (runs["two"] / "metrics.jsonl").read_text().splitlines()]
+    # 2 workers x 2 micro-batches of 2 sequences x 32 tokens: the 256-token global batch of each step
+    assert [(r["batch_tokens"], r["micro_batches"]) for r in records if "loss" in r] == [(256, 2)] * STEPS
+    reference = losses(runs["one"])
+    assert sorted(losses(runs["two"])) == sorted(reference) == list(range(1, STEPS + 1))
+    for step, loss in losses(runs["two"]).items():
+        assert loss == pytest.approx(reference[step], abs=1e-5), step
+    assert reference[STEPS] < reference[1] - 0.3  # the steps did train
+    held_out = [[r["final_eval_loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                 if "final_eval_loss" in r] for run in (runs["two"], runs["one"])]
+    assert held_out[0] == pytest.approx(held_out[1], abs=1e-5) and len(held_out[0]) == 1
+    ours, theirs = (load_file(run / "final" / "model.safetensors") for run in (runs["two"], runs["one"]))
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        np.testing.assert_allclose(ours[name], theirs[name], atol=2e-5, rtol=0, err_msg=name)
+    assert sorted(p.name for p in (runs["two"] / "checkpoints").iterdir()) == ["step_2", f"step_{STEPS}"]
+
+
+def test_msrun_refuses_what_its_workers_cannot_run(tmp_path, capsys):
+    from orthon.launch.cli import main
+
+    assert main(["launch", "msrun", "--worker-num", "2", "--", "pretrain", "-c", "configs/tiny.yaml"]) == 2
+    assert "backend: msrun's workers run the MindSpore backend; add backend=mindspore" in capsys.readouterr().err
+    assert main(["launch", "msrun", "--worker-num", "2", "--", "rl", "-c", "configs/rl_tiny.yaml"]) == 2
+    assert "got 'rl' (mid-training and RL run on torch: orthon launch torchrun)" in capsys.readouterr().err
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("10.0.0.1 192.168.1.1 192.168.1.2\n")
+    table = tmp_path / "rank_table.json"
+    assert main(["launch", "msrun", "--hosts", str(hosts), "--rank-table", str(table), "--", "pretrain", "-c",
+                 "configs/tiny.yaml", "backend=mindspore"]) == 2
+    assert "only Ascend NPUs read; add mindspore.device_target=Ascend" in capsys.readouterr().err
+    assert not table.exists()  # nothing written for a refused command
+    assert main(["launch", "msrun", "--hosts", str(hosts), "--rank-table", str(table), "--", "pretrain", "-c",
+                 "configs/tiny.yaml", "backend=mindspore", "mindspore.device_target=Ascend"]) == 0
+    assert table.is_file()
+
+
+def test_torch_backend_under_msrun_is_refused(tmp_path):
+    """A torch run started by msrun would train one full copy a worker into one run directory."""
+    stores = make_stores(tmp_path / "data")
+    recipe = write_recipe(tmp_path / "r.yaml", stores, tmp_path / "run", train={"max_steps": 1})
+    proc = orthon("pretrain", "-c", recipe, check=False, env_extra={"MS_ROLE": "MS_WORKER", "RANK_ID": "0"})
+    assert proc.returncode == 2
+    assert "started by msrun (MindSpore's launcher), which runs the MindSpore backend: add backend=mindspore" in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
