@@ -1,5 +1,8 @@
 """`orthon ablate -c configs/ablation.yaml`: train the recipe once per optimizer variant (same data, seed
-and token budget) and write loss / max-attention-logit plots and a table to ablation.out_dir."""
+and token budget) and write loss / max-attention-logit plots and a table to ablation.out_dir.
+
+A variant that finished keeps a marker beside its run; the same command run again (after Ctrl-C, or
+with another variant added) reuses each finished variant whose recipe is unchanged and trains the rest."""
 from __future__ import annotations
 
 import json
@@ -7,12 +10,34 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import yaml
+
+from orthon.core.config import to_dict
+from orthon.core.files import atomic_write_json
 from orthon.launch.args import add_recipe_args, check_model_fits, require_recipe
 from orthon.pretrain.recipe import load_recipe
+
+DONE = "ablation_done.json"  # in a variant's run directory once it has finished: {"wall_s": ...}
 
 
 def register(parser, name):
     add_recipe_args(parser)
+
+
+def resume_command(args, name) -> str:
+    return "the same command again reuses the variants that finished"
+
+
+def finished_wall(run_dir: Path, recipe) -> float | None:
+    """The wall time of a variant trained to the end with exactly ``recipe`` (its saved config.yaml), else None."""
+    from orthon.pretrain.trainer import CONFIG_NAME
+
+    try:
+        wall = json.loads((run_dir / DONE).read_text())["wall_s"]
+        saved = yaml.safe_load((run_dir / CONFIG_NAME).read_text())
+    except (OSError, ValueError, KeyError, yaml.YAMLError):
+        return None
+    return wall if saved == yaml.safe_load(yaml.safe_dump(to_dict(recipe), sort_keys=False)) else None
 
 
 def run(args, name):
@@ -31,12 +56,18 @@ def run(args, name):
     for variant in ab.variants:
         recipe = with_builtin_data(load_recipe(args.config, [*args.overrides, *variant.overrides]))
         run_dir = out / variant.name
-        recipe = replace(recipe, train=replace(recipe.train, run_dir=str(run_dir)))
-        write_run_config(run_dir, recipe)
-        print(f"=== {variant.name}: {' '.join(variant.overrides)}")
-        start = time.perf_counter()
-        Trainer(recipe, run_dir).fit()
-        wall[variant.name] = time.perf_counter() - start
+        recipe = replace(recipe, train=replace(recipe.train, run_dir=str(run_dir), progress_label=variant.name))
+        wall[variant.name] = finished_wall(run_dir, recipe)
+        if wall[variant.name] is not None:
+            print(f"=== {variant.name}: finished before ({run_dir}), reused")
+        else:
+            print(f"=== {variant.name}: {' '.join(variant.overrides)}")
+            (run_dir / DONE).unlink(missing_ok=True)  # an older run's: this one has not finished yet
+            write_run_config(run_dir, recipe)
+            start = time.perf_counter()
+            Trainer(recipe, run_dir).fit()
+            wall[variant.name] = time.perf_counter() - start
+            atomic_write_json(run_dir / DONE, {"wall_s": wall[variant.name]})
         records = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
         curves[variant.name] = ([r["step"] for r in records], [r["loss"] for r in records])
         logits[variant.name] = [(r["step"], r.get("max_attn_logit")) for r in records]

@@ -13,6 +13,9 @@ from pathlib import Path
 
 from orthon.core.errors import OrthonError
 
+# cli.py: no torch threads to choose (the job is a process of its own), so nothing said about busy cores.
+STARTS_PROCESSES = True
+
 
 def register(parser, name):
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")

@@ -57,3 +57,20 @@ def test_orthon_ablate_runs_every_variant(tmp_path):
     # each variant ran with its own optimizer setting
     assert yaml.safe_load((tmp_path / "ab" / "adamw" / "config.yaml").read_text())["optim"]["algorithm"] == "adamw"
     assert yaml.safe_load((tmp_path / "ab" / "muon" / "config.yaml").read_text())["optim"]["muon_split"] is False
+
+    # The same command again (as after Ctrl-C in the last variant: its marker gone) trains only what did not
+    # finish; the others are reused with their wall times, and the retrained variant repeats its run.
+    (ab / "muon_split" / "ablation_done.json").unlink()
+    before = (ab / "muon_split" / "metrics.jsonl").read_text()
+    again = orthon("ablate", "-c", recipe)
+    assert "=== adamw: finished before" in again.stdout and "=== muon: finished before" in again.stdout
+    assert "=== muon_split: optim.algorithm=muon" in again.stdout
+    rerun = json.loads((ab / "summary.json").read_text())
+    assert [r["wall_s"] for r in rerun[:2]] == [r["wall_s"] for r in rows[:2]]
+    assert [r["loss"] for r in map(json.loads, (ab / "muon_split" / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r] == [r["loss"] for r in map(json.loads, before.splitlines()) if "loss" in r]
+    # A variant whose recipe changed is trained again.
+    changed = orthon("ablate", "-c", recipe, "train.max_steps=2")
+    assert "finished before" not in changed.stdout
+    assert [r["step"] for r in map(json.loads, (ab / "adamw" / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r] == [1, 2]
