@@ -108,13 +108,19 @@ def copy_training_state(src_model, src_optimizers, dst_model, dst_optimizers, lo
             if state:
                 by_name[src_names[id(p)]] = (type(opt), state)
     dst_names = {id(p): n for n, p in dst_model.named_parameters()}
-    carried = 0
+    carried, untrained, other_optimizer = 0, [], []
     for opt in dst_optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
-                found = by_name.get(dst_names[id(p)])
+                name = dst_names[id(p)]
+                found = by_name.get(name)
                 if found is None or found[0] is not type(opt):
+                    (untrained if found is None else other_optimizer).append(name)
                     continue
                 opt.state[p] = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in found[1].items()}
                 carried += 1
-    log(f"carried optimizer state for {carried} of {sum(len(g['params']) for o in dst_optimizers for g in o.param_groups)} parameters")
+    fresh = [f"{len(names)} {why} (e.g. {names[0]})" for names, why in
+             ((untrained, "the source never trained"), (other_optimizer, "the source updated with another optimizer"))
+             if names]
+    log(f"carried optimizer state for {carried} of {carried + len(untrained) + len(other_optimizer)} parameters"
+        + (f"; fresh state for {', '.join(fresh)}" if fresh else ""))
