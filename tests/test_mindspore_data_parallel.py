@@ -79,3 +79,70 @@ def test_torch_backend_under_msrun_is_refused(tmp_path):
     assert proc.returncode == 2
     assert "started by msrun (MindSpore's launcher), which runs the MindSpore backend: add backend=mindspore" in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def _worker_pid(marker: str, rank: int) -> int | None:
+    """The pid of msrun's worker ``rank`` of the command containing ``marker`` (from /proc: its RANK_ID)."""
+    from pathlib import Path
+
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or marker not in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                continue
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"MS_ROLE=MS_WORKER" in environ and f"RANK_ID={rank}".encode() in environ:
+            return int(proc.name)
+    return None
+
+
+@pytest.mark.slow
+def test_a_stop_signal_to_one_worker_stops_both_after_the_same_step_and_resumes(tmp_path):
+    """SIGTERM to worker 1 alone: both workers finish the step, rank 0 saves it and says how to resume;
+    `--resume` under msrun continues with the losses of the uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from pretrain_support import ROOT, env
+
+    stores = make_stores(tmp_path / "data")
+    train = {"max_steps": 40, "checkpoint_interval": 0, "eval_interval": 0, "log_sample_ids": False,
+             "micro_batch_size": 2}
+    run = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "stop.yaml", stores, run, train=train, optim={"ns_dtype": "fp32"})
+    launch = [sys.executable, "-m", "orthon.launch.cli", "launch", "msrun", "--worker-num", "2", "--master-port",
+              str(free_port()), "--log-dir", str(tmp_path / "log"), "--cluster-time-out", "120", "--run", "--"]
+    proc = subprocess.Popen(launch + ["pretrain", "-c", str(recipe), "backend=mindspore", "--sample", ""], cwd=ROOT,
+                            env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    metrics = run / "metrics.jsonl"
+    while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count('"loss"') >= 2):
+        time.sleep(0.5)
+    pid = _worker_pid(str(recipe), 1)
+    assert pid is not None
+    os.kill(pid, signal.SIGTERM)
+    proc.wait(timeout=300)
+    log0 = (tmp_path / "log" / "worker_0.log").read_text()
+    stopped = [line for line in log0.splitlines() if "stopped by SIGTERM after step" in line]
+    assert len(stopped) == 1
+    step = int(stopped[0].split("after step ")[1].split(",")[0])
+    assert "stopped by" not in (tmp_path / "log" / "worker_1.log").read_text()  # rank 0 speaks
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step_{step}"]
+    first = losses(run)
+    assert sorted(first) == list(range(1, step + 1))
+
+    subprocess.run(launch + ["pretrain", "--resume", str(run), f"train.max_steps={step + 2}", "--sample", ""], cwd=ROOT,
+                   env=env(), check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
+    resumed = losses(run)
+    assert sorted(resumed) == list(range(1, step + 3))
+    uninterrupted = tmp_path / "straight"
+    straight = write_recipe(tmp_path / "straight.yaml", stores, uninterrupted,
+                            train={**train, "max_steps": step + 2, "micro_batch_size": 4}, optim={"ns_dtype": "fp32"})
+    orthon("pretrain", "-c", straight, "backend=mindspore", "--sample", "")
+    reference = losses(uninterrupted)
+    for s in resumed:
+        assert resumed[s] == pytest.approx(reference[s], abs=1e-5), s
