@@ -130,6 +130,8 @@ def test_a_stop_signal_to_one_worker_stops_both_after_the_same_step_and_resumes(
     stopped = [line for line in log0.splitlines() if "stopped by SIGTERM after step" in line]
     assert len(stopped) == 1
     step = int(stopped[0].split("after step ")[1].split(",")[0])
+    assert f"resume with: orthon pretrain --resume {run} through the same launch (orthon launch msrun ... -- pretrain " \
+           f"--resume {run}) (newest checkpoint: step {step})" in stopped[0]
     assert "stopped by" not in (tmp_path / "log" / "worker_1.log").read_text()  # rank 0 speaks
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step_{step}"]
     first = losses(run)

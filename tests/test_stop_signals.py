@@ -121,6 +121,8 @@ def test_one_rank_signalled_stops_every_rank_after_the_same_step(tmp_path):
     assert proc.returncode != 0  # torchrun reports its workers' exit code 143 as a failure
     step = _stopped_at(run)  # one checkpoint, both ranks' shares in it (the DCP save is collective)
     assert f"orthon pretrain: stopped by SIGTERM after step {step}, checkpoint saved" in stderr, stderr[-3000:]
+    assert (f"resume with: orthon pretrain --resume {run} through the same launch (orthon launch torchrun ... -- "
+            f"pretrain --resume {run})") in stderr, stderr[-3000:]
     assert "exitcode  : 143" in stderr, stderr[-3000:]
     out = orthon("pretrain", "--resume", run, f"train.max_steps={step + 1}", "train.micro_batch_size=4")
     assert resumed_from(out.stdout + out.stderr)[1] == step
