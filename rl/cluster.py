@@ -137,12 +137,16 @@ class TrainerActor:
         self.messages.append(str(message))
 
     def progress(self) -> tuple[int, dict, list[str]]:
-        """The iterations done, the last iteration's statistics ({} before the first) and the log lines
-        since the last call (called while fit() runs)."""
+        """The iterations done, the last iteration's statistics ({} before the first; with the latest
+        held-out reward as ``eval_reward`` when that iteration did not evaluate: a poll sees only some
+        iterations) and the log lines since the last call (called while fit() runs)."""
         messages = [self.messages.popleft() for _ in range(len(self.messages))]
         if self.trainer is None:
             return 0, {}, messages
-        return self.trainer.iteration, self.trainer.last_stats, messages
+        stats = dict(self.trainer.last_stats)
+        if self.trainer.held_out is not None:
+            stats.setdefault("eval_reward", self.trainer.held_out)
+        return self.trainer.iteration, stats, messages
 
     def stop(self) -> None:
         self.fleet.stop()

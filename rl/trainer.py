@@ -53,6 +53,7 @@ class RLTrainer:
         to the engines (default: ``engine.update_weights(state_dict, version)``)."""
         self.recipe, self.cfg, self.log = recipe, recipe.rl, log
         self.last_stats: dict = {}  # the latest iteration's statistics
+        self.held_out: float | None = None  # the latest held-out reward (evaluations are every eval_interval)
         self.run_dir = Path(recipe.train.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         policy = recipe.train.init_from
@@ -293,12 +294,12 @@ class RLTrainer:
         cfg = self.cfg
         resumed = self.iteration or None
         metrics = MetricsLogger(self.run_dir, enabled=self.rank == 0, resume_step=resumed)
-        postfix = ProgressPostfix()
         if not resumed:
             start = self.evaluate()
             metrics.log(0, **start)
             self.log(f"iteration 0: held-out reward {start['eval_reward']:.3f} (greedy {start['eval_greedy']:.3f})")
-            postfix.held_out = start["eval_reward"]
+            self.held_out = start["eval_reward"]
+        postfix = ProgressPostfix(self.held_out)
         bar = None
         if self.recipe.train.progress and self.rank == 0:
             from tqdm import tqdm
@@ -310,6 +311,7 @@ class RLTrainer:
             with stop_signals_recorded(self.recipe.train.stop_signals) as received:
                 while self.iteration < cfg.iterations:
                     stats = self.last_stats = self.iterate()
+                    self.held_out = stats.get("eval_reward", self.held_out)
                     metrics.log(self.iteration, **stats)
                     if bar is not None:
                         bar.update(1)

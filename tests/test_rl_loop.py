@@ -165,3 +165,21 @@ def test_the_progress_bar_keeps_the_latest_held_out_reward():
     assert postfix({"reward_mean": 0.123}) == {"reward": "0.12"}  # nothing evaluated yet
     assert postfix({"reward_mean": 0.5, "eval_reward": 0.3047}) == {"reward": "0.50", "held_out": "0.30"}
     assert postfix({"reward_mean": 0.25}) == {"reward": "0.25", "held_out": "0.30"}  # until the next evaluation
+
+
+def test_the_cluster_driver_sees_the_latest_held_out_reward_between_evaluations():
+    """The Ray driver polls the trainer actor and sees only some iterations: each poll carries the latest
+    held-out reward, so the bar shows it although the polled iteration did not evaluate."""
+    import collections
+    from types import SimpleNamespace
+
+    from orthon.rl.cluster import TrainerActor
+    from orthon.rl.trainer import ProgressPostfix
+
+    side = SimpleNamespace(messages=collections.deque(["iteration 0: held-out reward 0.261"]),
+                           trainer=SimpleNamespace(iteration=7, last_stats={"reward_mean": 0.5}, held_out=0.261))
+    iteration, stats, messages = TrainerActor.progress(side)
+    assert (iteration, messages) == (7, ["iteration 0: held-out reward 0.261"])
+    assert ProgressPostfix()(stats) == {"reward": "0.50", "held_out": "0.26"}
+    side.trainer.last_stats = {"reward_mean": 0.5, "eval_reward": 0.4}  # an evaluating iteration's own figure wins
+    assert TrainerActor.progress(side)[1]["eval_reward"] == 0.4 and side.messages == collections.deque()
