@@ -5,6 +5,7 @@ arithmetic) is prepared first (once; reused afterwards) and the tokenizer traine
 several processes with torchrun (DDP or FSDP2 by train.parallel)."""
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -49,8 +50,6 @@ def resume_command(args, name) -> str:
     steps = Checkpointer(run_dir).step_dirs()
     where = (f"newest checkpoint: step {int(steps[-1].name.split('_')[1])}" if steps
              else "no checkpoint yet, it restarts at step 0")
-    import os
-
     launcher = ("msrun" if os.environ.get("MS_ROLE") else
                 "torchrun" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None)
     how = f" through the same launch (orthon launch {launcher} ... -- pretrain --resume {run_dir})" if launcher else ""
