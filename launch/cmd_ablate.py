@@ -41,10 +41,10 @@ def finished_wall(run_dir: Path, recipe) -> float | None:
 
 
 def run(args, name):
-    from orthon.launch.cmd_pretrain import with_builtin_data
+    from orthon.launch.cmd_pretrain import make_trainer, with_builtin_data
     from orthon.core.metrics import moving_average, plot_curves, read_metrics
     from orthon.optim.ablation import format_table, summarize
-    from orthon.pretrain.trainer import Trainer, write_run_config
+    from orthon.pretrain.trainer import write_run_config
 
     require_recipe(args, name)
     base = load_recipe(args.config, args.overrides)
@@ -65,7 +65,7 @@ def run(args, name):
             (run_dir / DONE).unlink(missing_ok=True)  # an older run's: this one has not finished yet
             write_run_config(run_dir, recipe)
             start = time.perf_counter()
-            Trainer(recipe, run_dir).fit()
+            make_trainer(recipe, run_dir).fit()  # the recipe's backend: torch, or MindSpore
             wall[variant.name] = time.perf_counter() - start
             atomic_write_json(run_dir / DONE, {"wall_s": wall[variant.name]})
         records = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
@@ -86,8 +86,12 @@ def run(args, name):
     records = [merged[s] for s in sorted(merged)]
     plot_curves(records, [f"loss_{n}" for n in curves], out / "loss.png", title=f"optimizer ablation: training loss ({ab.smooth}-step mean)",
                 logy=True)
-    plot_curves(records, [f"max_attn_logit_{n}" for n in curves], out / "max_attn_logit.png",
-                title="largest attention logit per step (no gradient clipping)")
+    plots = [out / "loss.png"]
+    logged = [f"max_attn_logit_{n}" for n in curves if any(m is not None for _, m in logits[n])]
+    if logged:  # the torch Trainer logs it; the MindSpore backend does not
+        plot_curves(records, logged, out / "max_attn_logit.png",
+                    title="largest attention logit per step (no gradient clipping)")
+        plots.append(out / "max_attn_logit.png")
     print(table)
-    print(f"plots: {out / 'loss.png'}, {out / 'max_attn_logit.png'}")
+    print(f"plots: {', '.join(map(str, plots))}")
     return 0

@@ -56,16 +56,16 @@ def resume_command(args, name) -> str:
     return f"resume with: orthon pretrain --resume {run_dir}{how} ({where})"
 
 
-def make_trainer(recipe, run_dir):
+def make_trainer(recipe, run_dir, with_data: bool = True):
     """The trainer of the recipe's backend: the torch Trainer, or the MindSpore loop
     (``backend=mindspore``; the same data, schedule, routing and outputs)."""
     if recipe.backend == "mindspore":
         from orthon.backends.mindspore.trainer import MindSporeTrainer
 
-        return MindSporeTrainer(recipe, run_dir)
+        return MindSporeTrainer(recipe, run_dir, with_data=with_data)
     from orthon.pretrain.trainer import Trainer
 
-    return Trainer(recipe, run_dir)
+    return Trainer(recipe, run_dir, with_data=with_data)
 
 
 def run(args, name):

@@ -1,6 +1,7 @@
 """`orthon smoke -c configs/tiny.yaml`: build the recipe's model, train a few steps of the one Trainer
 (the recipe's optimizer at ``smoke.lr``) on a fixed batch of random tokens, print the loss. The smallest
-real thing the model does; `orthon pretrain` is the real run."""
+real thing the model does; `orthon pretrain` is the real run. ``backend=mindspore`` runs the same steps
+on the MindSpore backend's trainer."""
 from __future__ import annotations
 
 import math
@@ -19,8 +20,9 @@ def run(args, name):
     import torch
 
     from orthon.data.loader import Batch
+    from orthon.launch.cmd_pretrain import make_trainer
     from orthon.optim.config import ScheduleConfig
-    from orthon.pretrain.trainer import Trainer
+    from orthon.pretrain.model_info import parameter_counts
 
     require_recipe(args, name)
     recipe = load_recipe(args.config, args.overrides)
@@ -30,9 +32,10 @@ def run(args, name):
                                                      total_steps=s.steps),
                      train=replace(recipe.train, seed=s.seed, micro_batch_size=s.batch_size, progress=False))
     with tempfile.TemporaryDirectory() as run_dir:
-        trainer = Trainer(recipe, run_dir, with_data=False)
-        n_params = sum(p.numel() for p in trainer.model.parameters())
-        print(f"model: {n_params / 1e6:.2f}M parameters; ln(vocab) = {math.log(recipe.model.vocab_size):.3f}")
+        trainer = make_trainer(recipe, run_dir, with_data=False)
+        n_params = sum(c["total"] for c in parameter_counts(recipe.model).values())
+        print(f"model: {n_params / 1e6:.2f}M parameters, {recipe.backend} backend; "
+              f"ln(vocab) = {math.log(recipe.model.vocab_size):.3f}")
         # A fixed batch of random tokens: the loss must fall as the model memorises it.
         ids = torch.randint(0, recipe.model.vocab_size, (s.batch_size, s.seq_len + 1))
         zeros = torch.zeros(s.batch_size, dtype=torch.long)
