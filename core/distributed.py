@@ -10,11 +10,16 @@ import torch.distributed as dist
 from orthon.core.errors import OrthonError
 
 
+def launched_by_msrun() -> bool:
+    """A worker msrun (MindSpore's launcher) started; torchrun never sets MS_ROLE."""
+    return os.environ.get("MS_ROLE") == "MS_WORKER"
+
+
 def init_distributed() -> tuple[int, int, torch.device]:
     """(rank, world size, device). Starts the process group when launched by torchrun with WORLD_SIZE > 1."""
-    if os.environ.get("MS_ROLE") == "MS_WORKER":
-        # msrun's workers know nothing of each other through torch (torchrun never sets MS_ROLE): each
-        # would train its own full copy into the same run directory.
+    if launched_by_msrun():
+        # msrun's workers know nothing of each other through torch: each would train its own full copy
+        # into the same run directory.
         raise OrthonError("this process was started by msrun (MindSpore's launcher), which runs the MindSpore "
                           "backend: add backend=mindspore to `orthon pretrain` (for torch on many processes: "
                           "orthon launch torchrun)")

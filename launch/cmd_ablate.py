@@ -10,9 +10,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import yaml
-
-from orthon.core.config import to_dict
 from orthon.core.files import atomic_write_json
 from orthon.launch.args import add_recipe_args, check_model_fits, require_recipe
 from orthon.pretrain.recipe import load_recipe
@@ -30,14 +27,14 @@ def resume_command(args, name) -> str:
 
 def finished_wall(run_dir: Path, recipe) -> float | None:
     """The wall time of a variant trained to the end with exactly ``recipe`` (its saved config.yaml), else None."""
-    from orthon.pretrain.trainer import CONFIG_NAME
+    from orthon.pretrain.trainer import CONFIG_NAME, run_config_text
 
     try:
         wall = json.loads((run_dir / DONE).read_text())["wall_s"]
-        saved = yaml.safe_load((run_dir / CONFIG_NAME).read_text())
-    except (OSError, ValueError, KeyError, yaml.YAMLError):
+        saved = (run_dir / CONFIG_NAME).read_text()
+    except (OSError, ValueError, KeyError):
         return None
-    return wall if saved == yaml.safe_load(yaml.safe_dump(to_dict(recipe), sort_keys=False)) else None
+    return wall if saved == run_config_text(recipe) else None
 
 
 def run(args, name):

@@ -115,24 +115,18 @@ def _snippet(commands, notes=()) -> str:
 def _mindspore_recipe(command: list[str]):
     """The recipe of the command msrun starts, checked: msrun's workers train through the MindSpore backend,
     which `orthon pretrain` has; with any other backend each worker would train a full copy of its own."""
+    from orthon.launch import cmd_pretrain
+    from orthon.launch.cli import parse_command_args
     from orthon.pretrain.recipe import load_recipe
     from orthon.pretrain.trainer import CONFIG_NAME
 
     if command[0] != "pretrain":
         raise ConfigError(f"orthon launch msrun starts MindSpore workers, which `orthon pretrain ... backend=mindspore` "
                           f"trains; got {command[0]!r} (mid-training and RL run on torch: orthon launch torchrun)")
-    words, config, overrides = command[1:], None, []
-    for i, word in enumerate(words):
-        if word in ("-c", "--config") and i + 1 < len(words):
-            config = words[i + 1]
-        elif word == "--resume" and i + 1 < len(words):
-            config = str(Path(words[i + 1]) / CONFIG_NAME)
-        elif word.startswith(("--config=", "--resume=")):
-            value = word.split("=", 1)[1]
-            config = value if word.startswith("--config=") else str(Path(value) / CONFIG_NAME)
-        elif "=" in word and not word.startswith("-"):
-            overrides.append(word)
-    recipe = load_recipe(config, overrides)
+    parser = argparse.ArgumentParser(prog="orthon pretrain")
+    cmd_pretrain.register(parser, "pretrain")  # the workers' own parser: the same reading of the command
+    args = parse_command_args(parser, command[1:])
+    recipe = load_recipe(str(Path(args.resume) / CONFIG_NAME) if args.resume else args.config, args.overrides)
     if recipe.backend != "mindspore":
         raise ConfigError("backend: msrun's workers run the MindSpore backend; add backend=mindspore to the command "
                           "(and mindspore.device_target=Ascend on 910B nodes), or launch torch with orthon launch torchrun")

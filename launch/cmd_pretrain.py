@@ -50,7 +50,9 @@ def resume_command(args, name) -> str:
     steps = Checkpointer(run_dir).step_dirs()
     where = (f"newest checkpoint: step {int(steps[-1].name.split('_')[1])}" if steps
              else "no checkpoint yet, it restarts at step 0")
-    launcher = ("msrun" if os.environ.get("MS_ROLE") else
+    from orthon.core.distributed import launched_by_msrun
+
+    launcher = ("msrun" if launched_by_msrun() else
                 "torchrun" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None)
     how = f" through the same launch (orthon launch {launcher} ... -- pretrain --resume {run_dir})" if launcher else ""
     return f"resume with: orthon pretrain --resume {run_dir}{how} ({where})"

@@ -306,6 +306,11 @@ class Trainer:
         self.step_fn.finish(self, records)
 
 
+def run_config_text(recipe) -> str:
+    """The recipe as a run directory's config.yaml holds it."""
+    return yaml.safe_dump(to_dict(recipe), sort_keys=False)
+
+
 def write_run_config(run_dir: Path, recipe) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(run_dir / CONFIG_NAME, yaml.safe_dump(to_dict(recipe), sort_keys=False).encode())
+    atomic_write_bytes(run_dir / CONFIG_NAME, run_config_text(recipe).encode())

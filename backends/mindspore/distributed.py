@@ -16,10 +16,7 @@ import os
 import numpy as np
 
 from orthon.backends.mindspore.runtime import ms
-
-
-def launched_by_msrun() -> bool:
-    return os.environ.get("MS_ROLE") == "MS_WORKER"
+from orthon.core.distributed import launched_by_msrun
 
 
 def run_scheduler() -> int:
