@@ -184,15 +184,19 @@ void sparse_attention_forward(const float* q, const float* lat, const long* idx,
     }
 }
 
-/* Its backward, given dout (N, H, R): dq (N, H, D) and dlat (rows, D) written. The latents' gradient is
-   gathered row by row, each row's contributions added in query order, so that the result does not depend
-   on the thread count (per-thread partial sums would make DDP ranks and one process differ).
-   Scratch from the caller: ds_all (N, H, K) floats (the logits' gradient, kept for the per-row pass),
-   start (rows + 1) longs, zeroed, and entries (N K) longs. */
+/* Its backward, given dout (N, H, R): dq (N, H, D) and dlat (rows, D) written. The queries and rows come
+   in ``groups`` equal blocks (the batch rows), a group's queries reading only its own rows. The latents'
+   gradient is pushed query by query: each query's gradient rows are added into the rows it read while its
+   q and dout sit in L1 (a pull, row by row, would fetch them from a random query per read). Every row
+   receives its additions in query order whatever the thread count (per-thread partial sums would make DDP
+   ranks and one process differ): threads split the groups, and each group's rows into ranges when there
+   are fewer groups than threads (each range scanning the group's reads for its own rows).
+   Scratch from the caller: ds_all (N, H, K) floats, the logits' gradient, kept for the second pass. */
 void sparse_attention_backward(const float* q, const float* lat, const long* idx, const float* probs,
                                const float* dout, long N, long H, long K, long D, long R, float scale,
-                               float* dq, float* dlat, long rows, float* ds_all, long* start, long* entries,
-                               int threads) {
+                               float* dq, float* dlat, long rows, long groups, float* ds_all, int threads) {
+    long per_group = (threads + groups - 1) / groups;  /* row ranges per group */
+    long queries = N / groups, group_rows = rows / groups;
     #pragma omp parallel num_threads(threads)
     {
         long off[MAX_KEYS];
@@ -223,22 +227,19 @@ void sparse_attention_backward(const float* q, const float* lat, const long* idx
                 combine(dh, 1, lat, off, K, D, dq + (n * H + h) * D, 0);
             }
         }
-        /* Who reads each latent row: (query, slot) entries grouped by row in query order (a counting sort). */
-        #pragma omp single
-        {
-            for (long e = 0; e < N * K; e++) if (idx[e] >= 0) start[idx[e] + 1]++;
-            for (long r = 0; r < rows; r++) start[r + 1] += start[r];  /* start[r]: where row r's entries begin */
-            for (long e = 0; e < N * K; e++) if (idx[e] >= 0) entries[start[idx[e]]++] = e;
-            for (long r = rows; r > 0; r--) start[r] = start[r - 1];  /* each start[r] had moved to start[r + 1] */
-            start[0] = 0;
-        }
-        #pragma omp for schedule(dynamic, 16)
-        for (long r = 0; r < rows; r++) {
-            float* g = dlat + r * D;
-            memset(g, 0, sizeof(float) * D);
-            for (long i = start[r]; i < start[r + 1]; i++) {
-                long n = entries[i] / K, j = entries[i] % K;
-                key_grad(ds_all + n * H * K + j, probs + n * H * K + j, K, q + n * H * D, dout + n * H * R, H, D, R, g);
+        /* (the loop's implicit barrier: every ds is written before any is read below) */
+        #pragma omp for schedule(dynamic, 1)
+        for (long piece = 0; piece < groups * per_group; piece++) {
+            long g = piece / per_group, part = piece % per_group;
+            long lo = g * group_rows + group_rows * part / per_group;
+            long hi = g * group_rows + group_rows * (part + 1) / per_group;
+            memset(dlat + lo * D, 0, sizeof(float) * (hi - lo) * D);
+            for (long n = g * queries; n < (g + 1) * queries; n++) {
+                const long* ix = idx + n * K;
+                for (long j = 0; j < K; j++)
+                    if (ix[j] >= lo && ix[j] < hi)
+                        key_grad(ds_all + n * H * K + j, probs + n * H * K + j, K, q + n * H * D, dout + n * H * R,
+                                 H, D, R, dlat + ix[j] * D);
             }
         }
     }

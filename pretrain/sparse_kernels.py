@@ -32,7 +32,7 @@ MAX_KEYS = 4096  # as sparse_kernels.c
 def _declare(lib: ctypes.CDLL) -> None:
     P, L, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
     lib.sparse_attention_forward.argtypes = [P, P, P, L, L, L, L, L, F, P, P, ctypes.c_int]
-    lib.sparse_attention_backward.argtypes = [P, P, P, P, P, L, L, L, L, L, F, P, P, L, P, P, P, ctypes.c_int]
+    lib.sparse_attention_backward.argtypes = [P, P, P, P, P, L, L, L, L, L, F, P, P, L, L, P, ctypes.c_int]
     lib.causal_index_topk.argtypes = [P, P, P, L, P, L, L, L, L, F, L, ctypes.c_int, P, ctypes.c_int]
 
 
@@ -99,12 +99,10 @@ class _LatentAttention(torch.autograd.Function):
         dlat = torch.empty_like(lat32)
         n_rows = lat32.shape[0] * lat32.shape[1]
         d_logits = torch.empty_like(probs)
-        start = torch.zeros(n_rows + 1, dtype=torch.long)  # the kernel's index of who reads each latent
-        entries = torch.empty(rows.numel(), dtype=torch.long)
         native.lib.sparse_attention_backward(q32.data_ptr(), lat32.data_ptr(), rows.data_ptr(), probs.data_ptr(),
                                              g.data_ptr(), B * C, H, rows.shape[-1], D, ctx.rank, float(ctx.scale),
-                                             dq.data_ptr(), dlat.data_ptr(), n_rows, d_logits.data_ptr(),
-                                             start.data_ptr(), entries.data_ptr(), torch.get_num_threads())
+                                             dq.data_ptr(), dlat.data_ptr(), n_rows, B, d_logits.data_ptr(),
+                                             torch.get_num_threads())
         q_dtype, lat_dtype = ctx.dtypes
         return dq.to(q_dtype), dlat.to(lat_dtype), None, None, None
 
