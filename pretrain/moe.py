@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+import orthon.pretrain.fused_kernels as fused_kernels
 from orthon.pretrain.config import ModelConfig
 from orthon.pretrain.layers import MLP, compute_dtype
 
@@ -90,9 +91,21 @@ def combine_experts(x: torch.Tensor, token: torch.Tensor, order: torch.Tensor, w
     return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
 
 
+def _swiglu_into(h: torch.Tensor, act: torch.Tensor) -> None:
+    """act = silu(g) * u of h = [g, u] (rows of an expert's gate-up output)."""
+    g, u = h.chunk(2, dim=-1)
+    if fused_kernels.applies(h, act):
+        fused_kernels.swiglu_into(g, u, act)
+    else:
+        torch.mul(F.silu(g), u, out=act)
+
+
 def _swiglu_grads(h: torch.Tensor, grad_act: torch.Tensor, out: torch.Tensor) -> None:
     """d/dh of silu(g) * u (h = [g, u]) given the gradient of the product, written into ``out``."""
     g, u = h.chunk(2, dim=-1)
+    if fused_kernels.applies(h, grad_act, out):
+        fused_kernels.swiglu_grads_into(grad_act, g, u, out[:, : g.shape[1]], out[:, g.shape[1]:])
+        return
     torch.mul(grad_act, F.silu(g), out=out[:, g.shape[1]:])
     torch.ops.aten.silu_backward.grad_input(grad_act.mul_(u), g, grad_input=out[:, : g.shape[1]])
 
@@ -127,8 +140,7 @@ class _ExpertLoop(torch.autograd.Function):
         for e in range(len(counts)):
             a, b = rows[e], rows[e + 1]
             torch.mm(xs[a:b], gate_up[e].t(), out=h[a:b])
-            g, u = h[a:b].chunk(2, dim=-1)
-            torch.mul(F.silu(g), u, out=act[a:b])
+            _swiglu_into(h[a:b], act[a:b])
             torch.mm(act[a:b], down[e].t(), out=ys[a:b]).mul_(weights[a:b, None])
         ctx.save_for_backward(xs, gate_up, down, weights, h, act)
         ctx.rows = rows

@@ -1,0 +1,152 @@
+"""The fused RMSNorm and SwiGLU kernels equal the torch ops they replace (values and gradients, to float
+rounding), take strided rows, give the same bits at any thread count, and step aside where they do not
+apply; a model trained through them equals the same model on the torch path."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from orthon.core.native import cpu_has_avx2_fma
+from orthon.pretrain import fused_kernels as FK
+from orthon.pretrain.config import ModelConfig, RuntimeOptions
+from orthon.pretrain.layers import _RMSNorm
+from orthon.pretrain.model import GLMForCausalLM
+
+needs_kernel = pytest.mark.skipif(FK.native.load() is None, reason=f"fused kernels: {FK.native.why_unavailable}")
+
+
+def test_the_kernels_build_where_they_can():
+    if not (cpu_has_avx2_fma() and shutil.which("cc")) or os.environ.get("ORTHON_FUSED_KERNELS") == "0":
+        pytest.skip("no AVX2 / FMA or no C compiler here")
+    assert FK.native.load() is not None, FK.native.why_unavailable
+
+
+def _grads(fn, *inputs, grad):
+    for t in inputs:
+        t.grad = None
+    out = fn(*inputs)
+    out.backward(grad)
+    return out.detach(), [t.grad.clone() for t in inputs]
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,width,strided", [(150, 256, False), (7, 20, False), (130, 64, True)])
+def test_rms_norm_equals_the_torch_ops(rows, width, strided):
+    """Rows that leave a partial block of the weight's gradient, a width with a tail past the vectors, and
+    rows that are a slice of wider ones (c_kv out of kv_a_proj's output)."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(2, rows, width + (16 if strided else 0), generator=g) * 3
+    x = base[..., :width] if strided else base
+    x.requires_grad_()
+    w = (1 + 0.3 * torch.randn(width, generator=g)).requires_grad_()
+    grad = torch.randn(2, rows, width, generator=g)
+    got, got_grads = _grads(lambda a, b: FK.rms_norm(a, b, 1e-6), x, w, grad=grad)
+    want, want_grads = _grads(lambda a, b: _RMSNorm.apply(a, b, 1e-6), x, w, grad=grad)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # Without a weight gradient (a frozen norm) the input's gradient is the same.
+    w.requires_grad_(False)
+    x.grad = None
+    FK.rms_norm(x, w, 1e-6).backward(grad)
+    torch.testing.assert_close(x.grad, got_grads[0], rtol=0, atol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("width", [768, 20])
+def test_swiglu_equals_the_torch_ops(width):
+    g = torch.Generator().manual_seed(1)
+    gate = (torch.randn(3, 50, width, generator=g) * 4)
+    gate[0, 0, :4] = torch.tensor([-100.0, 100.0, -88.5, 0.0])  # where exp over- and underflows
+    gate.requires_grad_()
+    up = torch.randn(3, 50, width, generator=g).requires_grad_()
+    grad = torch.randn(3, 50, width, generator=g)
+    got, got_grads = _grads(FK.swiglu, gate, up, grad=grad)
+    want, want_grads = _grads(lambda a, b: F.silu(a) * b, gate, up, grad=grad)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+def test_swiglu_on_strided_halves_of_one_buffer():
+    """The routed experts' form: gate and up side by side in one (rows, 2I) buffer, results written into
+    slices of preallocated ones."""
+    g = torch.Generator().manual_seed(2)
+    h, grad = torch.randn(40, 2 * 24, generator=g), torch.randn(40, 24, generator=g)
+    gate, up = h.chunk(2, dim=-1)
+    act = torch.empty(40, 24)
+    FK.swiglu_into(gate, up, act)
+    torch.testing.assert_close(act, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    out = torch.empty(40, 48)
+    FK.swiglu_grads_into(grad, gate, up, out[:, :24], out[:, 24:])
+    a, b = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    (F.silu(a) * b).backward(grad)
+    torch.testing.assert_close(out, torch.cat([a.grad, b.grad], dim=-1), rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+def test_results_do_not_depend_on_the_thread_count():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 64, generator=g).requires_grad_()
+    w = torch.randn(64, generator=g).requires_grad_()
+    gate, up = torch.randn(300, 40, generator=g).requires_grad_(), torch.randn(300, 40, generator=g).requires_grad_()
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            norm, norm_grads = _grads(lambda a, b: FK.rms_norm(a, b, 1e-6), x, w, grad=torch.ones(300, 64))
+            act, act_grads = _grads(FK.swiglu, gate, up, grad=torch.ones(300, 40))
+            results.append([norm, *norm_grads, act, *act_grads])
+    finally:
+        torch.set_num_threads(threads)
+    for one, three in zip(*results):
+        assert torch.equal(one, three)
+
+
+def test_they_step_aside_where_they_do_not_apply():
+    bf16 = torch.ones(4, 8, dtype=torch.bfloat16)
+    assert FK.rms_norm(bf16, torch.ones(8), 1e-6) is None
+    assert FK.swiglu(bf16, bf16) is None
+    assert FK.swiglu(torch.ones(8, 4).t(), torch.ones(4, 8)) is None  # not contiguous
+
+
+@needs_kernel
+def test_training_through_the_kernels_equals_the_torch_path(monkeypatch):
+    config = ModelConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=4,
+                         q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                         first_k_dense_replace=1, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                         index_n_heads=2, index_head_dim=16, index_topk=16)
+    torch.manual_seed(0)
+    model = GLMForCausalLM(config, runtime=RuntimeOptions(sparse_attention=True))
+    ids = torch.randint(0, 64, (2, 49), generator=torch.Generator().manual_seed(4))
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        loss = model(ids[:, :-1], labels=ids[:, 1:], return_logits=False).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss, grads = loss_and_grads()
+    monkeypatch.setattr(FK.native, "lib", None)  # as if unbuildable: every caller takes its torch path
+    ref_loss, ref_grads = loss_and_grads()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_disabled_kernels_fall_back_with_one_message():
+    code = ("import logging, torch; logging.basicConfig(level=logging.INFO);"
+            "from orthon.pretrain import fused_kernels as FK;"
+            "print(FK.rms_norm(torch.ones(2, 8), torch.ones(8), 1e-6), FK.swiglu(torch.ones(2, 8), torch.ones(2, 8)))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ORTHON_FUSED_KERNELS": "0"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "None None"
+    lines = [line for line in out.stderr.splitlines() if "fused elementwise kernels unavailable" in line]
+    assert len(lines) == 1 and "ORTHON_FUSED_KERNELS=0" in lines[0] and "torch ops" in lines[0]
