@@ -158,3 +158,41 @@ void rms_norm_backward(const float* x, long ldx, const float* w, const float* rs
         }
     }
 }
+
+/* Cross-entropy of each row of logits (M, V) against its label, and in place of the logits its gradient
+   softmax - onehot: loss[m] = logsumexp(x[m]) - x[m, label]; a row whose label is ignore_index gets loss 0
+   and a zero gradient. A row (V floats) stays in L1 across its three passes (max; exp and sum; scale). */
+void cross_entropy_rows(float* logits, const long* labels, float* loss, long M, long V, long ignore_index,
+                        int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long m = 0; m < M; m++) {
+        float* x = logits + m * V;
+        long label = labels[m];
+        if (label == ignore_index) {
+            memset(x, 0, sizeof(float) * V);
+            loss[m] = 0.0f;
+            continue;
+        }
+        __m256 vmax = _mm256_set1_ps(-INFINITY);
+        long v = 0;
+        for (; v + 8 <= V; v += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(x + v));
+        float buf[8], mx = -INFINITY;
+        _mm256_storeu_ps(buf, vmax);
+        for (int i = 0; i < 8; i++) mx = buf[i] > mx ? buf[i] : mx;
+        for (; v < V; v++) mx = x[v] > mx ? x[v] : mx;
+        float target = x[label];
+        __m256 shift = _mm256_set1_ps(mx), total = _mm256_setzero_ps();
+        for (v = 0; v + 8 <= V; v += 8) {
+            __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(x + v), shift));
+            _mm256_storeu_ps(x + v, e);
+            total = _mm256_add_ps(total, e);
+        }
+        float sum = hsum(total);
+        for (; v < V; v++) { x[v] = expf(x[v] - mx); sum += x[v]; }
+        loss[m] = mx + logf(sum) - target;
+        __m256 inv = _mm256_set1_ps(1.0f / sum);
+        for (v = 0; v + 8 <= V; v += 8) _mm256_storeu_ps(x + v, _mm256_mul_ps(_mm256_loadu_ps(x + v), inv));
+        for (; v < V; v++) x[v] *= 1.0f / sum;
+        x[label] -= 1.0f;
+    }
+}

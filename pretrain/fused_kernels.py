@@ -1,6 +1,6 @@
 """CPU kernels for the training step's elementwise work (fused_kernels.c): RMSNorm and SwiGLU, forward
-and backward, one pass over their rows each where torch runs five to seven passes over the activations
-(the tiny model's training step: about 3% of its time in these passes alone).
+and backward, and the output head's cross-entropy with its logits' gradient, one pass over their rows
+each where torch runs three to seven passes over the activations.
 
 Each function returns None where its kernel does not apply (no library, not CPU, not fp32: autocast's
 bf16 takes the torch path) and the caller runs its torch ops; results equal those ops up to float
@@ -29,6 +29,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.swiglu_backward.argtypes = [P, L, P, L, P, L, P, L, P, L, L, L, I]
     lib.rms_norm_forward.argtypes = [P, L, P, P, P, L, L, F, I]
     lib.rms_norm_backward.argtypes = [P, L, P, P, P, P, P, P, L, L, I]
+    lib.cross_entropy_rows.argtypes = [P, P, P, L, L, L, I]
 
 
 native = NativeLibrary(Path(__file__).with_name("fused_kernels.c"), "ORTHON_FUSED_KERNELS", "fused elementwise kernels",
@@ -129,3 +130,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     if not (applies(x) and weight.dtype == torch.float32 and weight.is_contiguous()):
         return None
     return _RMSNorm.apply(x, weight, eps)
+
+
+# ---------------------------------------------------------------- cross-entropy
+def cross_entropy_grad_(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
+    """The summed cross-entropy of fp32 logits (M, V) against labels (M,) (``ignore_index`` rows count 0),
+    with the logits overwritten by its gradient, softmax - onehot (zero on ignored rows); None where the
+    kernel does not apply (the logits untouched)."""
+    if not (applies(logits) and logits.is_contiguous() and logits.dim() == 2):
+        return None
+    labels = labels.to(torch.long).contiguous()
+    outside = (labels != ignore_index) & ((labels < 0) | (labels >= logits.shape[1]))
+    if outside.any():  # the kernel would read past its row
+        raise ValueError(f"labels: {int(labels[outside][0])} is outside the vocabulary (0..{logits.shape[1] - 1}) "
+                         f"and is not the ignored label {ignore_index}")
+    loss = torch.empty(logits.shape[0], dtype=torch.float32)
+    native.lib.cross_entropy_rows(logits.data_ptr(), labels.data_ptr(), loss.data_ptr(), logits.shape[0], logits.shape[1],
+                                  ignore_index, torch.get_num_threads())
+    return loss.sum()

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+import orthon.pretrain.fused_kernels as fused_kernels
 from orthon.data.loader import IGNORE_INDEX
 from orthon.pretrain.layers import compute_dtype
 
@@ -28,7 +29,12 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "
 def _chunk_loss_and_logit_grad(h: torch.Tensor, w_t: torch.Tensor, y: torch.Tensor, want_grad: bool):
     """Summed CE of one chunk and, if wanted, d(sum)/d(logits) = softmax - onehot (zero on ignored rows),
     computed in place over the chunk's fp32 logits. w_t: the output head transposed, (D, V)."""
-    logprobs = torch.log_softmax((h @ w_t).float(), dim=-1)  # one fused pass (max, sum of exp, write)
+    logits = (h @ w_t).float()
+    if want_grad:
+        loss = fused_kernels.cross_entropy_grad_(logits, y, IGNORE_INDEX)
+        if loss is not None:
+            return loss, logits
+    logprobs = torch.log_softmax(logits, dim=-1)  # one fused pass (max, sum of exp, write)
     counted = y != IGNORE_INDEX
     target = y.clamp(min=0)[:, None]
     loss = -(logprobs.gather(1, target).squeeze(1) * counted).sum()

@@ -150,3 +150,22 @@ def test_disabled_kernels_fall_back_with_one_message():
     assert out.stdout.strip() == "None None"
     lines = [line for line in out.stderr.splitlines() if "fused elementwise kernels unavailable" in line]
     assert len(lines) == 1 and "ORTHON_FUSED_KERNELS=0" in lines[0] and "torch ops" in lines[0]
+
+
+@needs_kernel
+@pytest.mark.parametrize("vocab", [4096, 37])
+def test_cross_entropy_and_its_logit_gradient_equal_torch(vocab):
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(30, vocab, generator=g) * 5
+    labels = torch.randint(0, vocab, (30,), generator=g)
+    labels[[3, 17]] = -100
+    ref = logits.clone().requires_grad_()
+    want = F.cross_entropy(ref, labels, ignore_index=-100, reduction="sum")
+    want.backward()
+    grad = logits.clone()
+    got = FK.cross_entropy_grad_(grad, labels, -100)
+    torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(grad, ref.grad, rtol=1e-5, atol=1e-7)
+    assert grad[3].abs().max() == 0 and grad[17].abs().max() == 0
+    with pytest.raises(ValueError, match="-5 is outside the vocabulary"):
+        FK.cross_entropy_grad_(logits.clone(), torch.full((30,), -5), -100)
