@@ -224,7 +224,7 @@ def absorbed_attention(
                 continue
             keys = gather_rows(latent, idx)  # (B, C, k, D)
         outputs.append(latent_attention(qc, keys, scale, rank, visible[:, :, None, :]))
-    return torch.cat(outputs, dim=1)
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)  # one chunk: no copy
 
 
 def attention_mask(indices, q_slots, num_keys, q_docs=None, k_docs=None, dtype=torch.float32):
