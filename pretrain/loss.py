@@ -26,10 +26,15 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "
                            reduction=reduction)
 
 
-def _chunk_loss_and_logit_grad(h: torch.Tensor, w_t: torch.Tensor, y: torch.Tensor, want_grad: bool):
+def _chunk_loss_and_logit_grad(h: torch.Tensor, w_t: torch.Tensor, y: torch.Tensor, want_grad: bool,
+                                buffer: torch.Tensor | None = None):
     """Summed CE of one chunk and, if wanted, d(sum)/d(logits) = softmax - onehot (zero on ignored rows),
-    computed in place over the chunk's fp32 logits. w_t: the output head transposed, (D, V)."""
-    logits = (h @ w_t).float()
+    computed in place over the chunk's fp32 logits. w_t: the output head transposed, (D, V); buffer: where
+    to write fp32 logits (one buffer for every chunk, so that it stays in cache)."""
+    if buffer is not None and h.dtype == torch.float32:
+        logits = torch.mm(h, w_t, out=buffer[: h.shape[0]])
+    else:
+        logits = (h @ w_t).float()
     if want_grad:
         loss = fused_kernels.cross_entropy_grad_(logits, y, IGNORE_INDEX)
         if loss is not None:
@@ -58,15 +63,20 @@ def _summed_loss(hidden, weight, labels, chunk, need_h, need_w):
         total = hidden.new_zeros((), dtype=torch.float32)
         grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        # One fp32 logits buffer for every chunk (a new one each chunk lands on memory out of cache).
+        buffer = hidden.new_empty((min(chunk, hidden.shape[0]), weight.shape[0]), dtype=torch.float32)
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start : start + chunk].to(dtype)
-            loss, probs = _chunk_loss_and_logit_grad(h, w_t, labels[start : start + chunk], need_h or need_w)
+            loss, probs = _chunk_loss_and_logit_grad(h, w_t, labels[start : start + chunk], need_h or need_w, buffer)
             total += loss
             if probs is None:
                 continue
             probs = probs.to(dtype)
             if need_h:
-                grad_h[start : start + chunk] = probs @ w
+                if dtype == torch.float32:  # written in place, not into a new tensor then copied
+                    torch.mm(probs, w, out=grad_h[start : start + chunk])
+                else:
+                    grad_h[start : start + chunk] = probs @ w
             if need_w:
                 if dtype == torch.float32:
                     grad_w.addmm_(probs.t(), h)
