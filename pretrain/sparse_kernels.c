@@ -332,7 +332,7 @@ void causal_index_topk(const float* q, const float* w, const float* keys_t, long
                 int seen = j <= t && !(docs && docs[b * T + j] != docs[row]);
                 keys[j] = rank_key(seen ? s[j] : -INFINITY, j);
             }
-            select_largest(keys, width, k);
+            if (k < width) select_largest(keys, width, k);  /* else every key is among the k */
             if (ordered) qsort(keys, k, sizeof(uint64_t), descending);
             for (long i = 0; i < k; i++) out[row * k + i] = key_position(keys[i]);
         }
