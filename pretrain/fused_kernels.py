@@ -30,6 +30,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rms_norm_forward.argtypes = [P, L, P, P, P, L, L, F, I]
     lib.rms_norm_backward.argtypes = [P, L, P, P, P, P, P, P, L, L, I]
     lib.cross_entropy_rows.argtypes = [P, P, P, L, L, L, I]
+    lib.expert_act_backward.argtypes = [P, P, P, P, P, P, L, L, I]
 
 
 native = NativeLibrary(Path(__file__).with_name("fused_kernels.c"), "ORTHON_FUSED_KERNELS", "fused elementwise kernels",
@@ -68,6 +69,17 @@ def swiglu_grads_into(grad: torch.Tensor, g: torch.Tensor, u: torch.Tensor, dg: 
     native.lib.swiglu_backward(grad.data_ptr(), grad.stride(0), g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0),
                                dg.data_ptr(), dg.stride(0), du.data_ptr(), du.stride(0), M, n,
                                torch.get_num_threads())
+
+
+def expert_act_backward_(grad_act: torch.Tensor, act: torch.Tensor, weights: torch.Tensor, h: torch.Tensor,
+                         grad_h: torch.Tensor, grad_w: torch.Tensor | None) -> None:
+    """One expert's rows between its two products in backward (contiguous fp32 (M, I) grad_act and act,
+    (M,) weights, (M, 2I) h = [g, u] and grad_h): grad_w = rowwise grad_act . act (if given), act *= weights,
+    grad_h = the SwiGLU gradient of grad_act * weights."""
+    M, n = act.shape
+    native.lib.expert_act_backward(grad_act.data_ptr(), act.data_ptr(), weights.data_ptr(), h.data_ptr(),
+                                   grad_h.data_ptr(), None if grad_w is None else grad_w.data_ptr(), M, n,
+                                   torch.get_num_threads())
 
 
 class _SwiGLU(torch.autograd.Function):

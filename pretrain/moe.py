@@ -91,21 +91,9 @@ def combine_experts(x: torch.Tensor, token: torch.Tensor, order: torch.Tensor, w
     return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
 
 
-def _swiglu_into(h: torch.Tensor, act: torch.Tensor) -> None:
-    """act = silu(g) * u of h = [g, u] (rows of an expert's gate-up output)."""
-    g, u = h.chunk(2, dim=-1)
-    if fused_kernels.applies(h, act):
-        fused_kernels.swiglu_into(g, u, act)
-    else:
-        torch.mul(F.silu(g), u, out=act)
-
-
 def _swiglu_grads(h: torch.Tensor, grad_act: torch.Tensor, out: torch.Tensor) -> None:
     """d/dh of silu(g) * u (h = [g, u]) given the gradient of the product, written into ``out``."""
     g, u = h.chunk(2, dim=-1)
-    if fused_kernels.applies(h, grad_act, out):
-        fused_kernels.swiglu_grads_into(grad_act, g, u, out[:, : g.shape[1]], out[:, g.shape[1]:])
-        return
     torch.mul(grad_act, F.silu(g), out=out[:, g.shape[1]:])
     torch.ops.aten.silu_backward.grad_input(grad_act.mul_(u), g, grad_input=out[:, : g.shape[1]])
 
@@ -137,10 +125,15 @@ class _ExpertLoop(torch.autograd.Function):
         h = xs.new_empty(xs.shape[0], two_i)
         act = xs.new_empty(xs.shape[0], two_i // 2)
         ys = xs.new_empty(xs.shape[0], down.shape[1])
+        fused = fused_kernels.applies(h, act)
         for e in range(len(counts)):
             a, b = rows[e], rows[e + 1]
             torch.mm(xs[a:b], gate_up[e].t(), out=h[a:b])
-            _swiglu_into(h[a:b], act[a:b])
+            g, u = h[a:b].chunk(2, dim=-1)
+            if fused:
+                fused_kernels.swiglu_into(g, u, act[a:b])
+            else:
+                torch.mul(F.silu(g), u, out=act[a:b])
             torch.mm(act[a:b], down[e].t(), out=ys[a:b]).mul_(weights[a:b, None])
         ctx.save_for_backward(xs, gate_up, down, weights, h, act)
         ctx.rows = rows
@@ -158,15 +151,22 @@ class _ExpertLoop(torch.autograd.Function):
         grad_down = torch.empty_like(down) if need_down else None
         grad_w = torch.empty_like(weights) if need_w else None
         grad_h = torch.empty_like(h)
+        fused = fused_kernels.applies(h, act, grad_ys, weights[:, None])
         for e in range(len(rows) - 1):
             a, b = rows[e], rows[e + 1]
             gy, w = grad_ys[a:b], weights[a:b, None]
             grad_act = gy @ down[e]  # of the unweighted product act @ down^T, before the weight
-            if need_w:
-                torch.sum(grad_act * act[a:b], dim=-1, out=grad_w[a:b])
-            if need_down:
-                torch.mm(gy.t(), act[a:b].mul_(w), out=grad_down[e])  # act is not needed after this
-            _swiglu_grads(h[a:b], grad_act.mul_(w), grad_h[a:b])
+            if fused:  # the next five lines in one pass
+                fused_kernels.expert_act_backward_(grad_act, act[a:b], weights[a:b], h[a:b], grad_h[a:b],
+                                                   grad_w[a:b] if need_w else None)
+                if need_down:
+                    torch.mm(gy.t(), act[a:b], out=grad_down[e])
+            else:
+                if need_w:
+                    torch.sum(grad_act * act[a:b], dim=-1, out=grad_w[a:b])
+                if need_down:
+                    torch.mm(gy.t(), act[a:b].mul_(w), out=grad_down[e])  # act is not needed after this
+                _swiglu_grads(h[a:b], grad_act.mul_(w), grad_h[a:b])
             if need_gu:
                 torch.mm(grad_h[a:b].t(), xs[a:b], out=grad_gu[e])
             if need_x:

@@ -90,6 +90,26 @@ def test_swiglu_on_strided_halves_of_one_buffer():
 
 
 @needs_kernel
+def test_expert_backward_between_the_products_equals_the_torch_ops():
+    """One expert's rows: the routing weights' gradient (d act . act), the activations scaled by the
+    weights (for the down weight's gradient) and the SwiGLU gradient of d act * weights."""
+    g = torch.Generator().manual_seed(6)
+    M, n = 37, 20
+    h, grad_act = torch.randn(M, 2 * n, generator=g) * 3, torch.randn(M, n, generator=g)
+    weights = torch.rand(M, generator=g)
+    gate, up = h.chunk(2, dim=-1)
+    act = F.silu(gate) * up
+    grad_h, grad_w, scaled = torch.empty(M, 2 * n), torch.empty(M), act.clone()
+    FK.native.load()
+    FK.expert_act_backward_(grad_act, scaled, weights, h, grad_h, grad_w)
+    torch.testing.assert_close(grad_w, (grad_act * act).sum(-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(scaled, act * weights[:, None], rtol=0, atol=0)
+    a, b = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    (F.silu(a) * b).backward(grad_act * weights[:, None])
+    torch.testing.assert_close(grad_h, torch.cat([a.grad, b.grad], dim=-1), rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
 def test_results_do_not_depend_on_the_thread_count():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(300, 64, generator=g).requires_grad_()
