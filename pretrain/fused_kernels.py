@@ -34,7 +34,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 native = NativeLibrary(Path(__file__).with_name("fused_kernels.c"), "ORTHON_FUSED_KERNELS", "fused elementwise kernels",
-                       "RMSNorm and SwiGLU run in torch ops (same values, slower on CPU)", log, _declare, openmp=True)
+                       "RMSNorm, SwiGLU and the loss run in torch ops (same values, slower on CPU)", log, _declare,
+                       openmp=True)
 
 
 def _rows(t: torch.Tensor) -> int | None:
