@@ -32,7 +32,8 @@ setup(
     python_requires=">=3.10",
     packages=list(package_dirs()),
     package_dir=package_dirs(),
-    package_data={"orthon.engine": ["decode_kernels.c"], "orthon.pretrain": ["sparse_kernels.c"]},  # built at run time
+    package_data={"orthon.engine": ["decode_kernels.c"],  # built at run time
+                  "orthon.pretrain": ["sparse_kernels.c", "fused_kernels.c", "simd_math.h"]},
     install_requires=[
         # torch is pinned by the README's install line (CPU wheel); a range here
         # keeps pip from replacing it with a CUDA build.
