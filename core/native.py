@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import subprocess
 import tempfile
 import threading
@@ -38,7 +39,7 @@ def build(source: Path, openmp: bool = False) -> ctypes.CDLL:
     """Compile ``source`` (once per content and flags) into ``$ORTHON_CACHE`` (default ~/.cache/orthon)
     and load it. Raises OSError or subprocess.SubprocessError when it cannot."""
     flags = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"] + (["-fopenmp"] if openmp else [])
-    text = source.read_text()
+    text = _inline_local_headers(source)
     digest = hashlib.sha256((text + " ".join(flags)).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("ORTHON_CACHE", Path.home() / ".cache" / "orthon"))
     target = cache / f"{source.stem}_{digest}.so"
@@ -51,6 +52,17 @@ def build(source: Path, openmp: bool = False) -> ctypes.CDLL:
             subprocess.run([cc, *flags, str(src), "-o", str(out), "-lm"], check=True, capture_output=True, timeout=120)
             os.replace(out, target)  # atomic: a concurrent build or a crash never leaves half a library
     return ctypes.CDLL(str(target))
+
+
+def _inline_local_headers(source: Path) -> str:
+    """The source's text with each ``#include "name.h"`` of a header beside it replaced by that header's
+    text: the build compiles one file in a scratch directory, and the cache key (the text's hash) then
+    changes when a shared header does."""
+    def inline(match: re.Match) -> str:
+        header = source.with_name(match.group(1))
+        return header.read_text() if header.is_file() else match.group(0)
+
+    return re.sub(r'^#include "([^"/]+)"$', inline, source.read_text(), flags=re.MULTILINE)
 
 
 class NativeLibrary:

@@ -10,11 +10,7 @@
 
 #define MAX_KEYS 4096  /* index_topk at most this (GLM-5: 2048) */
 
-static inline float hsum(__m256 acc) {
-    __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    return _mm_cvtss_f32(_mm_add_ss(half, _mm_shuffle_ps(half, half, 1)));
-}
+#include "simd_math.h"
 
 /* out[h * os] = scale * a[h] . x over n numbers (n % 8 == 0) for the H rows a[h] = a + h * lda, four
    rows per pass so that x is loaded once for them. */
@@ -45,25 +41,9 @@ static void dots(const float* a, long lda, long H, const float* x, long n, float
     }
 }
 
-/* e^x for x <= 0 (softmax's shifted logits), to about 2 ulp: 2^n * e^r with n = round(x / ln 2),
-   |r| <= ln 2 / 2 and a degree-6 polynomial; below -87 (e^x under FLT_MIN) it gives 0. */
+/* e^x for x <= 0 (softmax's shifted logits): 0 below -87 (e^x under FLT_MIN). */
 static inline __m256 exp_nonpositive(__m256 x) {
-    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-    const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
-    __m256 small = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, ln2_hi, x);
-    r = _mm256_fnmadd_ps(n, ln2_lo, r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(small, _mm256_mul_ps(p, _mm256_castsi256_ps(pow2)));
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ), exp_ps(x));
 }
 
 /* p[0:K] <- the softmax of p over the keys with off[j] >= 0, 0 at the others (all 0 if none is). */

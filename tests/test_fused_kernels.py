@@ -12,9 +12,8 @@ import torch.nn.functional as F
 
 from orthon.core.native import cpu_has_avx2_fma
 from orthon.pretrain import fused_kernels as FK
-from orthon.pretrain.config import ModelConfig, RuntimeOptions
 from orthon.pretrain.layers import _RMSNorm
-from orthon.pretrain.model import GLMForCausalLM
+from kernel_support import loss_and_grads, tiny_dsa_model
 
 needs_kernel = pytest.mark.skipif(FK.native.load() is None, reason=f"fused kernels: {FK.native.why_unavailable}")
 
@@ -138,23 +137,11 @@ def test_they_step_aside_where_they_do_not_apply():
 
 @needs_kernel
 def test_training_through_the_kernels_equals_the_torch_path(monkeypatch):
-    config = ModelConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=4,
-                         q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                         first_k_dense_replace=1, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
-                         index_n_heads=2, index_head_dim=16, index_topk=16)
-    torch.manual_seed(0)
-    model = GLMForCausalLM(config, runtime=RuntimeOptions(sparse_attention=True))
+    model = tiny_dsa_model()
     ids = torch.randint(0, 64, (2, 49), generator=torch.Generator().manual_seed(4))
-
-    def loss_and_grads():
-        model.zero_grad(set_to_none=True)
-        loss = model(ids[:, :-1], labels=ids[:, 1:], return_logits=False).loss
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    loss, grads = loss_and_grads()
+    loss, grads = loss_and_grads(model, ids)
     monkeypatch.setattr(FK.native, "lib", None)  # as if unbuildable: every caller takes its torch path
-    ref_loss, ref_grads = loss_and_grads()
+    ref_loss, ref_grads = loss_and_grads(model, ids)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     assert grads.keys() == ref_grads.keys()
     for name in grads:
@@ -189,3 +176,17 @@ def test_cross_entropy_and_its_logit_gradient_equal_torch(vocab):
     assert grad[3].abs().max() == 0 and grad[17].abs().max() == 0
     with pytest.raises(ValueError, match="-5 is outside the vocabulary"):
         FK.cross_entropy_grad_(logits.clone(), torch.full((30,), -5), -100)
+
+
+def test_a_shared_header_is_built_into_each_source(tmp_path):
+    """Both kernel sources include simd_math.h: the build inlines a header beside the source (it compiles
+    one file in a scratch directory), so the cache key changes with the header."""
+    from orthon.core.native import _inline_local_headers
+
+    (tmp_path / "k.c").write_text('#include <math.h>\n#include "h.h"\nint f(void) { return G; }\n')
+    (tmp_path / "h.h").write_text("#define G 1\n")
+    first = _inline_local_headers(tmp_path / "k.c")
+    assert first == "#include <math.h>\n#define G 1\n\nint f(void) { return G; }\n"
+    (tmp_path / "h.h").write_text("#define G 2\n")
+    assert _inline_local_headers(tmp_path / "k.c") != first
+    assert "exp_ps" in _inline_local_headers(FK.native.source) and '#include "' not in _inline_local_headers(FK.native.source)
