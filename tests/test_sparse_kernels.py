@@ -13,8 +13,7 @@ import torch
 import orthon.pretrain.attention as A
 from orthon.core.native import cpu_has_avx2_fma
 from orthon.pretrain import sparse_kernels as SK
-from orthon.pretrain.config import ModelConfig, RuntimeOptions
-from orthon.pretrain.model import GLMForCausalLM
+from kernel_support import loss_and_grads, tiny_dsa_model
 
 needs_kernel = pytest.mark.skipif(SK.native.load() is None, reason=f"sparse kernels: {SK.native.why_unavailable}")
 
@@ -94,35 +93,19 @@ def test_causal_topk_needs_k_at_most_t():
     assert SK.causal_topk(q, w, keys, 9, 0.25) is None
 
 
-def _tiny_model(seed=0):
-    config = ModelConfig(vocab_size=64, hidden_size=64, num_hidden_layers=3, intermediate_size=96, num_attention_heads=4,
-                         q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                         first_k_dense_replace=1, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
-                         index_n_heads=2, index_head_dim=16, index_topk=16, indexer_types=["full", "full", "shared"])
-    torch.manual_seed(seed)
-    return GLMForCausalLM(config, runtime=RuntimeOptions(sparse_attention=True))
-
-
-def _loss_and_grads(model, ids, docs=None):
-    model.zero_grad(set_to_none=True)
-    loss = model(ids[:, :-1], labels=ids[:, 1:], doc_ids=docs, return_logits=False).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 @needs_kernel
 @pytest.mark.parametrize("packed", [False, True])
 def test_training_through_the_kernels_equals_the_torch_path(monkeypatch, packed):
     """Loss and every gradient of a 3-layer DSA model (IndexShare on its last layer) at 96 tokens with
     index_topk 16: the kernels' path (gathered, the default on CPU) against the torch path (masked SDPA,
     torch's top-k)."""
-    model = _tiny_model()
+    model = tiny_dsa_model()
     ids = torch.randint(0, 64, (2, 97), generator=torch.Generator().manual_seed(3))
     docs = torch.cumsum(torch.rand(2, 96, generator=torch.Generator().manual_seed(4)) < 0.03, dim=1) if packed else None
-    loss, grads = _loss_and_grads(model, ids, docs)
+    loss, grads = loss_and_grads(model, ids, docs)
     monkeypatch.setattr(SK.native, "lib", None)  # as if unbuildable: every caller takes its torch path
     model.runtime.sparse_impl = "mask"
-    ref_loss, ref_grads = _loss_and_grads(model, ids, docs)
+    ref_loss, ref_grads = loss_and_grads(model, ids, docs)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert grads.keys() == ref_grads.keys()
     for name in grads:
