@@ -41,62 +41,130 @@ static void dots(const float* a, long lda, long H, const float* x, long n, float
     }
 }
 
+/* dots for two vectors x0, x1 at once (out0, out1 as out): each row of a is loaded once for both, and
+   eight independent sums hide the FMA latency that four leave exposed. Every sum is added up in the
+   same order as dots' (the same bits). */
+static void dots2(const float* a, long lda, long H, const float* x0, const float* x1, long n, float scale,
+                  float* out0, float* out1, long os) {
+    long h = 0;
+    for (; h + 4 <= H; h += 4) {
+        const float* a0 = a + h * lda;
+        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, t0 = s0, t1 = s0, t2 = s0, t3 = s0;
+        for (long i = 0; i < n; i += 8) {
+            __m256 u = _mm256_loadu_ps(x0 + i), v = _mm256_loadu_ps(x1 + i);
+            __m256 r0 = _mm256_loadu_ps(a0 + i), r1 = _mm256_loadu_ps(a0 + lda + i);
+            __m256 r2 = _mm256_loadu_ps(a0 + 2 * lda + i), r3 = _mm256_loadu_ps(a0 + 3 * lda + i);
+            s0 = _mm256_fmadd_ps(r0, u, s0); t0 = _mm256_fmadd_ps(r0, v, t0);
+            s1 = _mm256_fmadd_ps(r1, u, s1); t1 = _mm256_fmadd_ps(r1, v, t1);
+            s2 = _mm256_fmadd_ps(r2, u, s2); t2 = _mm256_fmadd_ps(r2, v, t2);
+            s3 = _mm256_fmadd_ps(r3, u, s3); t3 = _mm256_fmadd_ps(r3, v, t3);
+        }
+        /* the eight sums at once: dots' pairwise tree within each 128-bit half, then the halves added */
+        __m256 ps = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+        __m256 pt = _mm256_hadd_ps(_mm256_hadd_ps(t0, t1), _mm256_hadd_ps(t2, t3));
+        __m256 both = _mm256_add_ps(_mm256_permute2f128_ps(ps, pt, 0x20), _mm256_permute2f128_ps(ps, pt, 0x31));
+        float sums[8];
+        _mm256_storeu_ps(sums, _mm256_mul_ps(both, _mm256_set1_ps(scale)));
+        for (int i = 0; i < 4; i++) { out0[(h + i) * os] = sums[i]; out1[(h + i) * os] = sums[4 + i]; }
+    }
+    if (h < H) {
+        dots(a + h * lda, lda, H - h, x0, n, scale, out0 + h * os, os);
+        dots(a + h * lda, lda, H - h, x1, n, scale, out1 + h * os, os);
+    }
+}
+
 /* e^x for x <= 0 (softmax's shifted logits): 0 below -87 (e^x under FLT_MIN). */
 static inline __m256 exp_nonpositive(__m256 x) {
     return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ), exp_ps(x));
 }
 
-/* p[0:K] <- the softmax of p over the keys with off[j] >= 0, 0 at the others (all 0 if none is). */
-static void softmax_keys(float* p, const long* off, long K) {
-    float mx = -INFINITY;
-    for (long j = 0; j < K; j++) if (off[j] >= 0 && p[j] > mx) mx = p[j];
-    if (mx == -INFINITY) { memset(p, 0, sizeof(float) * K); return; }
-    for (long j = 0; j < K; j++) if (off[j] < 0) p[j] = -INFINITY;
-    __m256 vmx = _mm256_set1_ps(mx), total = _mm256_setzero_ps();
+/* p[0:K] <- the softmax of p, whose hidden keys hold -inf, 0 at those (all 0 if every key is hidden). */
+static void softmax_keys(float* p, long K) {
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
     long j = 0;
-    for (; j + 8 <= K; j += 8) {
+    for (; j + 8 <= K; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(p + j));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    for (; j < K; j++) if (p[j] > mx) mx = p[j];
+    if (mx == -INFINITY) { memset(p, 0, sizeof(float) * K); return; }
+    __m256 vmx = _mm256_set1_ps(mx), total = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= K; j += 8) {  /* a hidden key's e^(-inf) is 0 */
         __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j), vmx));
         _mm256_storeu_ps(p + j, e);
         total = _mm256_add_ps(total, e);
     }
     float sum = hsum(total);
-    for (; j < K; j++) { p[j] = off[j] < 0 ? 0.0f : expf(p[j] - mx); sum += p[j]; }
+    for (; j < K; j++) { p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - mx); sum += p[j]; }
     __m256 inv = _mm256_set1_ps(1.0f / sum);
     for (j = 0; j + 8 <= K; j += 8) _mm256_storeu_ps(p + j, _mm256_mul_ps(_mm256_loadu_ps(p + j), inv));
     for (; j < K; j++) p[j] *= 1.0f / sum;
 }
 
-/* y[0 : 8 NV] (+)= sum_j c[j * cs] * (base + off[j])[0 : 8 NV] over j < count with off[j] >= 0, the sums
-   held in registers. */
+/* y[0 : 8 NV] = sum_j c[j] * (base + off[j])[0 : 8 NV] over j < count with off[j] >= 0, the sums held in
+   registers. */
 #define COMBINE(NV) \
-static void combine##NV(const float* c, long cs, const float* base, const long* off, long count, float* y, int add) { \
+static void combine##NV(const float* c, const float* base, const long* off, long count, float* y) { \
     __m256 acc[NV]; \
     for (int v = 0; v < NV; v++) acc[v] = _mm256_setzero_ps(); \
     for (long j = 0; j < count; j++) { \
         if (off[j] < 0) continue; \
         const float* x = base + off[j]; \
-        __m256 cj = _mm256_set1_ps(c[j * cs]); \
+        __m256 cj = _mm256_set1_ps(c[j]); \
         for (int v = 0; v < NV; v++) acc[v] = _mm256_fmadd_ps(cj, _mm256_loadu_ps(x + 8 * v), acc[v]); \
     } \
-    for (int v = 0; v < NV; v++) { \
-        if (add) acc[v] = _mm256_add_ps(acc[v], _mm256_loadu_ps(y + 8 * v)); \
-        _mm256_storeu_ps(y + 8 * v, acc[v]); \
-    } \
+    for (int v = 0; v < NV; v++) _mm256_storeu_ps(y + 8 * v, acc[v]); \
 }
 COMBINE(1) COMBINE(2) COMBINE(3) COMBINE(4) COMBINE(5) COMBINE(6) COMBINE(7) COMBINE(8)
 /* The same over w numbers (w % 8 == 0), 64 at a time (a switch, so that each block's function is inlined). */
-static void combine(const float* c, long cs, const float* base, const long* off, long count, long w, float* y, int add) {
+static void combine(const float* c, const float* base, const long* off, long count, long w, float* y) {
     for (long d = 0; d < w; d += 64)
         switch ((w - d < 64 ? w - d : 64) / 8) {
-            case 1: combine1(c, cs, base + d, off, count, y + d, add); break;
-            case 2: combine2(c, cs, base + d, off, count, y + d, add); break;
-            case 3: combine3(c, cs, base + d, off, count, y + d, add); break;
-            case 4: combine4(c, cs, base + d, off, count, y + d, add); break;
-            case 5: combine5(c, cs, base + d, off, count, y + d, add); break;
-            case 6: combine6(c, cs, base + d, off, count, y + d, add); break;
-            case 7: combine7(c, cs, base + d, off, count, y + d, add); break;
-            default: combine8(c, cs, base + d, off, count, y + d, add);
+            case 1: combine1(c, base + d, off, count, y + d); break;
+            case 2: combine2(c, base + d, off, count, y + d); break;
+            case 3: combine3(c, base + d, off, count, y + d); break;
+            case 4: combine4(c, base + d, off, count, y + d); break;
+            case 5: combine5(c, base + d, off, count, y + d); break;
+            case 6: combine6(c, base + d, off, count, y + d); break;
+            case 7: combine7(c, base + d, off, count, y + d); break;
+            default: combine8(c, base + d, off, count, y + d);
         }
+}
+
+/* combine for four heads at once: y[h * ys : h * ys + w] = sum over the visible keys j = seen[0 : m] of
+   c[h * K + j] * (base + off[j])[0 : w], h < 4, 16 numbers at a time (w % 16 == 0): each latent row is
+   loaded once for the four heads, and eight independent sums hide the FMA latency. Every sum runs in key
+   order, as combine's (the same bits). */
+static void combine_heads4(const float* c, long K, const float* base, const long* off, const long* seen, long m,
+                           long w, float* y, long ys) {
+    for (long d = 0; d < w; d += 16) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, e0 = a0, e1 = a0, f0 = a0, f1 = a0;
+        for (long i = 0; i < m; i++) {
+            long j = seen[i];
+            const float* x = base + off[j] + d;
+            __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8);
+            __m256 ca = _mm256_broadcast_ss(c + j), cb = _mm256_broadcast_ss(c + K + j);
+            __m256 ce = _mm256_broadcast_ss(c + 2 * K + j), cf = _mm256_broadcast_ss(c + 3 * K + j);
+            a0 = _mm256_fmadd_ps(ca, x0, a0); a1 = _mm256_fmadd_ps(ca, x1, a1);
+            b0 = _mm256_fmadd_ps(cb, x0, b0); b1 = _mm256_fmadd_ps(cb, x1, b1);
+            e0 = _mm256_fmadd_ps(ce, x0, e0); e1 = _mm256_fmadd_ps(ce, x1, e1);
+            f0 = _mm256_fmadd_ps(cf, x0, f0); f1 = _mm256_fmadd_ps(cf, x1, f1);
+        }
+        float* yd = y + d;
+        _mm256_storeu_ps(yd, a0); _mm256_storeu_ps(yd + 8, a1);
+        _mm256_storeu_ps(yd + ys, b0); _mm256_storeu_ps(yd + ys + 8, b1);
+        _mm256_storeu_ps(yd + 2 * ys, e0); _mm256_storeu_ps(yd + 2 * ys + 8, e1);
+        _mm256_storeu_ps(yd + 3 * ys, f0); _mm256_storeu_ps(yd + 3 * ys + 8, f1);
+    }
+}
+
+/* Every head's combine of one query: c (H, K) coefficients, y (H, w) (head stride w). */
+static void combine_heads(const float* c, long H, long K, const float* base, const long* off, const long* seen,
+                          long m, long w, float* y) {
+    long h = 0;
+    if (w % 16 == 0)
+        for (; h + 4 <= H; h += 4) combine_heads4(c + h * K, K, base, off, seen, m, w, y + h * w, w);
+    for (; h < H; h++) combine(c + h * K, base, off, K, w, y + h * w);
 }
 
 /* One key's gradient, added to g[0 : D]: sum_h ds[h K] q[h D :] (its scores' share) and, over its first
@@ -152,14 +220,18 @@ void sparse_attention_forward(const float* q, const float* lat, const long* idx,
         for (long n = 0; n < N; n++) {
             const long* ix = idx + n * K;
             float* p = probs + n * H * K;
+            long seen[MAX_KEYS], m = 0;  /* the visible keys, scored two at a time */
             for (long j = 0; j < K; j++) {
                 off[j] = ix[j] < 0 ? -1 : ix[j] * D;
-                if (off[j] >= 0) dots(q + n * H * D, D, H, lat + off[j], D, scale, p + j, K);
+                if (off[j] >= 0) seen[m++] = j;
+                else for (long h = 0; h < H; h++) p[h * K + j] = -INFINITY;
             }
-            for (long h = 0; h < H; h++) {
-                softmax_keys(p + h * K, off, K);
-                combine(p + h * K, 1, lat, off, K, R, out + (n * H + h) * R, 0);
-            }
+            for (long i = 0; i + 1 < m; i += 2)
+                dots2(q + n * H * D, D, H, lat + off[seen[i]], lat + off[seen[i + 1]], D, scale, p + seen[i],
+                      p + seen[i + 1], K);
+            if (m % 2) dots(q + n * H * D, D, H, lat + off[seen[m - 1]], D, scale, p + seen[m - 1], K);
+            for (long h = 0; h < H; h++) softmax_keys(p + h * K, K);
+            combine_heads(p, H, K, lat, off, seen, m, R, out + n * H * R);
         }
     }
 }
@@ -186,11 +258,15 @@ void sparse_attention_backward(const float* q, const float* lat, const long* idx
             const float* p = probs + n * H * K;
             const float* dn = dout + n * H * R;
             float* ds = ds_all + n * H * K;
+            long seen[MAX_KEYS], m = 0;
             for (long j = 0; j < K; j++) {  /* d probs = dout . value (0 for a hidden key, whose prob is 0) */
                 off[j] = ix[j] < 0 ? -1 : ix[j] * D;
-                if (off[j] >= 0) dots(dn, R, H, lat + off[j], R, 1.0f, ds + j, K);
+                if (off[j] >= 0) seen[m++] = j;
                 else for (long h = 0; h < H; h++) ds[h * K + j] = 0.0f;
             }
+            for (long i = 0; i + 1 < m; i += 2)
+                dots2(dn, R, H, lat + off[seen[i]], lat + off[seen[i + 1]], R, 1.0f, ds + seen[i], ds + seen[i + 1], K);
+            if (m % 2) dots(dn, R, H, lat + off[seen[m - 1]], R, 1.0f, ds + seen[m - 1], K);
             for (long h = 0; h < H; h++) {  /* softmax backward, times the logits' scale */
                 float* dh = ds + h * K;
                 const float* ph = p + h * K;
@@ -204,8 +280,8 @@ void sparse_attention_backward(const float* q, const float* lat, const long* idx
                     _mm256_storeu_ps(dh + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(ph + j),
                                                                          _mm256_sub_ps(_mm256_loadu_ps(dh + j), vin)), vscale));
                 for (; j < K; j++) dh[j] = ph[j] * (dh[j] - inner) * scale;
-                combine(dh, 1, lat, off, K, D, dq + (n * H + h) * D, 0);
             }
+            combine_heads(ds, H, K, lat, off, seen, m, D, dq + n * H * D);
         }
         /* (the loop's implicit barrier: every ds is written before any is read below) */
         #pragma omp for schedule(dynamic, 1)
