@@ -41,12 +41,9 @@ def read(run_dir: Path) -> list[dict]:
 
 
 def plot(curves: dict[str, list[dict]], out_png: Path, title: str, smooth: int = 10) -> None:
-    import matplotlib
+    from orthon.core.metrics import moving_average, pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from orthon.core.metrics import moving_average, save_figure
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
     # torch wide and solid underneath, MindSpore thin and dotted on top: where they agree both show.

@@ -169,12 +169,9 @@ def _alternate(trainer, reference, recipe, eval_every, log):
 
 
 def plot(curves: dict, target: float, out_png: Path, title: str) -> None:
-    import matplotlib
+    from orthon.core.metrics import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from orthon.core.metrics import save_figure
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
     for (name, points), color in zip(curves.items(), ("tab:blue", "tab:orange")):

@@ -1,19 +1,11 @@
 """The C allocator's handling of large freed blocks (glibc): keep them for reuse.
 
-A training step allocates and frees the same large tensors (activations, gradients, Muon's stacks)
-every step. glibc's malloc serves blocks above its mmap threshold with fresh ``mmap`` calls, and gives
-the top of its heap back to the kernel once more than its trim threshold lies free there; either way
-the next step's tensors land on new pages, and touching each page faults. Both thresholds adapt at
-run time (up to 32 MiB), so how much of this a process pays changes from run to run. Measured: the
-tiny model's Muon step 92 -> 72 ms with both thresholds raised (one CPU thread); transformers' training
-step at 2 x 1,024 tokens 1,911 -> 3,080 tokens/s (two threads; its attention masks and logits are
-larger than 32 MiB).
-
-``retain_freed_memory`` raises both (mmap at 1 GiB, or 32 MiB where glibc takes no more; trim at
-1 GiB): freed blocks stay in the heap for the next step. The process's resident memory then stays near
-its peak instead of shrinking between steps. ``orthon`` calls it at start unless ``ORTHON_RETAIN_FREED_MEMORY=0``; the
-benchmarks call it too, for both sides of each comparison. It does nothing where the C library is not
-glibc (the allocator behaves differently there) or where jemalloc / tcmalloc were preloaded.
+A step allocates and frees the same large tensors every step; above glibc's mmap threshold (adaptive, up
+to 32 MiB) and past its trim threshold freed blocks go back to the kernel, so the next step's tensors land
+on new pages that fault on first touch (the tiny model's Muon step 92 -> 72 ms with both raised; README,
+"Memory reuse"). ``retain_freed_memory`` raises both; ``orthon`` and the benches call it unless
+``ORTHON_RETAIN_FREED_MEMORY=0``. Nothing changes where the C library is not glibc or under a preloaded
+jemalloc / tcmalloc.
 """
 from __future__ import annotations
 

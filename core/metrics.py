@@ -10,6 +10,16 @@ from orthon.core.files import atomic_path, atomic_write_text
 EVENT_GLOB = "events.out.tfevents.*"
 
 
+def open_step_log(path: Path, resume_step: int | None):
+    """A per-step JSON-lines file opened for appending, first cut back to the records of steps up to
+    ``resume_step``; a fresh run (None) starts it empty: nothing stale is ever appended to."""
+    if path.exists():
+        kept = [line for line in path.read_text().splitlines()
+                if resume_step is not None and line.strip() and json.loads(line).get("step", -1) <= resume_step]
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
+    return open(path, "a")
+
+
 class MetricsLogger:
     """One JSON object per line in ``metrics.jsonl`` plus TensorBoard scalars under ``tb/``.
 
@@ -26,12 +36,7 @@ class MetricsLogger:
         self.writer = None
         if not enabled:
             return
-        if self.path.exists():
-            # A fresh run (resume_step None) starts a new file: nothing stale is ever appended to.
-            kept = [line for line in self.path.read_text().splitlines()
-                    if resume_step is not None and line.strip() and json.loads(line).get("step", -1) <= resume_step]
-            atomic_write_text(self.path, "".join(line + "\n" for line in kept))
-        self.file = open(self.path, "a")
+        self.file = open_step_log(self.path, resume_step)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -76,10 +81,7 @@ def read_metrics(path) -> list[dict]:
 def plot_curves(records: list[dict], keys: list[str], out_png, title: str = "", logy: bool = False,
                 reference: float | None = None, reference_label: str = "") -> None:
     """Plot metric ``keys`` against step (each only where present) to a PNG, written atomically."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     for key in keys:
@@ -98,10 +100,20 @@ def plot_curves(records: list[dict], keys: list[str], out_png, title: str = "", 
     save_figure(fig, out_png)
 
 
-def save_figure(fig, out_png) -> None:
-    """Write a matplotlib figure to PNG atomically (temp name, then rename) and close it."""
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (no display needed), imported on first use: the
+    commands that never plot do not pay for matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_figure(fig, out_png) -> None:
+    """Write a matplotlib figure to PNG atomically (temp name, then rename) and close it."""
+    plt = pyplot()
     fig.tight_layout()
     try:
         with atomic_path(out_png) as tmp:
@@ -132,10 +144,7 @@ def plot_training(records: list[dict], out_png, title: str = "", reference: floa
     its trailing ``smooth``-step mean, held-out loss with the final evaluation as its last point, an
     optional reference line) over a panel of learning rate and gradient norm (own axes). Returns the
     plotted series, ``{name: (steps, values)}``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     series: dict[str, tuple[list, list]] = {}
     loss = _points(records, "loss")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from orthon.data.config import DedupConfig
-from orthon.core.files import atomic_write_json, tmp_path
+from orthon.core.files import atomic_path, atomic_write_json
 from orthon.data.sources import classify, expand_inputs, iter_documents
 
 _WORD = re.compile(r"\w+")
@@ -114,24 +114,18 @@ def dedup_files(cfg: DedupConfig, log=print) -> dict:
     output.parent.mkdir(parents=True, exist_ok=True)
     removed: list[dict] = []
     kept = 0
-    tmp = tmp_path(output)
-    try:
-        with open(tmp, "w", encoding="utf-8") as out:
-            for i, text, dup in deduplicate(texts(), cfg.threshold, cfg.num_perm, cfg.ngram, cfg.seed):
-                if dup is None:
-                    out.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
-                    kept += 1
-                else:
-                    (file, record), (dup_file, dup_record) = origin[i], origin[dup.duplicate_of]
-                    removed.append({"index": i, "file": file, "record": record, "duplicate_of": dup.duplicate_of,
-                                    "duplicate_of_file": dup_file, "duplicate_of_record": dup_record,
-                                    "jaccard": dup.jaccard})
-            out.flush()
-            os.fsync(out.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, output)
+    with atomic_path(output) as tmp, open(tmp, "w", encoding="utf-8") as out:
+        for i, text, dup in deduplicate(texts(), cfg.threshold, cfg.num_perm, cfg.ngram, cfg.seed):
+            if dup is None:
+                out.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+                kept += 1
+            else:
+                (file, record), (dup_file, dup_record) = origin[i], origin[dup.duplicate_of]
+                removed.append({"index": i, "file": file, "record": record, "duplicate_of": dup.duplicate_of,
+                                "duplicate_of_file": dup_file, "duplicate_of_record": dup_record,
+                                "jaccard": dup.jaccard})
+        out.flush()
+        os.fsync(out.fileno())
     report = {"output": str(output), "documents": kept + len(removed), "kept": kept, "removed": len(removed),
               "skipped": skipped, "threshold": cfg.threshold, "num_perm": cfg.num_perm, "ngram": cfg.ngram,
               "removed_documents": removed}

@@ -26,7 +26,7 @@ import os
 import signal
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -302,14 +302,6 @@ def _encode_batch(texts: list[str]) -> tuple[np.ndarray, np.ndarray, dict]:
     return flat, lengths, dict(rejected)
 
 
-class _Done:
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
-
-
 class _Executor:
     """A spawn-started process pool (or, with one worker, this process) running ``_encode_batch``.
 
@@ -333,7 +325,9 @@ class _Executor:
 
     def submit(self, texts: list[str]):
         if self.pool is None:
-            return _Done(_encode_batch(texts))
+            done = Future()
+            done.set_result(_encode_batch(texts))
+            return done
         return self.pool.submit(_encode_batch, texts)
 
     def __exit__(self, exc_type, exc, tb):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 
-_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _ROUNDS = 4
 
 

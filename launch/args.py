@@ -31,12 +31,6 @@ def machine_memory() -> tuple[int, str]:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         return props.total_memory, f"GPU memory ({props.name})"
     try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024, "memory"
-    except OSError:
-        pass
-    try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "memory"
     except (ValueError, OSError, AttributeError):
         return 0, "memory"

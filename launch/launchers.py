@@ -70,7 +70,7 @@ def check_port(port: int, what: str) -> int:
     return port
 
 
-def _positive(value: int, what: str) -> int:
+def positive(value: int, what: str) -> int:
     if not isinstance(value, int) or value < 1:
         raise ConfigError(f"{what}: must be a positive integer, got {value!r}")
     return value
@@ -96,8 +96,8 @@ def torchrun_argv(orthon: list[str], nnodes: int = 1, nproc_per_node: int = 1, r
     ``stop_grace``: seconds torchrun waits, after forwarding a SIGTERM to its workers, before it kills them
     (``--shutdown-timeout``; torchrun's own default is 30 s, 0 keeps it): the time a run stopped by the
     signal has to finish its step and write a checkpoint (``train.stop_signals``)."""
-    _positive(nnodes, "nnodes")
-    _positive(nproc_per_node, "nproc-per-node")
+    positive(nnodes, "nnodes")
+    positive(nproc_per_node, "nproc-per-node")
     if max_restarts < 0:
         raise ConfigError(f"max-restarts: must be >= 0, got {max_restarts}")
     if not isinstance(stop_grace, int) or stop_grace < 0:
@@ -127,7 +127,7 @@ def msrun_layout(worker_num: int | None, local_worker_num: int | None, nodes: in
     number of workers (msrun assigns rank ids node_rank x local_worker_num + i), so the counts must divide."""
     for value, what in ((worker_num, "worker-num"), (local_worker_num, "local-worker-num"), (nodes, "nodes")):
         if value is not None:
-            _positive(value, what)
+            positive(value, what)
     if nodes is not None and local_worker_num is not None and worker_num is not None:
         if worker_num != nodes * local_worker_num:
             raise ConfigError(f"worker-num: {worker_num} workers is not {nodes} nodes x {local_worker_num} local "
@@ -163,7 +163,7 @@ def msrun_argv(orthon: list[str], worker_num: int, local_worker_num: int, node_r
     if not 0 <= node_rank < nodes:
         raise ConfigError(f"node-rank: {node_rank} is outside 0..{nodes - 1} ({worker_num} workers, "
                           f"{local_worker_num} a node)")
-    _positive(cluster_time_out, "cluster-time-out")
+    positive(cluster_time_out, "cluster-time-out")
     argv = ["msrun", f"--worker_num={worker_num}", f"--local_worker_num={local_worker_num}",
             f"--master_addr={check_host(master_addr, 'master-addr')}",
             f"--master_port={check_port(master_port, 'master-port')}", f"--node_rank={node_rank}",
@@ -207,7 +207,7 @@ def ray_commands(orthon: list[str], nodes: int = 1, head_address: str | None = N
                  num_gpus: int | None = None, num_cpus: int | None = None) -> list[NodeCommand]:
     """``ray start --head`` on node 0, ``ray start --address HEAD:PORT`` on the others, then the RL driver
     (``orthon rl ... rl.cluster.enabled=true rl.cluster.address=auto``) on node 0."""
-    _positive(nodes, "nodes")
+    positive(nodes, "nodes")
     check_port(port, "port")
     resources = []
     if num_gpus is not None:
@@ -215,7 +215,7 @@ def ray_commands(orthon: list[str], nodes: int = 1, head_address: str | None = N
             raise ConfigError(f"num-gpus: must be an integer >= 0, got {num_gpus!r}")
         resources.append(f"--num-gpus={num_gpus}")
     if num_cpus is not None:
-        resources.append(f"--num-cpus={_positive(num_cpus, 'num-cpus')}")
+        resources.append(f"--num-cpus={positive(num_cpus, 'num-cpus')}")
     if nodes > 1 and head_address is None:
         raise ConfigError(f"nodes: {nodes} nodes need the head node's address (--head-address) for `ray start --address`")
     head = check_host(head_address, "head-address") if head_address is not None else None

@@ -7,7 +7,7 @@ import re
 import shlex
 
 from orthon.core.errors import ConfigError
-from orthon.launch.launchers import STOP_GRACE, torchrun_argv
+from orthon.launch.launchers import STOP_GRACE, positive, torchrun_argv
 
 # Set unless the caller gives its own value: NCCL reports problems (not every call), and a failed
 # collective raises instead of hanging the job until its time limit.
@@ -43,10 +43,8 @@ def sbatch_script(orthon: list[str], nodes: int, gpus_per_node: int, cpus_per_ta
     (``--signal=TERM@``), torchrun forwards it and waits as long before killing its workers
     (``--shutdown-timeout``, 30 s by default), and the run saves a checkpoint after its current
     step and stops (``train.stop_signals``): the time to finish a step and write a checkpoint."""
-    if not isinstance(nodes, int) or nodes < 1:
-        raise ConfigError(f"nodes: must be a positive integer, got {nodes!r}")
-    if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
-        raise ConfigError(f"gpus-per-node: must be a positive integer, got {gpus_per_node!r}")
+    positive(nodes, "nodes")
+    positive(gpus_per_node, "gpus-per-node")
     if cpus_per_task is not None and cpus_per_task < gpus_per_node:
         raise ConfigError(f"cpus-per-task: {cpus_per_task} CPUs for {gpus_per_node} GPU processes; give at least "
                           f"one CPU each")
@@ -63,14 +61,9 @@ def sbatch_script(orthon: list[str], nodes: int, gpus_per_node: int, cpus_per_ta
     command = torchrun[torchrun.index("-m"):]
     directives = [f"--job-name={job_name}", f"--nodes={nodes}", "--ntasks-per-node=1",
                   f"--gpus-per-node={gpus_per_node}"]
-    if cpus_per_task is not None:
-        directives.append(f"--cpus-per-task={cpus_per_task}")
-    if time is not None:
-        directives.append(f"--time={time}")
-    if partition is not None:
-        directives.append(f"--partition={partition}")
-    if account is not None:
-        directives.append(f"--account={account}")
+    directives += [f"--{key}={value}" for key, value in (("cpus-per-task", cpus_per_task), ("time", time),
+                                                         ("partition", partition), ("account", account))
+                   if value is not None]
     directives.append(f"--output={output}")
     if exclusive:
         directives.append("--exclusive")

@@ -10,7 +10,7 @@ dynamic scaling), its place in the plan's LR decay, IndexShare on/off and the DS
                           budget trains jointly with sparse attention (phase 2).
 - ``dsa: sparse``         phase 2 from the first step (the indexers were adapted earlier).
 
-the GLM-5 recipe (README, "The recipe") (GLM-5): 32K / 1T tokens with rope_theta 8M; 128K / 500B with IndexShare; 200K /
+GLM-5's recipe (README, "The recipe"): 32K / 1T tokens with rope_theta 8M; 128K / 500B with IndexShare; 200K /
 50B; LR linear 4e-5 -> 1e-5 across the three; DSA adaptation 20B tokens at 128K+, of which the first
 1000 steps train only the indexer.
 """
@@ -26,7 +26,6 @@ from orthon.pretrain.config import RuntimeOptions
 from orthon.pretrain.train_config import TrainConfig
 
 DsaPhase = Literal["off", "indexer_warmup", "sparse"]
-STEP_PHASES = ("dense", "indexer_only", "sparse")  # what one optimizer step runs
 
 
 @dataclass

@@ -35,7 +35,7 @@ import torch
 
 from orthon.core.errors import CheckpointError, ConfigError
 from orthon.core.files import atomic_write_text
-from orthon.core.metrics import save_figure
+from orthon.core.metrics import pyplot, save_figure
 from orthon.engine.in_process import InProcessEngine
 from orthon.engine.protocol import Engine
 from orthon.engine.sampling import SamplingParams
@@ -401,10 +401,7 @@ def format_table(results: dict[str, dict]) -> str:
 
 def plot_report(results: dict[str, dict], out_png) -> None:
     """Heat maps (length x depth) of passkey accuracy, one per model, and perplexity by position."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     n = len(results)
     fig, axes = plt.subplots(1, n + 1, figsize=(4.2 * (n + 1), 3.8), dpi=110)

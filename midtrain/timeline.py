@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from orthon.core.files import atomic_write_text
-from orthon.core.metrics import save_figure
+from orthon.core.metrics import pyplot, save_figure
 from orthon.midtrain.config import LongEvalConfig
 from orthon.midtrain.eval import Haystack, copy_nll, head_scores, passkey_scores
 
@@ -82,10 +82,7 @@ def run_timeline(run_dir, cfg: LongEvalConfig, log=print) -> dict:
 
 def plot_timeline(result: dict, out_png) -> None:
     """Copying NLLs, best-head scores and passkey against the step, the formation steps marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     points = result["points"]
     steps = [p["step"] for p in points]

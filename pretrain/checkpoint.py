@@ -10,7 +10,6 @@ pruning never removes the newest checkpoint known to be good.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -29,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from orthon.core.distributed import barrier, is_distributed, rank
 from orthon.core.errors import CheckpointError
+from orthon.core.files import sha256_file
 from orthon.core.interrupts import sigint_deferred
 
 MANIFEST = "manifest.json"
@@ -48,14 +48,6 @@ def _single_process_quiet():
         yield
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def verify(path: Path) -> None:
     """Raise CheckpointError unless every file of the manifest is present with its checksum."""
     manifest = path / MANIFEST
@@ -72,7 +64,7 @@ def verify(path: Path) -> None:
                 raise CheckpointError(f"{path}: file {name} is missing")
             if f.stat().st_size != expected["size"]:
                 raise CheckpointError(f"{path}: file {name} is {f.stat().st_size} bytes, expected {expected['size']} (truncated?)")
-            if _sha256(f) != expected["sha256"]:
+            if sha256_file(f) != expected["sha256"]:
                 raise CheckpointError(f"{path}: file {name} fails its checksum (corrupted)")
         except OSError as exc:  # vanished or unreadable while being checked
             raise CheckpointError(f"{path}: file {name} cannot be read ({exc})") from None
@@ -111,7 +103,7 @@ class Checkpointer:
         barrier()
         if rank() == 0:
             (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state))
-            files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
+            files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(tmp.iterdir())}
             (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
             self._move_bad_aside()
             if final.exists():

@@ -26,7 +26,7 @@ from orthon.core import distributed
 from orthon.core.config import to_dict
 from orthon.core.errors import ConfigError
 from orthon.core.files import atomic_write_bytes
-from orthon.core.metrics import MetricsLogger, plot_training, read_metrics
+from orthon.core.metrics import MetricsLogger, open_step_log, plot_training, read_metrics
 from orthon.core.step_loop import run_steps
 from orthon.data.loader import IGNORE_INDEX, TrainData, ValidData
 from orthon.optim import batch_size_at, build_for_model, lr_at
@@ -288,12 +288,7 @@ class Trainer:
     def _samples_log(self, resume_step):
         if not (self.cfg.log_sample_ids and self.rank == 0):
             return None
-        path = self.run_dir / "samples.jsonl"
-        if path.exists():  # cut back to the checkpoint (or empty for a fresh run), as the metrics
-            kept = [l for l in path.read_text().splitlines()
-                    if resume_step is not None and l and json.loads(l)["step"] <= resume_step]
-            path.write_text("".join(l + "\n" for l in kept))
-        return open(path, "a")
+        return open_step_log(self.run_dir / "samples.jsonl", resume_step)  # cut back as the metrics are
 
     def finish(self, state: dict) -> None:
         """The run's final weights (orthon weights dir, for `orthon export`, RL `--from`) and loss plot."""

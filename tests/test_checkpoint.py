@@ -30,7 +30,7 @@ def test_crash_during_save_leaves_no_finished_checkpoint(tmp_path, monkeypatch):
     def crash(*args, **kwargs):
         raise Killed("killed mid-write")
 
-    monkeypatch.setattr(module, "_sha256", crash)  # dies after the tensors, before the manifest
+    monkeypatch.setattr(module, "sha256_file", crash)  # dies after the tensors, before the manifest
     with pytest.raises(Killed):
         ckpt.save(2, model, [opt], {"step": 2})
     monkeypatch.undo()
