@@ -16,9 +16,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
-from orthon.rl.sample import Sample, SampleStatus, sample_from_dict, sample_to_dict
+from orthon.rl.sample import Sample, SampleStatus, sample_to_dict
 
 
 @dataclass(frozen=True)
@@ -129,11 +129,6 @@ class DataBuffer:
             self._dropped += 1
             return True
 
-    def group(self, instance_id: str) -> list[Sample]:
-        """A copy of the samples a pending or ready group holds so far ([] if none)."""
-        with self._lock:
-            return list(self._pending.get(instance_id) or self._ready.get(instance_id) or [])
-
     def counters(self) -> BufferCounters:
         with self._lock:
             return BufferCounters(
@@ -150,14 +145,9 @@ class DataBuffer:
         Groups still pending or ready are discarded and counted as dropped in the returned counters.
         """
         with self._lock:
-            final = self.counters()
-            final = BufferCounters(
-                pending_groups=0,
-                ready_groups=0,
-                consumed_groups=final.consumed_groups,
-                dropped_groups=final.dropped_groups + final.pending_groups + final.ready_groups,
-                rejected_samples=final.rejected_samples,
-            )
+            now = self.counters()
+            final = replace(now, pending_groups=0, ready_groups=0,
+                            dropped_groups=now.dropped_groups + now.pending_groups + now.ready_groups)
             self._setup(self.group_size if group_size is None else group_size, task_type)
             self._lock.notify_all()
             return final
@@ -174,8 +164,8 @@ class DataBuffer:
     def load_state_dict(self, state: dict) -> None:
         with self._lock:
             self._setup(state["group_size"], state["task_type"])
-            self._pending = {k: [sample_from_dict(s) for s in g] for k, g in state["pending"].items()}
-            self._ready = OrderedDict((k, [sample_from_dict(s) for s in g]) for k, g in state["ready"])
+            self._pending = {k: [Sample(**s) for s in g] for k, g in state["pending"].items()}
+            self._ready = OrderedDict((k, [Sample(**s) for s in g]) for k, g in state["ready"])
             self._closed = set(state["closed"])
             self._consumed, self._dropped, self._rejected = state["consumed"], state["dropped"], state["rejected"]
             self._lock.notify_all()

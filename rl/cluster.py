@@ -37,13 +37,10 @@ class RewardWorker:
 
     def __init__(self, reward_config, task):
         from orthon.core.plugins import resolve
-        from orthon.rl.rewards.registry import resolve_reward
+        from orthon.rl.rewards.registry import SafeReward
 
-        if reward_config:
-            self.fn = resolve_reward(reward_config.name, code_timeout_s=reward_config.code_timeout_s,
-                                     code_memory_mb=reward_config.code_memory_mb, latency_s=reward_config.latency_s)
-        else:
-            self.fn = resolve(task, "rl.task").reward_fn
+        # The bare function: the rollout manager's SafeReward (around RemoteRewardFn) times and counts it.
+        self.fn = SafeReward.from_config(reward_config).fn if reward_config else resolve(task, "rl.task").reward_fn
 
     def score(self, response: str, label):
         return self.fn(response, label)
@@ -85,7 +82,7 @@ class _RolloutActor(RolloutManager):
 class TrainerActor:
     """The policy's process: RLTrainer + the engine fleet."""
 
-    def __init__(self, recipe, tokenizer_path: str, group=None):
+    def __init__(self, recipe, group=None):
         from dataclasses import replace
 
         from orthon.engine.client import HTTPEngine
@@ -95,7 +92,6 @@ class TrainerActor:
         # The driver draws the progress bar and prints the log lines (progress()): an actor's own output
         # goes to Ray's log files, not to the user's terminal.
         self.recipe = replace(recipe, train=replace(recipe.train, progress=False))
-        self.tokenizer_path = tokenizer_path
         # Appended by the engine monitor's thread and the loop's while progress() drains it: a deque's
         # append and popleft are atomic, so no line is lost between a drain and an append.
         self.messages: collections.deque[str] = collections.deque()
@@ -177,22 +173,19 @@ class RLCluster:
                                      strategy="PACK")
         ray.get(self.group.ready(), timeout=cluster.startup_timeout_s)
         rl = self.recipe.rl
-        self.trainer = ray.remote(TrainerActor).options(num_cpus=1, max_concurrency=4, scheduling_strategy=self._bundle(0)) \
-            .remote(self.recipe, self.tokenizer_path, self.group)
+        trainer = ray.remote(TrainerActor).options(num_cpus=1, max_concurrency=4, scheduling_strategy=bundle(self.group, 0))
+        self.trainer = trainer.remote(self.recipe, self.group)
         url = ray.get(self.trainer.url.remote())
         # A reward call mostly waits (a sandbox, a judge): each worker takes reward.concurrency at once.
         concurrency = rl.reward.concurrency if rl.reward else 1
         workers = [ray.remote(RewardWorker).options(num_cpus=0, max_concurrency=concurrency).remote(rl.reward, rl.task)
                    for _ in range(cluster.reward_workers)]
-        self.rollout = ray.remote(_RolloutActor).options(num_cpus=1, max_concurrency=8, scheduling_strategy=self._bundle(1)) \
-            .remote(rl, self.tokenizer_path, url, self.recipe.train.seed, workers)
+        rollout = ray.remote(_RolloutActor).options(num_cpus=1, max_concurrency=8, scheduling_strategy=bundle(self.group, 1))
+        self.rollout = rollout.remote(rl, self.tokenizer_path, url, self.recipe.train.seed, workers)
         ray.get(self.trainer.attach.remote(self.rollout))
         if resume and not ray.get(self.trainer.resume.remote()):
             self.log(f"no usable RL checkpoint in {self.recipe.train.run_dir}; starting at iteration 0")
         return self
-
-    def _bundle(self, index: int):
-        return bundle(self.group, index)
 
     def fit(self, poll_s: float = 1.0) -> dict:
         """Runs the loop in the trainer actor; meanwhile shows its progress and prints its log lines."""

@@ -160,10 +160,8 @@ class ClusterConfig:
     engine_max_batch_size: int = 64
     router: bool = True  # sglang-router in front of the engines (session affinity by routing key)
     reward_workers: int = 0  # Ray actors scoring rewards; 0: the rollout manager's threads score
-    # How new weights reach the engines: "disk" (versioned HF-layout safetensors the engines reload),
-    # "distributed" (one process group, the trainer broadcasts flattened buckets: gloo here, NCCL on GPU),
-    # "shared" (colocated: flattened buckets in shared memory, no copy on the way). With delta: true,
-    # only the changed bytes travel (the engines must hold the previous version's exact bytes).
+    # How new weights reach the engines (orthon.rl.weight_sync); with delta: true only the changed bytes
+    # travel (the engines must hold the previous version's exact bytes).
     weight_sync: Literal["disk", "distributed", "shared"] = "disk"
     delta: bool = True
     check_weights: bool = False  # after every sync, compare a hash per tensor of every engine with the trainer's
@@ -177,8 +175,6 @@ class ClusterConfig:
                   "health_failures", "request_timeout_s", "startup_timeout_s")
         if self.reward_workers < 0:
             raise ConfigError(f"reward_workers: must be >= 0, got {self.reward_workers}")
-        if self.weight_sync not in ("disk", "distributed", "shared"):
-            raise ConfigError(f"weight_sync: must be 'disk', 'distributed' or 'shared', got {self.weight_sync!r}")
 
 
 @dataclass

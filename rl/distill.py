@@ -13,6 +13,7 @@ rollout's process (``orthon.pretrain.logprobs.sequence_log_probs`` on their weig
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import random
 import threading
@@ -21,7 +22,7 @@ import torch
 
 from orthon.core.errors import ConfigError
 from orthon.core.plugins import resolve
-from orthon.pretrain.logprobs import sequence_log_probs
+from orthon.rl.logprobs import sample_log_probs
 from orthon.rl.rollout import RolloutContext, single_turn
 from orthon.rl.sample import Sample
 from orthon.rl.tasks import Prompt
@@ -64,10 +65,7 @@ class MixedTask:
         return {"rng": repr(self.rng.getstate()), "tasks": {n: t.state_dict() for n, t in self.tasks.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        import ast
-
-        version, internal, gauss = ast.literal_eval(state["rng"])
-        self.rng.setstate((version, tuple(internal), gauss))
+        self.rng.setstate(ast.literal_eval(state["rng"]))  # state_dict's repr() of the state tuple
         for name, task_state in state["tasks"].items():
             self.tasks[name].load_state_dict(task_state)
 
@@ -89,7 +87,7 @@ def teacher_model(weights: str) -> torch.nn.Module:
 @torch.no_grad()
 def teacher_log_probs(model, samples: list[Sample]) -> list[torch.Tensor]:
     """The teacher's fp32 log-prob of each sample's response tokens."""
-    out = sequence_log_probs(model, [s.tokens for s in samples], [s.response_length for s in samples])
+    out = sample_log_probs(model, samples)
     return [out.log_probs[b, : s.response_length].float().clone() for b, s in enumerate(samples)]
 
 

@@ -106,24 +106,19 @@ def padded_cost(bins: Sequence[Sequence[int]], costs: Sequence[float]) -> np.nda
     return np.array([len(b) * costs[list(b)].max() if len(b) else 0.0 for b in bins])
 
 
-def pack_flops_balanced(
-    lengths: Sequence[int],
-    capacity: int,
-    *,
-    weights: Sequence[float] | None = None,
-    num_micro_batches: int | None = None,
-) -> list[list[int]]:
+def pack_flops_balanced(lengths: Sequence[int], capacity: int, *,
+                        weights: Sequence[float] | None = None) -> list[list[int]]:
     """Sample indices per micro-batch, FLOPs balanced across micro-batches under the token capacity.
 
-    Starts from as many micro-batches as first-fit decreasing needs (or ``num_micro_batches`` if
-    larger), then places samples heaviest first (``weights``, default sample_flops(lengths)) into
-    the lightest micro-batch that still has room, opening a new one only when none has.
+    Starts from as many micro-batches as first-fit decreasing needs, then places samples heaviest first
+    (``weights``, default sample_flops(lengths)) into the lightest micro-batch that still has room,
+    opening a new one only when none has.
     """
     lengths = _check_lengths(lengths, capacity)
     weights = sample_flops(lengths) if weights is None else np.asarray(weights, dtype=np.float64)
     if weights.shape != lengths.shape:
         raise ValueError(f"weights: {weights.shape[0]} values for {lengths.shape[0]} samples")
-    count = max(len(pack_first_fit(lengths, capacity)), num_micro_batches or 0, 1 if len(lengths) else 0)
+    count = max(len(pack_first_fit(lengths, capacity)), 1 if len(lengths) else 0)
     bins: list[list[int]] = [[] for _ in range(count)]
     load = [0.0] * count
     room = [capacity] * count

@@ -42,7 +42,6 @@ class EngineServer:
         self.weights_dir, self.log_dir, self.threads = weights_dir, Path(log_dir), threads
         self.max_batch_size, self.host, self.startup_timeout_s = max_batch_size, host, startup_timeout_s
         self.proc: subprocess.Popen | None = None
-        self.starts = 0
         self.start()
 
     def start(self) -> str:
@@ -56,7 +55,6 @@ class EngineServer:
              "--port", str(port), "--max-batch-size", str(self.max_batch_size)],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
-        self.starts += 1
         try:
             wait_until_healthy(self.url_ + "/health", self.startup_timeout_s, alive=lambda: self.proc.poll() is None)
         except Exception:
@@ -139,14 +137,11 @@ class EngineFleet:
         return ray.get([a.pid.remote() for a in self.actors])
 
     # ------------------------------------------------------------ weights
-    def clients(self) -> list:
-        return [self.client_factory(url) for url in self.urls]
-
     def sync(self, model, version: int) -> None:
         """The weights to every engine; an engine that could not take them is restarted with them."""
         with self._lock:
             self.version, self.model = version, model
-            for url in self.sync_path.push(model, version, self.clients()):
+            for url in self.sync_path.push(model, version, [self.client_factory(u) for u in self.urls]):
                 self.counters["failed_syncs"] += 1
                 self.replace(self.urls.index(url), url)
 

@@ -19,12 +19,11 @@ whole conversation as text-based frameworks do, which forks on any re-tokenisati
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections import Counter
-
 
 from orthon.core.plugins import resolve
 from orthon.rl.chat import ROLE_TOKENS, Message, ToolCall, parse_tool_call, render, render_message, split_assistant
+from orthon.rl.rewards.registry import call_with_timeout
 from orthon.rl.rollout import RolloutContext, score
 from orthon.rl.sample import Sample, SampleStatus
 from orthon.rl.trajectory import Trajectory
@@ -48,17 +47,9 @@ class _Session:
 
 def _run_tool(fn, code: str, timeout_s: float) -> str:
     """The tool's output as text; an exception or a tool past its time limit is reported, not raised."""
-    out: dict = {}
-
-    def target():
-        try:
-            out["value"] = str(fn(code))
-        except Exception as exc:  # the model's code broke the tool: the model is told so
-            out["value"] = f"tool error: {type(exc).__name__}: {exc}"
-
-    worker = threading.Thread(target=target, daemon=True)
-    worker.start()
-    worker.join(timeout_s)
+    out = call_with_timeout(lambda: str(fn(code)), timeout_s)
+    if "error" in out:  # the model's code broke the tool: the model is told so
+        return f"tool error: {type(out['error']).__name__}: {out['error']}"
     return out.get("value", f"tool error: no result after {timeout_s:g}s")
 
 
@@ -94,7 +85,7 @@ def tool_rollout(ctx: RolloutContext, prompts) -> list[Sample]:
                 contexts.append(s.trajectory.continue_with(tok.encode(render(s.messages, clear_thinking))))
             else:  # token in, token out: the path's ids, then the new turns' ids
                 head = tok.encode(render_message(s.messages[-1]) + f"{ROLE_TOKENS['assistant']}\n")
-                contexts.append(s.trajectory.continue_with(s.trajectory.ids() + head, "observation"))
+                contexts.append(s.trajectory.continue_with(s.trajectory.ids() + head))
         params = []
         for s in active:
             seed = None if base_seed is None else (base_seed + s.number) * max_turns + turn
@@ -156,7 +147,7 @@ def _to_samples(ctx, sessions, counters) -> list[Sample]:
         meta["forks"] = [{**f, "rollout_log_probs": f["rollout_log_probs"].tolist()} for f in forks if sum(f["loss_mask"])]
         samples.append(Sample(s.prompt.instance_id, main["tokens"], response_length=main["response_length"],
                               loss_mask=main["loss_mask"], rollout_log_probs=main["rollout_log_probs"],
-                              reward=float(reward) if s.status is not SampleStatus.FAILED else 0.0,
+                              reward=float(reward),
                               session_id=s.trajectory.session_id, policy_version=min(s.versions),
                               status=s.status, metadata=meta))
     if ctx.stats is not None:

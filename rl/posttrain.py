@@ -26,10 +26,6 @@ from orthon.core.files import atomic_write_text
 from orthon.core.plugins import resolve
 
 
-SINGLE_TURN = "orthon.rl.rollout.single_turn"
-TOOL_ROLLOUT = "orthon.rl.multi_turn.tool_rollout"
-
-
 @dataclass
 class PosttrainStage:
     name: str
@@ -40,8 +36,6 @@ class PosttrainStage:
     def __post_init__(self):
         if not self.name or "/" in self.name:
             raise ConfigError(f"name: must be a non-empty name without '/', got {self.name!r}")
-        if self.kind not in ("sft", "rl"):
-            raise ConfigError(f"kind: must be 'sft' or 'rl', got {self.kind!r}")
 
 
 @dataclass
@@ -82,23 +76,6 @@ def stage_mapping(plan: PosttrainPlan, plan_path: Path, stage: PosttrainStage, i
     return mapping
 
 
-def stage_recipe(plan: PosttrainPlan, plan_path: Path, stage: PosttrainStage, init_from: Path, finals: dict):
-    """The RLRecipe of one stage, with the model of the weights it starts from."""
-    from orthon.pretrain.weights import load_config, load_runtime
-    from orthon.rl.recipe import RLRecipe
-
-    recipe = build(RLRecipe, stage_mapping(plan, plan_path, stage, init_from, finals))
-    return replace(recipe, model=load_config(init_from), runtime=load_runtime(init_from))
-
-
-def sft_conversations(cfg, tokenizer, seed: int):
-    from orthon.rl.sft import read_conversations
-
-    if cfg.data.endswith(".jsonl"):
-        return read_conversations(cfg.data)
-    return resolve(cfg.data, "sft.data")(tokenizer, cfg.examples, seed=seed)
-
-
 def evaluate(weights: Path, recipe, tokenizer) -> dict:
     """Held-out rewards of ``weights`` on ``recipe``'s task (its rollout plug-in, its engine settings)."""
     from orthon.engine.in_process import InProcessEngine
@@ -112,7 +89,9 @@ def evaluate(weights: Path, recipe, tokenizer) -> dict:
 
 def run_posttrain(plan: PosttrainPlan, plan_path: Path, source: Path, tokenizer, log=print) -> dict:
     from orthon.pretrain.trainer import write_run_config
-    from orthon.rl.sft import fit_sft
+    from orthon.pretrain.weights import load_config, load_runtime
+    from orthon.rl.recipe import RLRecipe
+    from orthon.rl.sft import fit_sft, read_conversations
     from orthon.rl.trainer import RLTrainer, summary_line
 
     if distributed.rank() != 0:
@@ -121,7 +100,9 @@ def run_posttrain(plan: PosttrainPlan, plan_path: Path, source: Path, tokenizer,
     recipes, summary = {}, {"stages": []}
     start = source / "final"
     for stage in plan.stages:
-        recipe = stage_recipe(plan, Path(plan_path), stage, start, finals)
+        # The stage's recipe, with the model of the weights it starts from.
+        recipe = build(RLRecipe, stage_mapping(plan, Path(plan_path), stage, start, finals))
+        recipe = replace(recipe, model=load_config(start), runtime=load_runtime(start))
         if getattr(tokenizer, "path", None):  # recorded, so a stage can be the --from of a later run
             recipe = replace(recipe, data=replace(recipe.data, tokenizer=str(tokenizer.path)))
         run_dir = Path(recipe.train.run_dir)
@@ -134,7 +115,10 @@ def run_posttrain(plan: PosttrainPlan, plan_path: Path, source: Path, tokenizer,
             write_run_config(run_dir, recipe)  # what the stage ran with, as orthon rl records it
             log(f"stage {stage.name}: {stage.kind} from {start}")
             if stage.kind == "sft":
-                result = fit_sft(recipe, tokenizer, sft_conversations(recipe.sft, tokenizer, recipe.train.seed), log)
+                sft = recipe.sft
+                conversations = (read_conversations(sft.data) if sft.data.endswith(".jsonl") else
+                                 resolve(sft.data, "sft.data")(tokenizer, sft.examples, seed=recipe.train.seed))
+                result = fit_sft(recipe, tokenizer, conversations, log)
             else:
                 trainer = RLTrainer(recipe, tokenizer, log=log)
                 trainer.resume()
@@ -149,8 +133,8 @@ def run_posttrain(plan: PosttrainPlan, plan_path: Path, source: Path, tokenizer,
         finals[stage.name] = start = run_dir / "final"
         if stage.kind == "rl":
             recipes[stage.name] = recipe
-            if recipe.rl.rollout == TOOL_ROLLOUT:  # the same task answered without tools, for comparison
-                plain = replace(recipe.rl, rollout=SINGLE_TURN, rollout_args={})
+            if recipe.rl.rollout == "orthon.rl.multi_turn.tool_rollout":  # the task without tools, for comparison
+                plain = replace(recipe.rl, rollout="orthon.rl.rollout.single_turn", rollout_args={})
                 recipes[f"{stage.name} (no tools)"] = replace(recipe, rl=plain)
     # What each stage's model can do on each RL stage's task (the starting model's too).
     models = {"start": source / "final", **finals}

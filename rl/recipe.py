@@ -18,24 +18,15 @@ from orthon.rl.config import SFTConfig
 from orthon.rl.train_config import RLConfig
 
 
-def _optim() -> OptimConfig:
-    return OptimConfig(algorithm="adamw", adamw_weight_decay=0.0, weight_decay=0.0)
-
-
-def _schedule() -> ScheduleConfig:
-    return ScheduleConfig(peak_lr=2e-5, floor_lr=2e-5, warmup_tokens=0, total_tokens=1)
-
-
-def _train() -> TrainConfig:
-    return TrainConfig(run_dir="runs/rl", micro_batch_size=64, checkpoint_interval=10, keep_last=2,
-                       track_max_logit=False, progress_label="rl", builtin_dir="")
-
-
 @dataclass
 class RLRecipe(Recipe):
-    optim: OptimConfig = field(default_factory=_optim)
-    schedule: ScheduleConfig = field(default_factory=_schedule)
-    train: TrainConfig = field(default_factory=_train)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(algorithm="adamw", adamw_weight_decay=0.0,
+                                                                   weight_decay=0.0))
+    schedule: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(peak_lr=2e-5, floor_lr=2e-5,
+                                                                            warmup_tokens=0, total_tokens=1))
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        run_dir="runs/rl", micro_batch_size=64, checkpoint_interval=10, keep_last=2, track_max_logit=False,
+        progress_label="rl", builtin_dir=""))
     rl: RLConfig = field(default_factory=RLConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
 

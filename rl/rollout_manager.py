@@ -137,13 +137,6 @@ class RolloutManager:
         return {"rollout_failed": sum(1 for s in samples if s.status is SampleStatus.FAILED)}
 
     # ------------------------------------------------------------ asynchronous production
-    def max_ahead(self) -> int:
-        return self.cfg.max_ahead_groups or 2 * self.cfg.prompts_per_iteration
-
-    def _ahead(self) -> int:
-        counts = self.buffer.counters()
-        return counts.ready_groups + counts.pending_groups + len(self._in_flight)
-
     def start(self) -> None:
         """Start the producer threads (async mode); idempotent."""
         with self._cond:
@@ -162,10 +155,15 @@ class RolloutManager:
             worker.join(timeout)
         self._workers = [w for w in self._workers if w.is_alive()]
 
+    def _ahead(self) -> int:
+        counts = self.buffer.counters()
+        return counts.ready_groups + counts.pending_groups + len(self._in_flight)
+
     def _produce(self) -> None:
+        max_ahead = self.cfg.max_ahead_groups or 2 * self.cfg.prompts_per_iteration
         while True:
             with self._cond:
-                while not self._stopping and self._ahead() >= self.max_ahead():
+                while not self._stopping and self._ahead() >= max_ahead:
                     self._cond.wait()
                 if self._stopping:
                     return

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -28,10 +28,6 @@ class SampleStatus(str, enum.Enum):
     TRUNCATED = "truncated"  # hit max new tokens or the context length
     ABORTED = "aborted"  # generation stopped from outside (e.g. a weight update)
     FAILED = "failed"  # could not be generated (prompt too long, engine error)
-
-    @property
-    def finished(self) -> bool:
-        return self is not SampleStatus.PENDING
 
 
 def _as_fp32(name: str, value: Any) -> torch.Tensor:
@@ -134,32 +130,16 @@ class Sample:
     def num_loss_tokens(self) -> int:
         return sum(self.loss_mask)
 
-    def with_response(
-        self,
-        response: Sequence[int],
-        log_probs: Any,
-        *,
-        status: SampleStatus = SampleStatus.COMPLETED,
-        loss_mask: Sequence[int] | None = None,
-        policy_version: int | None = None,
-    ) -> "Sample":
+    def with_response(self, response: Sequence[int], log_probs: Any, *, status: SampleStatus = SampleStatus.COMPLETED,
+                      policy_version: int | None = None) -> "Sample":
         """A finished copy of this (pending) sample with ``response`` appended."""
         if self.status is not SampleStatus.PENDING:
             raise ValueError(f"sample {self.instance_id!r}: already {self.status.value}, cannot add a response")
         response = list(response)
-        return Sample(
-            instance_id=self.instance_id,
-            tokens=self.tokens + response,
-            response_length=len(response),
-            loss_mask=list(loss_mask) if loss_mask is not None else [1] * len(response),
-            rollout_log_probs=log_probs,
-            reward=self.reward,
-            session_id=self.session_id,
-            policy_version=self.policy_version if policy_version is None else policy_version,
-            status=status,
-            teacher_log_probs=None,
-            metadata=dict(self.metadata),
-        )
+        return replace(self, tokens=self.tokens + response, response_length=len(response),
+                       loss_mask=[1] * len(response), rollout_log_probs=log_probs, status=status,
+                       teacher_log_probs=None, metadata=dict(self.metadata),
+                       policy_version=self.policy_version if policy_version is None else policy_version)
 
 
 def sample_to_dict(sample: Sample) -> dict:
@@ -170,10 +150,6 @@ def sample_to_dict(sample: Sample) -> dict:
         if out[name] is not None:
             out[name] = out[name].tolist()
     return out
-
-
-def sample_from_dict(data: dict) -> Sample:
-    return Sample(**data)
 
 
 # An engine's finish reason (orthon.engine.protocol.FinishReason) as a Sample status.

@@ -7,11 +7,9 @@ trained: a masked token (a tool observation, say) gets no gradient and does not 
 normaliser. The normaliser (trained tokens, or trained sequences) is the whole batch's, so
 micro-batching and data parallelism leave the gradient unchanged.
 
-Micro-batches and ranks (orthon.rl.dp_schedule, ``rl.dp_schedule``): the samples are packed into
-micro-batches of at most ``micro_batch_tokens`` padded tokens and ``train.micro_batch_size`` samples,
-and under torchrun the micro-batches are spread over the data-parallel ranks by their FLOPs
-(Karmarkar-Karp), every rank running the same number of them. A rank left without samples (fewer
-samples than ranks) runs one at weight 0, so that DDP's gradient all-reduce still meets every rank.
+Micro-batches and their ranks follow ``rl.dp_schedule`` (orthon.rl.dp_schedule), a micro-batch holding
+at most ``train.micro_batch_size`` samples. A rank left without samples (fewer samples than ranks) runs
+one at weight 0, so that DDP's gradient all-reduce still meets every rank.
 With ``kl_coef`` > 0 the policy loss adds the per-token KL to a frozen reference model.
 """
 from __future__ import annotations

@@ -6,6 +6,7 @@ contains (``"Q: 37+45=? A:"`` -> ``" 82"``), so the tiny pretrained model can al
 """
 from __future__ import annotations
 
+import ast
 import random
 from dataclasses import dataclass
 
@@ -58,10 +59,7 @@ class GeneratedTask:
         return {"rng": repr(self.rng.getstate()), "issued": self.issued}
 
     def load_state_dict(self, state: dict) -> None:
-        import ast
-
-        version, internal, gauss = ast.literal_eval(state["rng"])
-        self.rng.setstate((version, tuple(internal), gauss))
+        self.rng.setstate(ast.literal_eval(state["rng"]))  # state_dict's repr() of the state tuple
         self.issued = state["issued"]
 
 

@@ -79,12 +79,6 @@ class RLConfig:
         for name in ("max_ahead_groups", "max_staleness", "max_retries"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        if self.mode not in ("sync", "async"):
-            raise ConfigError(f"mode: must be 'sync' or 'async', got {self.mode!r}")
-        if self.debug not in ("none", "rollout_only", "train_only"):
-            raise ConfigError(f"debug: must be 'none', 'rollout_only' or 'train_only', got {self.debug!r}")
-        if self.stale_groups not in ("drop", "keep"):
-            raise ConfigError(f"stale_groups: must be 'drop' or 'keep', got {self.stale_groups!r}")
         if self.opd is not None and self.opd.teachers:  # distillation: its prompt source, rollout and group size
             self.task = "orthon.rl.distill.MixedTask"
             self.task_args = {"sets": [{"name": t.name, "task": t.task, "task_args": dict(t.task_args), "ratio": t.ratio}

@@ -1,13 +1,11 @@
 """GRPO + IcePop: RL = Trainer + Engine + Buffer.
 
 The policy trains on the one Trainer (its optimizer builder, schedule, data-parallel wrapper,
-checkpointer) with RL's step plug-in (orthon.rl.steps.PolicyStep). Rollouts come from the
-RolloutManager (orthon.rl.rollout_manager: the prompt source, the Data Buffer, the rollout plug-in,
-the rewards), which reaches the engines only through the Engine protocol. One iteration: take the
-iteration's ready groups, compute GRPO advantages per group, take ``updates_per_iteration`` optimizer
-steps, hand the new weights to the engines under the next weight version. ``rl.mode`` chooses whether
-rollouts wait for training (sync) or run beside it (async); on a Ray cluster the same loop runs with
-the rollout manager, the engines and the trainer in different processes (orthon.rl.cluster).
+checkpointer) with RL's step plug-in (orthon.rl.steps.PolicyStep); rollouts, in either ``rl.mode``,
+come from the RolloutManager (orthon.rl.rollout_manager). One iteration: take the iteration's ready
+groups, compute GRPO advantages per group, take ``updates_per_iteration`` optimizer steps, hand the new
+weights to the engines under the next weight version. On a Ray cluster the same loop runs with the
+rollout manager, the engines and the trainer in different processes (orthon.rl.cluster).
 
 Under torchrun (data parallelism: DDP, or FSDP2 by ``train.parallel``) rank 0's rollout manager draws
 the prompts and collects each iteration's groups, hands them to every rank, and every rank trains its
@@ -40,7 +38,7 @@ from orthon.rl.logprobs import sample_log_probs
 from orthon.rl.loss import grpo_advantages
 from orthon.rl.rank_rollouts import RankRollouts
 from orthon.rl.rollout_manager import RolloutManager, rollout_state
-from orthon.rl.sample import Sample, branches, sample_from_dict, sample_to_dict
+from orthon.rl.sample import Sample, branches, sample_to_dict
 from orthon.rl.steps import METRICS, PolicyStep
 
 
@@ -205,11 +203,6 @@ class RLTrainer:
         else:
             self.engine.update_weights(state, version=self.weight_version)
 
-    def sync_weights(self) -> None:
-        """Hand the new weights to the engines under the next weight version."""
-        self.weight_version += 1
-        self._hand_over()
-
     def evaluate(self) -> dict:
         return self._from_rank_zero(lambda: self.rollout.evaluate())
 
@@ -233,7 +226,7 @@ class RLTrainer:
         groups: dict[str, list[Sample]] = {}
         for number, line in enumerate(path.read_text().splitlines(), 1):
             try:
-                sample = sample_from_dict(json.loads(line))
+                sample = Sample(**json.loads(line))
             except (ValueError, TypeError) as exc:
                 raise DataError(f"{path}:{number}: not a saved sample ({exc})") from None
             groups.setdefault(sample.instance_id, []).append(sample)
@@ -275,8 +268,9 @@ class RLTrainer:
         else:
             stats.update(self.train_on(groups))
         trained = time.perf_counter()
-        if cfg.debug != "rollout_only":
-            self.sync_weights()
+        if cfg.debug != "rollout_only":  # the new weights to the engines, under the next version
+            self.weight_version += 1
+            self._hand_over()
         self.iteration += 1
         # trained_ids: the audit trail (every prompt trained on once, across restarts and resumes).
         stats.update(policy_version=self.weight_version, trained_samples=sum(map(len, groups)),

@@ -12,19 +12,17 @@ generated token is trained once, in the context it was generated in.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 
 @dataclass
 class Node:
-    role: str
     ids: list[int]
     parent: "Node | None" = None
     generated: bool = False  # sampled by the engine (trained on) or given (prompt, observation)
     log_probs: torch.Tensor | None = None  # fp32 rollout log-probs of generated ids
-    children: list["Node"] = field(default_factory=list)
     depth_ids: int = 0  # ids on the path up to and including this node
 
     def path(self) -> list["Node"]:
@@ -38,7 +36,7 @@ class Node:
 class Trajectory:
     def __init__(self, prompt_ids: list[int], session_id: str):
         self.session_id = session_id
-        self.root = Node("prompt", list(prompt_ids), depth_ids=len(prompt_ids))
+        self.root = Node(list(prompt_ids), depth_ids=len(prompt_ids))
         self.head = self.root
         self.forks = 0
         self._leaves_closed: list[Node] = []  # heads of branches that were forked away from
@@ -46,29 +44,22 @@ class Trajectory:
     def ids(self, node: Node | None = None) -> list[int]:
         return [i for n in (node or self.head).path() for i in n.ids]
 
-    def _add(self, parent: Node, role: str, ids, generated=False, log_probs=None) -> Node:
-        node = Node(role, list(ids), parent, generated, log_probs, depth_ids=parent.depth_ids + len(ids))
-        parent.children.append(node)
-        return node
+    def _add(self, parent: Node, ids, generated=False, log_probs=None) -> Node:
+        return Node(list(ids), parent, generated, log_probs, depth_ids=parent.depth_ids + len(ids))
 
     def add_generated(self, ids: list[int], log_probs: torch.Tensor) -> Node:
         """The engine's response to the current context, as sampled."""
-        self.head = self._add(self.head, "assistant", ids, True, torch.as_tensor(log_probs, dtype=torch.float32))
+        self.head = self._add(self.head, ids, True, torch.as_tensor(log_probs, dtype=torch.float32))
         return self.head
 
-    def add_given(self, role: str, ids: list[int]) -> Node:
-        """Ids the engine did not sample (an observation, a user turn, a role header)."""
-        self.head = self._add(self.head, role, ids)
-        return self.head
-
-    def continue_with(self, context: list[int], role: str = "context") -> list[int]:
+    def continue_with(self, context: list[int]) -> list[int]:
         """Make ``context`` (the full prompt of the next turn, however it was built) the current path:
-        appended when the current path's ids are its prefix, else a fork from the deepest node that
-        agrees (counted). Returns ``context``."""
+        appended when the current path's ids are its prefix (ids the engine did not sample: observations,
+        role headers), else a fork from the deepest node that agrees (counted). Returns ``context``."""
         path = self.ids()
         if context[: len(path)] == path:
             if len(context) > len(path):
-                self.add_given(role, context[len(path):])
+                self.head = self._add(self.head, context[len(path):])
             return context
         self.forks += 1
         self._leaves_closed.append(self.head)
@@ -77,7 +68,7 @@ class Trajectory:
             node = node.parent
         if self.ids(node) != context[: node.depth_ids]:
             raise ValueError(f"session {self.session_id}: the new context does not start with the prompt")
-        self.head = self._add(node, role, context[node.depth_ids:]) if len(context) > node.depth_ids else node
+        self.head = self._add(node, context[node.depth_ids:]) if len(context) > node.depth_ids else node
         return context
 
     def branches(self) -> list[Node]:

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from orthon.rl.sandbox import SandboxPool, run_code, shared_pool
+from orthon.rl.sandbox import run_code, shared_pool
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 PYTHON_FENCES = ("python", "py", "python3")
@@ -26,7 +26,6 @@ _OUTPUT_CAP = 16 * 1024 * 1024
 @dataclass
 class CodeResult:
     passed: bool
-    returncode: int | None  # None when killed on the wall-clock timeout
     timed_out: bool  # the wall-clock or the CPU-time limit
     stdout: str  # tails, for debugging a failure
     stderr: str
@@ -42,40 +41,31 @@ def extract_code(response: str, languages: Sequence[str] = PYTHON_FENCES) -> str
     return (marked or [code for _, code in blocks])[-1]
 
 
-def _run(program: str, stdin: str, timeout_s: float, memory_mb: int, pool: SandboxPool | None) -> CodeResult:
-    result = run_code(program, timeout_s, memory_mb, stdin=stdin, output_bytes=_OUTPUT_CAP,
-                      pool=pool if pool is not None else shared_pool())
-    return CodeResult(passed=result.status == "ok" and not result.truncated, returncode=result.exit_code,
-                      timed_out=result.status == "timeout", stdout=result.stdout, stderr=result.stderr[-4000:],
-                      status=result.status)
+def output_lines(text: str) -> list[str]:
+    """``text``'s lines as an expected output is compared: trailing whitespace and blank lines at the end ignored."""
+    return [line.rstrip() for line in text.rstrip().splitlines()]
 
 
-def run_tests(
-    code: str,
-    tests: str | Sequence[dict],
-    *,
-    timeout_s: float = 10.0,
-    memory_mb: int = 1024,
-    pool: SandboxPool | None = None,
-) -> CodeResult:
-    """Run ``code`` against ``tests`` (assert source, or stdin/stdout cases) in sandboxes under the limits;
-    from ``pool``, else the process's shared pool."""
+def _run(program: str, stdin: str, timeout_s: float, memory_mb: int) -> CodeResult:
+    result = run_code(program, timeout_s, memory_mb, stdin=stdin, output_bytes=_OUTPUT_CAP, pool=shared_pool())
+    return CodeResult(passed=result.status == "ok" and not result.truncated, timed_out=result.status == "timeout",
+                      stdout=result.stdout, stderr=result.stderr[-4000:], status=result.status)
+
+
+def run_tests(code: str, tests: str | Sequence[dict], *, timeout_s: float = 10.0, memory_mb: int = 1024) -> CodeResult:
+    """Run ``code`` against ``tests`` (assert source, or stdin/stdout cases) in sandboxes of the process's
+    shared pool, under the limits."""
     if isinstance(tests, str):
-        return _run(code + "\n\n" + tests + "\n", "", timeout_s, memory_mb, pool)
+        return _run(code + "\n\n" + tests + "\n", "", timeout_s, memory_mb)
     if not tests:
         raise ValueError("run_tests: no test cases")
-    last = None
     for i, case in enumerate(tests):
         if not isinstance(case, dict) or "input" not in case or "output" not in case:
             raise ValueError(f"run_tests: case {i} must be a dict with 'input' and 'output'")
-        last = _run(code, str(case["input"]), timeout_s, memory_mb, pool)
-        expected = str(case["output"]).rstrip()
-        got = "\n".join(line.rstrip() for line in last.stdout.rstrip().splitlines())
-        want = "\n".join(line.rstrip() for line in expected.splitlines())
-        if not last.passed or got != want:
+        last = _run(code, str(case["input"]), timeout_s, memory_mb)
+        if not last.passed or output_lines(last.stdout) != output_lines(str(case["output"])):
             last.passed = False
-            last.stdout = last.stdout[-4000:]
-            return last
+            break
     last.stdout = last.stdout[-4000:]
     return last
 

@@ -82,10 +82,7 @@ class RewardStats:
 
     def as_dict(self) -> dict[str, Any]:
         with self._lock:
-            return {
-                "calls": self.calls, "passed": self.passed, "errors": self.errors,
-                "timeouts": self.timeouts, "invalid": self.invalid, "last_problem": self.last_problem,
-            }
+            return {key: getattr(self, key) for key in (*COUNTS, "last_problem")}
 
     def load(self, counts: dict[str, Any]) -> None:
         """Continue from ``as_dict()``'s counts (a resumed run)."""
@@ -104,6 +101,23 @@ class RewardStats:
     @property
     def failures(self) -> int:
         return self.errors + self.timeouts + self.invalid
+
+
+def call_with_timeout(fn: Callable[[], Any], timeout_s: float, name: str | None = None) -> dict[str, Any]:
+    """``fn()`` in a daemon thread, waited for at most ``timeout_s``: {"value": its result} or {"error": what
+    it raised}, never raised (a plug-in must never take the run down); {} when it ran past the time."""
+    outcome: dict[str, Any] = {}
+
+    def target():
+        try:
+            outcome["value"] = fn()
+        except (Exception, SystemExit) as exc:
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=target, name=name, daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    return {} if worker.is_alive() else outcome
 
 
 def _check_value(value: Any, binary: bool) -> tuple[float | None, str]:
@@ -127,7 +141,7 @@ def _check_value(value: Any, binary: bool) -> tuple[float | None, str]:
 class SafeReward:
     """Call a reward function with a timeout; failures give 0.0 and are counted, never raised."""
 
-    def __init__(self, fn: RewardFn, *, timeout_s: float | None = 30.0, binary: bool = True,
+    def __init__(self, fn: RewardFn, *, timeout_s: float = 30.0, binary: bool = True,
                  name: str | None = None, stats: RewardStats | None = None):
         self.fn = fn
         self.timeout_s = timeout_s
@@ -142,23 +156,10 @@ class SafeReward:
         return cls(fn, timeout_s=config.timeout_s, binary=config.binary, name=config.name)
 
     def __call__(self, response: str, label: Any) -> float:
-        outcome: dict[str, Any] = {}
-
-        def target():
-            try:
-                outcome["value"] = self.fn(response, label)
-            except (Exception, SystemExit) as exc:  # a reward must never take the run down
-                outcome["error"] = exc
-
-        if self.timeout_s is None:
-            target()
-        else:
-            worker = threading.Thread(target=target, name=f"reward-{self.name}", daemon=True)
-            worker.start()
-            worker.join(self.timeout_s)
-            if worker.is_alive():
-                self.stats.record("timeouts", f"{self.name}: no result after {self.timeout_s}s")
-                return 0.0
+        outcome = call_with_timeout(lambda: self.fn(response, label), self.timeout_s, f"reward-{self.name}")
+        if not outcome:
+            self.stats.record("timeouts", f"{self.name}: no result after {self.timeout_s}s")
+            return 0.0
         if "error" in outcome:
             exc = outcome["error"]
             self.stats.record("errors", f"{self.name}: {type(exc).__name__}: {exc}")

@@ -7,10 +7,10 @@ from orthon.rl.sandbox.check import sandbox_problem
 from orthon.rl.sandbox.limits import SandboxLimits
 from orthon.rl.sandbox.pool import SandboxPool
 from orthon.rl.sandbox.process import Job
-from orthon.rl.sandbox.result import STATUSES, SandboxResult, observation
+from orthon.rl.sandbox.result import SandboxResult, observation
 from orthon.rl.sandbox.run import run_code, run_job, run_shell, shared_pool
 
 __all__ = [
-    "STATUSES", "Job", "SandboxLimits", "SandboxPool", "SandboxResult", "SandboxUnavailable", "observation",
+    "Job", "SandboxLimits", "SandboxPool", "SandboxResult", "SandboxUnavailable", "observation",
     "run_code", "run_job", "run_shell", "sandbox_problem", "shared_pool",
 ]

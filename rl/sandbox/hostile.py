@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 from orthon.rl.sandbox.limits import SandboxLimits
 from orthon.rl.sandbox.pool import SandboxPool
+from orthon.rl.sandbox.process import Job
 from orthon.rl.sandbox.result import SandboxResult
-from orthon.rl.sandbox.run import run_code
+from orthon.rl.sandbox.run import run_job
 
 PROBE_NPROC = 32
 PROBE_MEMORY_MB = 64
@@ -80,7 +81,7 @@ def check_limits(marker: str, pool: SandboxPool | None = None) -> list[str]:
     """Run the harmless probes; the problems found (empty when every limit holds)."""
     problems = []
     for name, source, limits, want in probes(marker):
-        result = run_code(source, pool=pool, **limits.as_dict())
+        result = run_job(Job("python", source), limits, pool)
         if result.status != "ok" or result.stdout.strip() != want:
             problems.append(f"{name}: expected {want!r}, got {result.status} {result.stdout.strip()[:200]!r} "
                             f"{result.stderr.strip()[-200:]!r}")
@@ -102,7 +103,7 @@ def run_corpus(context: dict, pool: SandboxPool | None = None,
         if item.bomb and not limits_checked:
             out.append((item, None))
             continue
-        out.append((item, run_code(item.source.format(**context), pool=pool, **corpus_limits(item).as_dict())))
+        out.append((item, run_job(Job("python", item.source.format(**context)), corpus_limits(item), pool)))
     return out
 
 

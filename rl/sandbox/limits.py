@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from orthon.core.errors import ConfigError
 
@@ -32,6 +32,3 @@ class SandboxLimits:
         cpu = self.cpu_s if self.cpu_s is not None else self.timeout_s
         return {"cpu_s": max(1, math.ceil(cpu)), "memory_bytes": int(self.memory_mb) << 20, "nproc": int(self.nproc),
                 "file_bytes": int(self.file_mb) << 20, "nofile": int(self.nofile)}
-
-    def as_dict(self) -> dict:
-        return asdict(self)

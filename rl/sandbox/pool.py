@@ -33,7 +33,6 @@ class SandboxPool:
         self.size = size
         self.warm_calls = 0
         self.cold_calls = 0
-        self.start_failures = 0
         self._idle: deque[SandboxProcess] = deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -52,7 +51,6 @@ class SandboxPool:
                 sandbox = SandboxProcess(self.runtime)
             except OSError:
                 with self._cond:
-                    self.start_failures += 1
                     self._cond.wait(_RETRY_S)
                 continue
             with self._cond:

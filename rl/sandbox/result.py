@@ -4,8 +4,6 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass, field
 
-STATUSES = ("ok", "error", "timeout", "killed")
-
 
 @dataclass
 class SandboxResult:

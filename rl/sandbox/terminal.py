@@ -17,7 +17,7 @@ import random
 from dataclasses import asdict, dataclass, field
 
 from orthon.core.errors import DataError
-from orthon.rl.rewards.code import extract_code
+from orthon.rl.rewards.code import extract_code, output_lines
 from orthon.rl.sandbox.pool import SandboxPool
 from orthon.rl.sandbox.result import SandboxResult
 from orthon.rl.sandbox.run import run_shell, shared_pool
@@ -51,10 +51,6 @@ class TerminalSpec:
             return cls(**data)
         except (TypeError, ValueError) as exc:
             raise DataError(f"terminal task label: not a TerminalSpec as JSON ({exc})") from None
-
-
-def _lines(text: str) -> list[str]:
-    return [line.rstrip() for line in text.rstrip().splitlines()]
 
 
 def make_spec(rng: random.Random, kind: str) -> TerminalSpec:
@@ -99,18 +95,17 @@ def extract_command(response: str) -> str:
     return lines[0].strip() if lines else ""
 
 
-def execute(command: str, spec: TerminalSpec, pool: SandboxPool | None = None, timeout_s: float = TIMEOUT_S,
-            memory_mb: int = MEMORY_MB) -> SandboxResult:
+def execute(command: str, spec: TerminalSpec, pool: SandboxPool | None = None) -> SandboxResult:
     """Run ``command`` with /bin/sh in a fresh sandbox whose workspace holds the task's files; the files
     the task checks come back in ``result.files``."""
-    return run_shell(command, timeout_s, memory_mb, files=spec.files, collect=tuple(spec.expected_files), pool=pool)
+    return run_shell(command, TIMEOUT_S, MEMORY_MB, files=spec.files, collect=tuple(spec.expected_files), pool=pool)
 
 
 def check(spec: TerminalSpec, result: SandboxResult) -> bool:
     """The binary checker: the command succeeded (exit 0, nothing cut) and left what the task asks for."""
     if result.status != "ok" or result.truncated:
         return False
-    if spec.expected_stdout is not None and _lines(result.stdout) != _lines(spec.expected_stdout):
+    if spec.expected_stdout is not None and output_lines(result.stdout) != output_lines(spec.expected_stdout):
         return False
     for name, want in spec.expected_files.items():
         got = result.files.get(name)
