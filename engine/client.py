@@ -40,6 +40,12 @@ def _rejected(prompt, params: SamplingParams, version: int, message: str) -> Gen
                             weight_version=version, seed=params.seed, error=message)
 
 
+def _reported_version(data, default: int | None) -> int | None:
+    """The weight version an answer reports (a string of digits, as SGLang writes it), else ``default``."""
+    value = data.get("weight_version") if isinstance(data, Mapping) else None
+    return int(value) if isinstance(value, str) and value.isdigit() else default
+
+
 class HTTPEngine:
     """An Engine served over HTTP at ``url`` (``orthon.engine.protocol.Engine``)."""
 
@@ -170,13 +176,8 @@ class HTTPEngine:
     # ------------------------------------------------------------ weights
     def _took(self, data, version: int | None) -> int:
         """The version an update answer reports (orthon's servers), else the one asked for, else the server's."""
-        reported = data.get("weight_version") if isinstance(data, Mapping) else None
-        if isinstance(reported, str) and reported.isdigit():
-            self.weight_version = int(reported)
-        elif version is not None:
-            self.weight_version = version
-        else:
-            self.weight_version = self.get_weight_version()
+        reported = _reported_version(data, version)
+        self.weight_version = self.get_weight_version() if reported is None else reported
         return self.weight_version
 
     def update_weights(self, weights, version: int | None = None) -> int:
@@ -219,21 +220,15 @@ class HTTPEngine:
 
     def update_weights_from_distributed(self, metas, version: int | None = None, delta: bool = False,
                                         group_name: str = "weight_update_group", flush_cache: bool = True) -> int:
-        """The server receives the tensors ``metas`` describes (``TensorMeta``s, or (name, dtype, shape))
-        from the group's rank 0, which broadcasts them concurrently (``weight_transfer.broadcast_tensors``).
-        ``delta``: rank 0 broadcasts a delta payload's bytes instead (``weight_transfer.broadcast_bytes``;
-        ``metas`` is ignored, the payload names its version)."""
+        """The server receives the tensors ``metas`` describes (``TensorMeta``s) from the group's rank 0,
+        which broadcasts them concurrently (``weight_transfer.broadcast_tensors``). ``delta``: rank 0
+        broadcasts a delta payload's bytes instead (``weight_transfer.broadcast_bytes``; ``metas`` is
+        ignored, the payload names its version)."""
         if delta:
             payload = {"names": [], "dtypes": [], "shapes": [], "group_name": group_name, "load_format": "orthon_delta"}
             return self._took(self._ok("POST", "/update_weights_from_distributed", payload), None)
-        names, dtypes, shapes = [], [], []
-        for meta in metas:
-            name, dtype, shape = (meta.name, meta.dtype, meta.shape) if hasattr(meta, "name") else meta
-            names.append(name)
-            dtypes.append(str(dtype).removeprefix("torch."))
-            shapes.append(list(shape))
-        payload = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-                   "flush_cache": flush_cache}
+        payload = {"names": [m.name for m in metas], "dtypes": [m.dtype for m in metas],
+                   "shapes": [list(m.shape) for m in metas], "group_name": group_name, "flush_cache": flush_cache}
         if version is not None:
             payload["weight_version"] = str(version)
         return self._took(self._ok("POST", "/update_weights_from_distributed", payload), version)
@@ -243,9 +238,7 @@ class HTTPEngine:
         return dict(self._ok("GET", "/orthon/weight_hashes", retry=True)["hashes"])
 
     def get_weight_version(self) -> int:
-        data = self._ok("GET", "/get_weight_version", retry=True)
-        value = data.get("weight_version") if isinstance(data, Mapping) else None
-        return int(value) if isinstance(value, str) and value.isdigit() else self.weight_version
+        return _reported_version(self._ok("GET", "/get_weight_version", retry=True), self.weight_version)
 
     # ------------------------------------------------------------ control
     def health(self) -> dict:
@@ -260,16 +253,8 @@ class HTTPEngine:
         except EngineUnavailable as exc:
             return {"ok": False, "error": str(exc), "weight_version": self.weight_version}
         info = info if status == 200 and isinstance(info, dict) else {}
-        version = info.get("weight_version")
-        if isinstance(version, str) and version.isdigit():
-            self.weight_version = int(version)
+        self.weight_version = _reported_version(info, self.weight_version)
         return {"ok": True, "url": self.url, "weight_version": self.weight_version, "server": info}
-
-    def server_info(self) -> dict:
-        return self._ok("GET", "/get_server_info", retry=True)
-
-    def model_info(self) -> dict:
-        return self._ok("GET", "/get_model_info", retry=True)
 
     def flush(self) -> None:
         self._ok("POST", "/flush_cache")
@@ -281,8 +266,3 @@ class HTTPEngine:
 
     def resume(self) -> None:
         self._ok("POST", "/continue_generation", {})
-
-    def abort(self, rid: str | None = None) -> None:
-        """Abort the waiting request ``rid`` (None: every waiting request)."""
-        self._ok("POST", "/abort_request", {"rid": rid or "", "abort_all": rid is None})
-

@@ -34,7 +34,7 @@ import xxhash
 import zstandard
 
 from orthon.core.errors import CheckpointError
-from orthon.engine.delta_codec import ENCODINGS, ZSTD_LEVEL, Prepared, encode_tensor, prepare
+from orthon.engine.delta_codec import ENCODINGS, ZSTD_LEVEL, Prepared, check_encodings, encode_tensor, prepare
 from orthon.engine.tensor_bytes import (cpu_contiguous, dtype_name, int_kind, int_view, named_list, parse_dtype,
                                         tensor_hash)
 
@@ -160,17 +160,13 @@ class DeltaPayload:
         return cls(base_version, version, entries, header=header, checksum=checksum)
 
     # ------------------------------------------------------------ applying
-    def verify(self) -> None:
-        """Raise CheckpointError unless the blobs still match the checksum and the entries the header."""
+    def _prepare(self, state_dict: Mapping[str, torch.Tensor]) -> list[tuple[DeltaEntry, torch.Tensor, Prepared]]:
+        """Every check that needs no write: checksum, header, names, dtypes, shapes, distinct storage,
+        base hashes, each blob against its tensor."""
         if _checksum(self._prefix(), self._header_bytes, self._blobs()) != self.checksum:
             raise CheckpointError("delta payload: checksum mismatch (corrupted after it was made)")
         if _read_header(self._header_bytes) != _header(self.base_version, self.version, self.entries):
             raise CheckpointError("delta payload: its entries no longer match its header (modified after it was made)")
-
-    def _prepare(self, state_dict: Mapping[str, torch.Tensor]) -> list[tuple[DeltaEntry, torch.Tensor, Prepared]]:
-        """Every check that needs no write: checksum, names, dtypes, shapes, distinct storage, base hashes,
-        each blob against its tensor."""
-        self.verify()
         plan, spans = [], []
         for e in self.entries:
             target = state_dict.get(e.name)
@@ -222,12 +218,10 @@ class DeltaPayload:
 
 
 def _write(target: torch.Tensor, prepared: Prepared) -> None:
-    with torch.no_grad():
-        if target.device.type == "cpu":
-            prepared.write(int_view(target))
-        else:
-            host = cpu_contiguous(target)
-            prepared.write(int_view(host))
+    host = cpu_contiguous(target)  # the target's own memory when it is on the CPU
+    prepared.write(int_view(host))
+    if host.device != target.device:
+        with torch.no_grad():
             target.copy_(host)
 
 
@@ -281,14 +275,11 @@ class DeltaEncoder:
     ``reset(named, version)`` after a full sync (the receiver now holds exactly ``named``);
     ``encode(named, version)`` returns the payload from the held version to ``named`` and then holds
     ``named``. A receiver that refuses a payload needs a full sync and a ``reset``. ``encodings``
-    restricts the per-tensor choice (benchmarks force one); ``level`` / ``threads`` are zstd's."""
+    restricts the per-tensor choice (benchmarks force one)."""
 
-    def __init__(self, *, encodings: tuple[str, ...] = ENCODINGS, level: int = ZSTD_LEVEL, threads: int = 0):
-        unknown = set(encodings) - set(ENCODINGS)
-        if unknown or not encodings:
-            raise ValueError(f"encodings: {sorted(unknown) or 'none given'}; choose from {ENCODINGS}")
-        self.encodings = tuple(encodings)
-        self._compressor = zstandard.ZstdCompressor(level=level, threads=threads)
+    def __init__(self, *, encodings: tuple[str, ...] = ENCODINGS):
+        self.encodings = check_encodings(encodings)
+        self._compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
         self._held: dict[str, torch.Tensor] = {}
         self._hashes: dict[str, str] = {}
         self._aliases: set[str] = set()

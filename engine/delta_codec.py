@@ -43,14 +43,14 @@ ZSTD_LEVEL = 1
 SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}  # by element width: for arithmetic shifts
 
 
+def check_encodings(encodings: tuple[str, ...]) -> tuple[str, ...]:
+    unknown = set(encodings) - set(ENCODINGS)
+    if unknown or not encodings:
+        raise ValueError(f"encodings: {sorted(unknown) or 'none given'}; choose from {ENCODINGS}")
+    return tuple(encodings)
+
+
 # ------------------------------------------------------------------ building blocks
-def changed_mask(old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    if old.dtype != new.dtype or old.shape != new.shape:
-        raise CheckpointError(f"old and new differ in element type or count: {old.dtype}[{old.size}] vs "
-                              f"{new.dtype}[{new.size}]")
-    return old != new
-
-
 def zigzag(diff: np.ndarray) -> np.ndarray:
     """Unsigned differences read as signed, mapped 0, -1, 1, -2, ... -> 0, 1, 2, 3, ... (a new array)."""
     bits = diff.dtype.itemsize * 8
@@ -113,22 +113,9 @@ def add_diff_planes(planes: np.ndarray, target: np.ndarray) -> None:
         target[start:end] += unzigzag(columns.view(target.dtype).reshape(-1))
 
 
-def position_gaps(positions: np.ndarray) -> np.ndarray:
-    """Distance of each position from the previous one (the first from -1), int64."""
-    gaps = np.empty(positions.size, np.int64)
-    if positions.size:
-        gaps[0] = positions[0] + 1
-        np.subtract(positions[1:], positions[:-1], out=gaps[1:])
-    return gaps
-
-
-def gap_token_count(gaps: np.ndarray) -> int:
-    if gaps.size == 0 or gaps.max() < ESCAPE:
-        return gaps.size
-    return gaps.size + int((gaps // ESCAPE).sum())
-
-
-def tokens_of_gaps(gaps: np.ndarray) -> np.ndarray:
+def gap_tokens(positions: np.ndarray) -> np.ndarray:
+    """uint16 tokens of increasing positions (see the module docstring)."""
+    gaps = np.diff(positions, prepend=-1)  # distance from the previous position, the first from -1
     if gaps.size == 0 or gaps.max() < ESCAPE:  # the common case: no escapes
         return gaps.astype(np.uint16)
     escapes = gaps // ESCAPE
@@ -138,11 +125,6 @@ def tokens_of_gaps(gaps: np.ndarray) -> np.ndarray:
     return tokens
 
 
-def gap_tokens(positions: np.ndarray) -> np.ndarray:
-    """uint16 tokens of increasing positions (see the module docstring)."""
-    return tokens_of_gaps(position_gaps(positions))
-
-
 def positions_from_gaps(tokens: np.ndarray) -> np.ndarray:
     cursor = np.cumsum(tokens, dtype=np.int64)
     cursor -= 1
@@ -150,32 +132,7 @@ def positions_from_gaps(tokens: np.ndarray) -> np.ndarray:
     return cursor if marks.all() else cursor[marks]
 
 
-# ------------------------------------------------------------------ encoders
-def encode_full(new: np.ndarray) -> bytes:
-    return new.tobytes()
-
-
-def encode_int32_positions(positions: np.ndarray, new: np.ndarray) -> bytes:
-    if new.size > INT32_MAX:
-        raise CheckpointError(f"int32_positions: {new.size} elements do not fit int32 positions")
-    return positions.astype("<i4").tobytes() + new[positions].tobytes()
-
-
-def encode_uint16_gaps(positions: np.ndarray, new: np.ndarray, gaps: np.ndarray | None = None) -> bytes:
-    tokens = tokens_of_gaps(position_gaps(positions) if gaps is None else gaps)
-    return tokens.astype("<u2").tobytes() + new[positions].tobytes()
-
-
-def encode_zstd_diff(old: np.ndarray, new: np.ndarray, compressor: zstandard.ZstdCompressor) -> bytes:
-    return compressor.compress(diff_planes(old, new))
-
-
-def encode_zstd_gaps(positions: np.ndarray, old: np.ndarray, new: np.ndarray,
-                     compressor: zstandard.ZstdCompressor, gaps: np.ndarray | None = None) -> bytes:
-    tokens = to_planes(tokens_of_gaps(position_gaps(positions) if gaps is None else gaps).astype("<u2"))
-    return compressor.compress(np.concatenate([tokens, diff_planes(old[positions], new[positions])]))
-
-
+# ------------------------------------------------------------------ the encoder
 @dataclass
 class Encoded:
     encoding: str
@@ -189,17 +146,16 @@ def encode_tensor(old: np.ndarray, new: np.ndarray, compressor: zstandard.ZstdCo
     no byte changed. Sizes of the uncompressed forms are computed, not built; of the two zstd forms only
     the one that suits the density is compressed (gaps where at most half the elements changed). An
     encoding that cannot hold the tensor (int32 positions past 2**31 elements) falls back to full."""
-    unknown = set(encodings) - set(ENCODINGS)
-    if unknown or not encodings:
-        raise ValueError(f"encodings: {sorted(unknown) or 'none given'}; choose from {ENCODINGS}")
-    mask = changed_mask(old, new)
+    check_encodings(encodings)
+    if old.dtype != new.dtype or old.shape != new.shape:
+        raise CheckpointError(f"old and new differ in element type or count: {old.dtype}[{old.size}] vs "
+                              f"{new.dtype}[{new.size}]")
+    mask = old != new
     changed = int(np.count_nonzero(mask))
     if changed == 0:
         return None
     n, width = new.size, new.dtype.itemsize
-    sizes: dict[str, int] = {}
-    if "full" in encodings:
-        sizes["full"] = n * width
+    sizes = {"full": n * width} if "full" in encodings else {}
     zstd_forms = [name for name in ("zstd_gaps", "zstd_diff") if name in encodings]
     zstd_form = zstd_forms[0] if len(zstd_forms) == 1 else None
     if len(zstd_forms) == 2:
@@ -208,28 +164,29 @@ def encode_tensor(old: np.ndarray, new: np.ndarray, compressor: zstandard.ZstdCo
     only = len(encodings) == 1
     want_int32 = "int32_positions" in encodings and n <= INT32_MAX and (only or changed * (4 + width) < n * width)
     want_gaps = "uint16_gaps" in encodings and (only or changed * (2 + width) < n * width)
-    positions = gaps = None
     if want_int32 or want_gaps or zstd_form == "zstd_gaps":
         positions = np.flatnonzero(mask)
-        gaps = position_gaps(positions)
+        tokens = gap_tokens(positions).astype("<u2")
     if want_int32:
         sizes["int32_positions"] = changed * (4 + width)
     if want_gaps:
-        sizes["uint16_gaps"] = 2 * gap_token_count(gaps) + changed * width
+        sizes["uint16_gaps"] = 2 * tokens.size + changed * width
     blobs: dict[str, bytes] = {}
     if zstd_form == "zstd_gaps":
-        blobs[zstd_form] = encode_zstd_gaps(positions, old, new, compressor, gaps)
+        blobs[zstd_form] = compressor.compress(np.concatenate([to_planes(tokens),
+                                                               diff_planes(old[positions], new[positions])]))
     elif zstd_form == "zstd_diff":
-        blobs[zstd_form] = encode_zstd_diff(old, new, compressor)
-    for name, blob in blobs.items():
-        sizes[name] = len(blob)
+        blobs[zstd_form] = compressor.compress(diff_planes(old, new))
+    sizes.update((name, len(blob)) for name, blob in blobs.items())
     if not sizes:  # only int32_positions was asked for and the tensor is too large for it
         sizes["full"] = n * width
     best = min(sizes, key=lambda name: (sizes[name], ENCODINGS.index(name)))
-    if best not in blobs:
-        blobs[best] = {"full": lambda: encode_full(new),
-                       "int32_positions": lambda: encode_int32_positions(positions, new),
-                       "uint16_gaps": lambda: encode_uint16_gaps(positions, new, gaps)}[best]()
+    if best == "full":
+        blobs[best] = new.tobytes()
+    elif best == "int32_positions":
+        blobs[best] = positions.astype("<i4").tobytes() + new[positions].tobytes()
+    elif best == "uint16_gaps":
+        blobs[best] = tokens.tobytes() + new[positions].tobytes()
     return Encoded(best, blobs[best], changed)
 
 

@@ -31,6 +31,7 @@ from typing import Literal, Mapping, Sequence
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from orthon.core.errors import CheckpointError, ConfigError, WrongBaseVersion
 from orthon.engine.fused_decode import DecodeWeights
@@ -115,18 +116,9 @@ class InProcessEngine:
     # ------------------------------------------------------------ weights
     @torch.no_grad()
     def update_weights(self, weights: WeightsSource, version: int | None = None, strict: bool = False) -> int:
-        """Copy named tensors into the model's parameters and buffers in place (same storage).
-
-        ``weights``: a state dict (names of the model's state_dict), (name, tensor) pairs (a partial
-        update, e.g. one bucket), a path to a weights directory (HF layout, config.json + safetensors
-        shards as ``orthon.pretrain.weights.save_weights`` writes them) or
-        to one .safetensors file, or a ``WeightDelta`` (its ``apply_to(current state dict)`` returns
-        the new tensors; one with ``apply_in_place``, ``orthon.engine.delta.DeltaPayload``, writes them
-        into the parameters itself, and the engine takes its ``version``; a delta whose
-        ``base_version`` is not the engine's is refused). Every name and shape is checked before
-        anything is copied, so a bad update changes nothing. ``strict``: every tensor of the model must be given (a path always must: it
-        is a whole checkpoint, tied lm_head weights excepted). Returns the new weight version:
-        ``version`` if given (taken as given), else the old one + 1."""
+        """The Engine's update_weights (``orthon.engine.protocol``): tensors are copied into the model's
+        parameters and buffers in place (same storage). ``strict``: every tensor of the model must be
+        given (a path always must: it is a whole checkpoint, tied lm_head weights excepted)."""
         version = None if version is None else _check_version(version)
         targets = self.model.state_dict(keep_vars=True)
         if isinstance(weights, (str, os.PathLike)):
@@ -185,8 +177,6 @@ class InProcessEngine:
         if path.is_dir():
             state = load_hf_state(path)
         elif path.is_file() and path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
             state = experts_from_hf(load_file(str(path)))
         elif path.exists():
             raise CheckpointError(f"update_weights: {path} is neither a weights directory nor a .safetensors file")
@@ -248,9 +238,8 @@ class InProcessEngine:
     def generate(self, prompts: Sequence[Sequence[int]],
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  routing_keys: Sequence[str | None] | None = None) -> list[GenerationResult]:
-        """Continue every prompt. ``sampling``: one SamplingParams for all, or one per prompt.
-        With one shared SamplingParams that has a seed s, request i uses seed s + i. ``routing_keys``
-        are for routers; one engine in this process serves every session."""
+        """The Engine's generate; ``routing_keys`` are for routers (one engine in this process serves
+        every session)."""
         per = per_request_params(sampling, len(prompts))
         with self._lock:
             results: list[GenerationResult | None] = [None] * len(prompts)

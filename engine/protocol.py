@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal, Mapping, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, Iterable, Literal, Mapping, Protocol, Sequence, Union, get_args, runtime_checkable
 
 import torch
 
@@ -25,7 +25,7 @@ from orthon.engine.sampling import SamplingParams
 #              requests in flight); the tokens so far are returned;
 #   "rejected" the request was not run (bad prompt); ``error`` says why, no tokens.
 FinishReason = Literal["stop", "length", "context", "abort", "rejected"]
-FINISH_REASONS: tuple[str, ...] = ("stop", "length", "context", "abort", "rejected")
+FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
 
 
 @dataclass
@@ -46,8 +46,6 @@ class GenerationResult:
     def ok(self) -> bool:
         """The request ran (any finish reason but "rejected")."""
         return self.finish_reason != "rejected"
-
-
 
 
 @runtime_checkable

@@ -41,7 +41,7 @@ class Router:
 
     @classmethod
     def start(cls, worker_urls, port: int, policy: str = "manual", host: str = "127.0.0.1", timeout_s: float = 120.0,
-              log_path=None, request_timeout_s: float = 600.0, extra_args: tuple[str, ...] = ()) -> "Router":
+              log_path=None) -> "Router":
         """Launch sglang-router on ``host:port`` over ``worker_urls``; returns once all are healthy there."""
         if policy not in POLICIES:
             raise ConfigError(f"router policy: expected one of {', '.join(POLICIES)}, got {policy!r}")
@@ -56,8 +56,7 @@ class Router:
         command = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
                    "--policy", policy, "--log-level", "warn", "--prometheus-host", "127.0.0.1",
                    "--prometheus-port", str(free_port()), "--worker-startup-timeout-secs", str(max(1, int(timeout_s))),
-                   "--request-timeout-secs", str(max(1, int(request_timeout_s))), "--shutdown-grace-period-secs", "5",
-                   *extra_args]
+                   "--request-timeout-secs", "600", "--shutdown-grace-period-secs", "5"]
         if workers:
             command += ["--worker-urls", *workers]
         with open(log_path, "ab") as log:
@@ -148,9 +147,3 @@ class Router:
             self.process.wait(timeout_s)
         except ProcessLookupError:
             pass
-
-    def __enter__(self) -> "Router":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

@@ -83,27 +83,6 @@ def per_request_params(sampling: SamplingParams | Sequence[SamplingParams] | Non
 
 
 # ---------------------------------------------------------------- pure functions
-def apply_temperature(logits: Tensor, temperature: Tensor | float) -> Tensor:
-    """logits / temperature per row (temperature (B,) or a number, all > 0); float32 out."""
-    t = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
-    if t.dim() == 1:
-        t = t[:, None]
-    return logits.float() / t
-
-
-def top_k_mask(logits: Tensor, top_k: Tensor | int) -> Tensor:
-    """(B, V) bool: True where a logit is below its row's k-th largest value (k = 0: nothing masked).
-    Ties with the k-th value are kept (as transformers' top-k does), so the set never depends on the
-    order of equal values."""
-    B, V = logits.shape
-    k = torch.as_tensor(top_k, device=logits.device).reshape(-1).expand(B).clamp(max=V)
-    if not bool((k > 0).any()):
-        return torch.zeros_like(logits, dtype=torch.bool)
-    values = logits.topk(int(k.max()), dim=-1).values  # sorted, largest first
-    kth = values.gather(1, (k - 1).clamp(min=0)[:, None])
-    return (logits < kth) & (k > 0)[:, None]
-
-
 def top_p_threshold(probs: Tensor, top_p: Tensor | float, first: int = 64) -> Tensor:
     """(B, 1) probability threshold of the nucleus: the smallest probability in the shortest
     largest-first prefix whose mass reaches p. Looks at the top ``first`` entries and widens (x4)
@@ -125,10 +104,16 @@ def filter_logits(logits: Tensor, top_k: Tensor | int = 0, top_p: Tensor | float
 
     top_k (B,) or int: keep logits >= the k-th largest (0 = off). top_p (B,) or float: then keep the
     tokens whose probability (renormalised over what top-k kept) is at least that of the last token of
-    the shortest largest-first prefix reaching mass p (1 = off). Ties at either boundary are all kept:
-    the result depends on values only, never on token order. The largest logit always survives."""
-    B = logits.shape[0]
-    out = logits.masked_fill(top_k_mask(logits, top_k), float("-inf"))
+    the shortest largest-first prefix reaching mass p (1 = off). Ties at either boundary are all kept
+    (as transformers' top-k keeps them): the result depends on values only, never on token order. The
+    largest logit always survives."""
+    B, V = logits.shape
+    out = logits.clone()
+    k = torch.as_tensor(top_k, device=logits.device).reshape(-1).expand(B).clamp(max=V)
+    if bool((k > 0).any()):
+        values = logits.topk(int(k.max()), dim=-1).values  # sorted, largest first
+        kth = values.gather(1, (k - 1).clamp(min=0)[:, None])
+        out.masked_fill_((logits < kth) & (k > 0)[:, None], float("-inf"))
     p = torch.as_tensor(top_p, dtype=torch.float64, device=logits.device).reshape(-1).expand(B)
     rows = (p < 1.0).nonzero().squeeze(-1)
     if rows.numel():
@@ -171,7 +156,8 @@ def sample_step(
     if bool(greedy.all()):
         return tokens, sampling_lp
     rows = (~greedy).nonzero().squeeze(-1)
-    scaled = apply_temperature(logits.index_select(0, rows), temperature.index_select(0, rows))
+    t = temperature.index_select(0, rows).to(logits.device, torch.float32)
+    scaled = logits.index_select(0, rows).float() / t[:, None]
     k, p = top_k.index_select(0, rows), top_p.index_select(0, rows)
     if bool(((k > 0) | (p < 1.0)).any()):
         scaled = filter_logits(scaled, k, p)

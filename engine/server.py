@@ -2,19 +2,8 @@
 worker API, so one client (``orthon.engine.client.HTTPEngine``) and sglang-router drive orthon's
 servers on CPU and real SGLang servers on GPU clusters alike.
 
-Routes (request and answer shapes: ``orthon.engine.sglang_api``):
-
-    POST /generate                       input_ids (or text), sampling_params, rid, return_logprob
-    GET  /health                         cheap: 200 while the batching thread lives
-    GET  /health_generate                a one-token generation through the batcher
-    GET  /get_server_info, /server_info  versions, weight version, batching counters, engine health
-    GET  /get_model_info, /model_info    model_path, architecture, the HF config
-    GET  /get_weight_version
-    POST /flush_cache                    engine.flush() between two waves
-    POST /abort_request                  {rid} or {abort_all: true}: waiting requests come back aborted
-    POST /pause_generation               {mode}: hold new waves ("abort" also aborts the waiting ones)
-    POST /continue_generation
-    weight updates                       orthon.engine.server_weights
+The routes are listed in the README (``orthon serve``); request and answer shapes are in
+``orthon.engine.sglang_api``, the weight-update routes in ``orthon.engine.server_weights``.
 
 Concurrent callers share waves (``orthon.engine.batcher``): a single thread runs everything waiting as
 one engine call. Bad input is a 400 (413 for a body over the limit) with {"error": message}, and the
@@ -36,7 +25,7 @@ from fastapi.responses import JSONResponse
 
 from orthon.engine.batcher import DEFAULT_WINDOW_S, PAUSE_MODES, ContinuousBatcher, Pending
 from orthon.engine.sampling import SamplingParams
-from orthon.engine.server_state import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_DELTA_BYTES, ServerState, find_tokenizer, read_json
+from orthon.engine.server_state import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_DELTA_BYTES, ServerState, read_json
 from orthon.engine.server_weights import add_weight_routes
 from orthon.engine.sglang_api import BadRequest, answer, parse_generate
 
@@ -54,17 +43,20 @@ def _version() -> str:
 def build_state(weights_dir, max_batch_size: int = 64, tokenizer: str | None = None,
                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_delta_bytes: int = DEFAULT_MAX_DELTA_BYTES,
                 batch_window_s: float = DEFAULT_WINDOW_S, max_length: int | None = None) -> ServerState:
-    """The engine of a weights directory (orthon.pretrain.weights.load_weights) and what serves it."""
+    """The engine of a weights directory (orthon.pretrain.weights.load_weights) and what serves it. The
+    tokenizer: ``tokenizer`` if given, else the directory's own (``weights_tokenizer``), else none."""
+    from orthon.data.tokenizer import load_tokenizer
     from orthon.engine.in_process import EngineConfig, InProcessEngine
     from orthon.pretrain.hf_io import read_hf_config
-    from orthon.pretrain.weights import load_weights
+    from orthon.pretrain.weights import load_weights, weights_tokenizer
 
     weights_dir = Path(weights_dir).resolve()
     engine = InProcessEngine(load_weights(weights_dir).eval(), EngineConfig(max_batch_size=max_batch_size,
                                                                             max_length=max_length))
-    found, tokenizer_path = find_tokenizer(weights_dir, tokenizer)
+    tokenizer_path = tokenizer or weights_tokenizer(weights_dir)
     return ServerState(engine=engine, batcher=ContinuousBatcher(engine, batch_window_s), model_path=str(weights_dir),
-                       tokenizer=found, tokenizer_path=tokenizer_path, max_body_bytes=max_body_bytes,
+                       tokenizer=load_tokenizer(tokenizer_path) if tokenizer_path else None,
+                       tokenizer_path=str(tokenizer_path) if tokenizer_path else None, max_body_bytes=max_body_bytes,
                        max_delta_bytes=max_delta_bytes, hf_config=read_hf_config(weights_dir))
 
 

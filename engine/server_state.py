@@ -3,9 +3,7 @@ the request plumbing its routes share: bodies read under a size limit, JSON pars
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from orthon.engine.batcher import ContinuousBatcher
 from orthon.engine.sglang_api import BadRequest
@@ -28,7 +26,6 @@ class ServerState:
     hf_config: dict = field(default_factory=dict)
     groups: dict = field(default_factory=dict)  # weight-update group name -> orthon.engine.weight_transfer.UpdateGroup
     weight_updates: int = 0
-    started: float = field(default_factory=time.time)
 
     def tokenize(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -74,13 +71,3 @@ async def read_json(request, limit: int, empty_ok: bool = False):
     if not isinstance(data, dict):
         raise BadRequest(f"body: expected a JSON object, got {type(data).__name__}")
     return data
-
-
-def find_tokenizer(weights_dir: Path, explicit: str | None = None):
-    """(tokenizer, its path) for a weights directory: ``explicit`` if given, else the directory's own
-    (``orthon.pretrain.weights.weights_tokenizer``); (None, None) when there is none."""
-    from orthon.data.tokenizer import load_tokenizer
-    from orthon.pretrain.weights import weights_tokenizer
-
-    path = explicit or weights_tokenizer(weights_dir)
-    return (load_tokenizer(path), str(path)) if path else (None, None)

@@ -21,8 +21,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from orthon.core.errors import CheckpointError
+from orthon.engine.delta import DELTA_TENSOR_NAME, DeltaPayload
 from orthon.engine.server_state import ServerState, read_body, read_json
 from orthon.engine.sglang_api import BadRequest, parse_weight_version
+from orthon.engine.tensor_bytes import tensor_hashes
+from orthon.engine.weight_transfer import TensorMeta, broadcast_bytes, open_update_group, read_shared, receive_tensors
 
 DELTA_FORMAT = "orthon_delta"  # load_format of a delta payload broadcast as bytes
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
@@ -48,8 +51,6 @@ def _update(state: ServerState, weights, version: int | None, flush: bool = Fals
 
 def _apply_delta(state: ServerState, data) -> None:
     """Parse a delta payload (400 when damaged) and apply it (409 when its base is not the engine's)."""
-    from orthon.engine.delta import DeltaPayload
-
     try:
         payload = DeltaPayload.from_bytes(data)
     except CheckpointError as exc:
@@ -76,13 +77,13 @@ async def _run(work, *args) -> JSONResponse | None:
     return None
 
 
-def _tensor_bytes(pairs) -> bytes | None:
-    """The delta payload a (DELTA_TENSOR_NAME, uint8 tensor) bucket carries, else None."""
-    from orthon.engine.delta import DELTA_TENSOR_NAME
-
+def _apply_pairs(state: ServerState, pairs, version: int | None, flush: bool = False) -> None:
+    """Received (name, tensor) pairs: new weights, or the delta payload a (DELTA_TENSOR_NAME, uint8
+    tensor) bucket carries."""
     if len(pairs) == 1 and pairs[0][0] == DELTA_TENSOR_NAME:
-        return pairs[0][1].contiguous().cpu().numpy().tobytes()
-    return None
+        _apply_delta(state, pairs[0][1].contiguous().cpu().numpy().tobytes())
+    else:
+        _update(state, pairs, version, flush)
 
 
 def add_weight_routes(app, state: ServerState) -> None:
@@ -103,8 +104,6 @@ def add_weight_routes(app, state: ServerState) -> None:
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request):
-        from orthon.engine.weight_transfer import open_update_group
-
         body = await read_json(request, state.max_body_bytes)
         try:
             address, port = str(body["master_address"]), int(body["master_port"])
@@ -117,16 +116,13 @@ def add_weight_routes(app, state: ServerState) -> None:
         old = state.groups.pop(name, None)
         if old is not None:
             old.close()
-        holder = {}
 
         def join():
-            holder["group"] = open_update_group(address, port, rank, world, backend, timeout_s)
+            state.groups[name] = open_update_group(address, port, rank, world, backend, timeout_s)
 
         refused = await _run(join)
-        if refused is not None:
-            return refused
-        state.groups[name] = holder["group"]
-        return JSONResponse({"success": True, "message": f"joined {name} as rank {rank} of {world} ({backend})"})
+        message = f"joined {name} as rank {rank} of {world} ({backend})"
+        return refused or JSONResponse({"success": True, "message": message})
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request):
@@ -138,8 +134,6 @@ def add_weight_routes(app, state: ServerState) -> None:
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request):
-        from orthon.engine.weight_transfer import TensorMeta, broadcast_bytes, receive_tensors
-
         body = await read_json(request, state.max_body_bytes)
         name = str(body.get("group_name") or DEFAULT_GROUP)
         group = state.groups.get(name)
@@ -158,16 +152,7 @@ def add_weight_routes(app, state: ServerState) -> None:
             raise BadRequest(f"tensor metadata: {exc}") from None
         version = parse_weight_version(body.get("weight_version"))
         flush = bool(body.get("flush_cache", True))
-
-        def receive_and_apply():
-            pairs = receive_tensors(group, metas, src=0)
-            delta = _tensor_bytes(pairs)
-            if delta is not None:
-                _apply_delta(state, delta)
-            else:
-                _update(state, pairs, version, flush)
-
-        refused = await _run(receive_and_apply)
+        refused = await _run(lambda: _apply_pairs(state, receive_tensors(group, metas, src=0), version, flush))
         return refused or _done(state, f"{len(metas)} tensors received over {name}")
 
     @app.post("/orthon/update_weights_from_delta")
@@ -189,29 +174,16 @@ def add_weight_routes(app, state: ServerState) -> None:
 
     @app.post("/orthon/update_weights_from_shared")
     async def update_weights_from_shared(request: Request):
-        from orthon.engine.weight_transfer import read_shared
-
         body = await read_json(request, state.max_body_bytes)
         handle = body.get("handle")
         if not isinstance(handle, dict):
             raise BadRequest("handle: expected the object SharedBuckets.write returned")
         version = parse_weight_version(handle.get("version"))
-
-        def read_and_apply():
-            pairs = read_shared(handle)
-            delta = _tensor_bytes(pairs)
-            if delta is not None:
-                _apply_delta(state, delta)
-            else:
-                _update(state, pairs, version)
-
-        refused = await _run(read_and_apply)
+        refused = await _run(lambda: _apply_pairs(state, read_shared(handle), version))
         return refused or _done(state, "weights read from shared memory")
 
     @app.get("/orthon/weight_hashes")
     async def weight_hashes():
-        from orthon.engine.tensor_bytes import tensor_hashes
-
         def hashes():
             with state.batcher.exclusive() as engine:
                 return tensor_hashes(engine.model.state_dict()), engine.weight_version

@@ -67,11 +67,6 @@ def _is_token(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_neutral(key: str, value) -> bool:
-    neutral = _NEUTRAL[key]
-    return value is None or value == neutral or (key == "stop" and value in ("", []))
-
-
 def sampling_from_sglang(d: Any, eos_token_id: int | None, where: str = "sampling_params") -> SamplingParams:
     """orthon's SamplingParams of one SGLang ``sampling_params`` dict. ``eos_token_id``: the model's,
     added to the stop tokens unless ``ignore_eos``. BadRequest names the key that is wrong."""
@@ -80,7 +75,8 @@ def sampling_from_sglang(d: Any, eos_token_id: int | None, where: str = "samplin
     if not isinstance(d, Mapping):
         raise BadRequest(f"{where}: expected an object, got {type(d).__name__}")
     for key, value in d.items():
-        if key in _NEUTRAL and not _is_neutral(key, value):
+        neutral = value is None or value == _NEUTRAL.get(key) or (key == "stop" and value in ("", []))
+        if key in _NEUTRAL and not neutral:
             raise BadRequest(f"{where}.{key}: not supported by this engine (only {_NEUTRAL[key]!r})")
         if key not in _NEUTRAL and key not in _COSMETIC and key not in _SUPPORTED:
             raise BadRequest(f"{where}.{key}: unknown sampling parameter")
@@ -214,9 +210,6 @@ def sampling_to_sglang(params: SamplingParams) -> dict:
     return out
 
 
-_SGLANG_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
-
-
 def result_from_answer(data: Any, prompt: list[int], params: SamplingParams, fallback_version: int) -> GenerationResult:
     """The GenerationResult of one /generate answer object; ValueError when it is not one (garbage).
     ``fallback_version``: the version reported when the server names none a digit string can give
@@ -231,9 +224,9 @@ def result_from_answer(data: Any, prompt: list[int], params: SamplingParams, fal
     if reason not in ("stop", "length", "context", "abort"):
         kind = meta.get("finish_reason")
         kind = kind.get("type") if isinstance(kind, Mapping) else kind
-        if kind not in _SGLANG_REASONS:
+        if kind not in ("stop", "length", "abort"):
             raise ValueError(f"finish_reason: unknown {meta.get('finish_reason')!r}")
-        reason = _SGLANG_REASONS[kind]
+        reason = kind
     logprobs = meta.get("output_token_logprobs")
     if logprobs is None:
         raise ValueError("no output_token_logprobs in the answer (the request asked for them)")

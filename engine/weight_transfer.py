@@ -1,27 +1,17 @@
 """Moving whole weights from the trainer to engines: buckets, broadcast, shared memory, versioned disk.
 
-Three of the four weight-sync paths (the fourth, delta, combines with each: ``orthon.engine.delta``):
-
-  broadcast   ``open_update_group`` builds a process group of the trainer (rank 0) and the engines
-              (ranks >= 1) from a TCPStore, with no default process group (an engine server may
-              already run one of its own): gloo on CPU, NCCL on GPU. ``broadcast_tensors`` /
-              ``receive_tensors`` move the tensors in flattened buckets; the receivers get the
-              metadata separately (as SGLang's update_weights_from_distributed takes names, dtypes
-              and shapes in its request) and compute the same ``bucket_plan``. ``broadcast_bytes``
-              sends one byte string, e.g. a delta payload.
-  colocated   ``SharedBuckets`` writes flattened tensors into a shared-memory file and hands out a
-              JSON-able handle; ``read_shared`` maps it and returns views (no copy) for the engine to
-              copy from.
-  disk        ``write_versioned`` writes root/v{version:08d} in the HF layout (the engine's
-              ``update_weights(path, version)`` reads it), atomically, and prunes old versions;
-              ``write_delta`` writes a delta payload beside them.
-
-``tensor_hashes`` gives one hash per tensor, to check that an engine holds the trainer's bytes.
-Every wait has a finite timeout.
+Three of the four weight-sync paths (the fourth, delta, rides on each: ``orthon.engine.delta``):
+broadcast (``open_update_group``, ``broadcast_tensors`` / ``receive_tensors``, ``broadcast_bytes``),
+colocated (``SharedBuckets`` / ``read_shared``) and disk (``write_versioned``, ``write_delta``). The
+update group uses no default process group (an engine server may already run one of its own); the
+receivers get the tensors' metadata separately (as SGLang's update_weights_from_distributed takes
+names, dtypes and shapes in its request) and compute the same ``bucket_plan``. Every wait has a finite
+timeout.
 """
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 import secrets
@@ -35,16 +25,14 @@ from typing import Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 import xxhash
+from safetensors.torch import save_file
 
 from orthon.core.errors import CheckpointError, ConfigError
-from orthon.core.files import atomic_write_bytes
-from orthon.engine.tensor_bytes import dtype_name, named_list, parse_dtype, tensor_hash, tensor_hashes
+from orthon.core.files import atomic_write_bytes, fsync_file
+from orthon.engine.tensor_bytes import dtype_name, named_list, parse_dtype, tensor_hashes  # noqa: F401 (re-exported)
+from orthon.pretrain.hf_io import SINGLE_NAME, experts_to_hf
 from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.weights import save_weights
-
-__all__ = ["TensorMeta", "bucket_plan", "bucket_layout", "flatten_bucket", "unflatten_bucket", "UpdateGroup",
-           "open_update_group", "broadcast_tensors", "receive_tensors", "broadcast_bytes", "SharedBuckets",
-           "read_shared", "write_versioned", "write_delta", "list_versions", "latest_version", "tensor_hash", "tensor_hashes"]
 
 ALIGN = 64  # bytes: every tensor of a bucket starts on a cache line (and on any element size)
 DEFAULT_BUCKET_BYTES = 64 << 20
@@ -73,10 +61,7 @@ class TensorMeta:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        return numel * torch.empty(0, dtype=self.torch_dtype).element_size()
+        return math.prod(self.shape) * self.torch_dtype.itemsize
 
     def to_json(self) -> dict:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
@@ -119,21 +104,15 @@ def bucket_layout(metas: Sequence[TensorMeta]) -> tuple[list[int], int]:
     return offsets, total
 
 
-def _pairs(tensors) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs from pairs, a state dict, or bare tensors (named by position)."""
-    if isinstance(tensors, Mapping):
-        return named_list(tensors)
-    items = list(tensors)
-    if all(isinstance(t, torch.Tensor) for t in items):
-        return [(str(i), t) for i, t in enumerate(items)]
-    return named_list(items)
-
-
 def flatten_bucket(tensors, out: torch.Tensor | None = None) -> torch.Tensor:
     """One uint8 tensor holding every tensor's bytes at ``bucket_layout``'s offsets (one copy each),
     on the tensors' device. ``tensors``: (name, tensor) pairs, a state dict, or tensors. ``out``: a
     uint8 buffer of at least the layout's size to write into instead of a new one."""
-    items = _pairs(tensors)
+    if not isinstance(tensors, Mapping):
+        tensors = list(tensors)
+        if all(isinstance(t, torch.Tensor) for t in tensors):  # bare tensors: named by position
+            tensors = [(str(i), t) for i, t in enumerate(tensors)]
+    items = named_list(tensors)
     metas = [TensorMeta.of(name, t) for name, t in items]
     offsets, total = bucket_layout(metas)
     device = items[0][1].device if items else torch.device("cpu")
@@ -161,12 +140,6 @@ def unflatten_bucket(flat: torch.Tensor, metas: Sequence[TensorMeta]) -> list[tu
     return [(meta.name, _view(flat, meta, offset)) for meta, offset in zip(metas, offsets)]
 
 
-def _fingerprint(metas: Sequence[TensorMeta], bucket_bytes: int) -> int:
-    """63 bits that differ when two sides' metadata or bucket size differ."""
-    text = repr([(m.name, m.dtype, m.shape) for m in metas]) + f"|{bucket_bytes}"
-    return xxhash.xxh64_intdigest(text.encode()) >> 1
-
-
 # ------------------------------------------------------------------ distributed broadcast
 @dataclass
 class UpdateGroup:
@@ -175,8 +148,6 @@ class UpdateGroup:
     process_group: dist.ProcessGroup
     store: dist.Store
     rank: int
-    world_size: int
-    backend: str
     timeout: timedelta
     device: torch.device
 
@@ -212,30 +183,25 @@ def open_update_group(master_address: str, master_port: int, rank: int, world_si
     try:
         store = dist.TCPStore(master_address, int(master_port), world_size, rank == 0, timeout=timeout,
                               wait_for_workers=False)
-        return _join(store, rank, world_size, backend, timeout, master_address)
+        prefixed = dist.PrefixStore("orthon-weight-update", store)
+        if backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            # Over loopback, bind to it (the default device resolves the hostname, which a sandbox may
+            # not route); otherwise gloo's default (GLOO_SOCKET_IFNAME or the hostname's interface).
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+                                if _is_loopback(master_address) else dist.ProcessGroupGloo.create_default_device()]
+            group = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+            device = torch.device("cpu")
+        return UpdateGroup(group, store, rank, timeout, device)
     except RuntimeError as exc:  # torch.distributed's DistError and gloo's failures
         raise TimeoutError(f"weight-update group at {master_address}:{master_port} (rank {rank} of {world_size}, "
                            f"{backend}): not formed within {timeout_s} s ({str(exc).splitlines()[0]})") from None
-
-
-def _join(store: dist.Store, rank: int, world_size: int, backend: str, timeout: timedelta,
-          master_address: str) -> UpdateGroup:
-    prefixed = dist.PrefixStore("orthon-weight-update", store)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = timeout
-        # Over loopback, bind to it (the default device resolves the hostname, which a sandbox may
-        # not route); otherwise gloo's default (GLOO_SOCKET_IFNAME or the hostname's interface).
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") if _is_loopback(master_address)
-                            else dist.ProcessGroupGloo.create_default_device()]
-        group = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
-        device = torch.device("cpu")
-    return UpdateGroup(group, store, rank, world_size, backend, timeout, device)
 
 
 def _broadcast(group: UpdateGroup, tensor: torch.Tensor, src: int) -> None:
@@ -250,7 +216,9 @@ def _broadcast(group: UpdateGroup, tensor: torch.Tensor, src: int) -> None:
 
 def _check_plan(group: UpdateGroup, metas: list[TensorMeta], bucket_bytes: int, src: int) -> None:
     """The sender broadcasts its plan's fingerprint; a receiver whose metadata differs stops here."""
-    mine = _fingerprint(metas, bucket_bytes)
+    # 63 bits (an int64 holds them) that differ when two sides' metadata or bucket size differ.
+    text = repr([(m.name, m.dtype, m.shape) for m in metas]) + f"|{bucket_bytes}"
+    mine = xxhash.xxh64_intdigest(text.encode()) >> 1
     signal = torch.tensor([len(metas), mine], dtype=torch.int64, device=group.device)
     _broadcast(group, signal, src)
     if group.rank != src and int(signal[1]) != mine:
@@ -307,10 +275,6 @@ def broadcast_bytes(group: UpdateGroup, data: bytes | None, src: int = 0) -> byt
 
 
 # ------------------------------------------------------------------ colocated: shared memory
-def _default_shm_dir() -> Path:
-    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
-
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -319,13 +283,6 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _unlink(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
 
 
 class SharedBuckets:
@@ -341,26 +298,18 @@ class SharedBuckets:
     PATTERN = re.compile(r"^orthon-weights-(\d+)-[0-9a-f]+\.bin$")
 
     def __init__(self, directory: str | os.PathLike | None = None):
-        self.directory = Path(directory) if directory is not None else _default_shm_dir()
+        shm = Path("/dev/shm")
+        default = shm if shm.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+        self.directory = Path(directory) if directory is not None else default
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.removed_stale = self.remove_stale(self.directory)
+        self.removed_stale = [path for path in self.directory.iterdir()
+                              if (match := self.PATTERN.match(path.name)) and not _pid_alive(int(match.group(1)))]
+        for path in self.removed_stale:
+            path.unlink(missing_ok=True)
         self.path = self.directory / f"orthon-weights-{os.getpid()}-{secrets.token_hex(6)}.bin"
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        os.close(fd)
-        self._finalizer = weakref.finalize(self, _unlink, self.path)
+        os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+        self._finalizer = weakref.finalize(self, self.path.unlink, missing_ok=True)
         self._buffer: torch.Tensor | None = None
-        self._generation = 0
-
-    @classmethod
-    def remove_stale(cls, directory: Path) -> list[Path]:
-        """Unlink the files of SharedBuckets whose process no longer runs; returns them."""
-        removed = []
-        for path in Path(directory).iterdir():
-            match = cls.PATTERN.match(path.name)
-            if match and not _pid_alive(int(match.group(1))):
-                _unlink(path)
-                removed.append(path)
-        return removed
 
     def write(self, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
         if not self._finalizer.alive:
@@ -372,8 +321,7 @@ class SharedBuckets:
             os.truncate(self.path, max(total, 1))
             self._buffer = torch.from_file(str(self.path), shared=True, size=max(total, 1), dtype=torch.uint8)
         flatten_bucket(items, out=self._buffer)
-        self._generation += 1
-        return {"path": str(self.path), "nbytes": total, "version": int(version), "generation": self._generation,
+        return {"path": str(self.path), "nbytes": total, "version": int(version),
                 "tensors": [m.to_json() for m in metas]}
 
     def close(self) -> None:
@@ -432,11 +380,10 @@ def write_versioned(model_or_state, root: str | os.PathLike, version: int, keep:
     """Write weights as ``root/v{version:08d}`` and keep only the newest ``keep`` versions.
 
     ``model_or_state``: a GLMForCausalLM (``orthon.pretrain.weights.save_weights``: the HF layout with
-    config.json and the sidecar), a (model, state dict) pair (a state gathered from shards), or a bare
-    state dict in the model's names (written as model.safetensors alone, routed experts per expert:
-    the engine's ``update_weights`` reads such a directory too). The directory is written under a
-    hidden staging name and renamed into place, so a version is never visible half-written; one
-    writer per root. Rewriting an existing version replaces it."""
+    config.json and the sidecar) or a bare state dict in the model's names (written as model.safetensors
+    alone, routed experts per expert: the engine's ``update_weights`` reads such a directory too). The
+    directory is written under a hidden staging name and renamed into place, so a version is never
+    visible half-written; one writer per root. Rewriting an existing version replaces it."""
     if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 10**8:
         raise ConfigError(f"version: must be an int in 0..99999999, got {version!r}")
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
@@ -449,12 +396,10 @@ def write_versioned(model_or_state, root: str | os.PathLike, version: int, keep:
     staging = root / f".{final.name}.staging"
     if isinstance(model_or_state, GLMForCausalLM):
         save_weights(model_or_state, staging)
-    elif isinstance(model_or_state, tuple) and len(model_or_state) == 2 and isinstance(model_or_state[0], GLMForCausalLM):
-        save_weights(model_or_state[0], staging, state=model_or_state[1])
     elif isinstance(model_or_state, Mapping):
         _write_state(model_or_state, staging)
     else:
-        raise TypeError(f"write_versioned: expected a GLMForCausalLM, (model, state) or a state dict, "
+        raise TypeError(f"write_versioned: expected a GLMForCausalLM or a state dict, "
                         f"got {type(model_or_state).__name__}")
     old = root / f".{final.name}.staging-old"
     if final.exists():
@@ -477,14 +422,8 @@ def write_delta(root: str | os.PathLike, payload) -> Path:
 
 
 def _write_state(state: Mapping[str, torch.Tensor], directory: Path) -> None:
-    from safetensors.torch import save_file
-
-    from orthon.core.files import atomic_path, fsync_file
-    from orthon.pretrain.hf_io import SINGLE_NAME, experts_to_hf
-
+    """model.safetensors alone into ``directory`` (a fresh staging directory: renamed into place whole)."""
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in experts_to_hf(dict(named_list(state))).items()}
-    shutil.rmtree(directory, ignore_errors=True)
-    directory.mkdir(parents=True)
-    with atomic_path(directory / SINGLE_NAME) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        fsync_file(tmp)
+    directory.mkdir()
+    save_file(tensors, str(directory / SINGLE_NAME), metadata={"format": "pt"})
+    fsync_file(directory / SINGLE_NAME)

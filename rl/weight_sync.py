@@ -19,9 +19,12 @@ from pathlib import Path
 
 import torch
 
-from orthon.core.errors import CheckpointError
+from orthon.core.errors import CheckpointError, EngineUnavailable
 from orthon.core.net import free_port
-
+from orthon.engine.delta import DELTA_TENSOR_NAME, DeltaEncoder
+from orthon.engine.tensor_bytes import tensor_hashes
+from orthon.engine.weight_transfer import (SharedBuckets, TensorMeta, broadcast_bytes, broadcast_tensors,
+                                           open_update_group, write_delta, write_versioned)
 
 
 def _named(model) -> list[tuple[str, torch.Tensor]]:
@@ -43,22 +46,19 @@ class WeightSync:
         self.group = None  # the distributed path's process group
         self._members: tuple[str, ...] = ()
         self._shared = None
-        self.bytes_sent = 0  # over the run: what went to one engine
 
     # ------------------------------------------------------------ full copies
     def full(self, model, version: int, client) -> None:
         """A complete copy of ``model`` at ``version`` to one engine (any state), through disk."""
-        from orthon.engine.weight_transfer import write_versioned
-
         client.update_weights(str(write_versioned(model, self.root, version)), version=version)
 
     def _full_all(self, model, version: int, clients) -> None:
-        from orthon.engine.delta import DeltaEncoder
-        from orthon.engine.weight_transfer import write_versioned
-
         path = write_versioned(model, self.root, version)
         _each(clients, lambda c: c.update_weights(str(path), version=version))
-        self.bytes_sent += sum(f.stat().st_size for f in path.iterdir())
+        self._reset_delta(model, version)
+
+    def _reset_delta(self, model, version: int) -> None:
+        """After a full copy every engine holds ``model``'s bytes: the next deltas start from them."""
         if self.cfg.delta:
             self.encoder = DeltaEncoder()
             self.encoder.reset(_named(model), version)
@@ -90,8 +90,6 @@ class WeightSync:
 
     def _recover(self, model, version: int, clients) -> list[str]:
         """Full copies from disk to every engine that answers; the URLs of those that do not."""
-        from orthon.core.errors import EngineUnavailable
-
         if self.group is not None:  # a member may be gone: the next broadcast forms the group again
             self.group.close()
             self.group, self._members = None, ()
@@ -101,37 +99,24 @@ class WeightSync:
                 self.full(model, version, client)
             except (EngineUnavailable, ValueError):
                 dead.append(client.url)
-        if self.cfg.delta:
-            from orthon.engine.delta import DeltaEncoder
-
-            self.encoder = DeltaEncoder()
-            self.encoder.reset(_named(model), version)
+        self._reset_delta(model, version)
         return dead
 
     def _send_delta(self, payload, clients) -> None:
-        from orthon.engine.weight_transfer import write_delta
-
-        data = payload.to_bytes()
-        self.bytes_sent += len(data)
         if self.cfg.weight_sync == "disk":
             path = write_delta(self.root, payload)
             _each(clients, lambda c: c.update_weights_from_delta_file(str(path)))
             path.unlink(missing_ok=True)
         elif self.cfg.weight_sync == "distributed":
-            from orthon.engine.weight_transfer import broadcast_bytes
-
             self._group(clients)
             self._together(clients, lambda c: c.update_weights_from_distributed([], payload.version, delta=True),
-                           lambda: broadcast_bytes(self.group, data))
+                           lambda: broadcast_bytes(self.group, payload.to_bytes()))
         else:
-            from orthon.engine.delta import DELTA_TENSOR_NAME
-
-            self._share([(DELTA_TENSOR_NAME, torch.frombuffer(bytearray(data), dtype=torch.uint8))], payload.version, clients)
+            data = torch.frombuffer(bytearray(payload.to_bytes()), dtype=torch.uint8)
+            self._share([(DELTA_TENSOR_NAME, data)], payload.version, clients)
 
     def _group(self, clients) -> None:
         """The trainer (rank 0) and the engines (1..N) in one group; formed again when an engine changed."""
-        from orthon.engine.weight_transfer import open_update_group
-
         members = tuple(c.url for c in clients)
         if self.group is not None and members == self._members:
             return
@@ -152,17 +137,12 @@ class WeightSync:
                 call.result()
 
     def _broadcast(self, named, version: int, clients) -> None:
-        from orthon.engine.weight_transfer import TensorMeta, broadcast_tensors
-
         self._group(clients)
         metas = [TensorMeta.of(name, t) for name, t in named]
         self._together(clients, lambda c: c.update_weights_from_distributed(metas, version),
                        lambda: broadcast_tensors(self.group, named))
-        self.bytes_sent += sum(t.numel() * t.element_size() for _, t in named)
 
     def _share(self, named, version: int, clients) -> None:
-        from orthon.engine.weight_transfer import SharedBuckets
-
         if self._shared is None:
             self._shared = SharedBuckets()
         handle = self._shared.write(named, version)
@@ -171,8 +151,6 @@ class WeightSync:
     # ------------------------------------------------------------ debugging
     def check(self, named, clients) -> None:
         """Every engine's hash per tensor equals the trainer's (slime's weight check)."""
-        from orthon.engine.tensor_bytes import tensor_hashes
-
         want = tensor_hashes(named)
         for client, got in zip(clients, _each(clients, lambda c: c.weight_hashes())):
             wrong = sorted(name for name in want if got.get(name) != want[name])
