@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from orthon.optim.hybrid import HybridOptimizer, build_optimizer
-from orthon.optim.routing import route_parameters
+from orthon.optim.hybrid import HybridOptimizer, build_optimizer, route_by_config
 
 INDEXER_MARK = ".indexer."
 
@@ -22,8 +21,7 @@ def is_indexer_param(name: str) -> bool:
 def _plan(model, cfg, keep):
     named = [(n, p) for n, p in model.named_parameters() if keep(n)]
     specs = {n: s for n, s in model.param_specs().items() if keep(n)}
-    return route_parameters(named, specs, head_to_muon=cfg.head_to_muon, muon_split=cfg.muon_split,
-                            extra_splits=cfg.extra_splits, adamw_only=cfg.algorithm == "adamw")
+    return route_by_config(named, specs, cfg)
 
 
 def fill_state(optimizer: torch.optim.Optimizer) -> None:

@@ -156,14 +156,13 @@ def build_for_model(model: nn.Module, cfg: OptimConfig, schedule: ScheduleConfig
 
 def plan_for_model(model: nn.Module, cfg: OptimConfig) -> RoutingPlan:
     """The routing plan of ``model`` (which must provide ``param_specs()``) under ``cfg``."""
-    return route_parameters(
-        model.named_parameters(),
-        model.param_specs(),
-        head_to_muon=cfg.head_to_muon,
-        muon_split=cfg.muon_split,
-        extra_splits=cfg.extra_splits,
-        adamw_only=cfg.algorithm == "adamw",
-    )
+    return route_by_config(model.named_parameters(), model.param_specs(), cfg)
+
+
+def route_by_config(named_parameters, specs, cfg: OptimConfig) -> RoutingPlan:
+    """``route_parameters`` with ``cfg``'s routing options: every backend's plan goes through here."""
+    return route_parameters(named_parameters, specs, head_to_muon=cfg.head_to_muon, muon_split=cfg.muon_split,
+                            extra_splits=cfg.extra_splits, adamw_only=cfg.algorithm == "adamw")
 
 
 def _default_orthogonaliser(cfg: OptimConfig) -> Callable | None:

@@ -5,7 +5,7 @@ from collections import defaultdict
 
 import torch
 
-from orthon.pretrain.config import ModelConfig
+from orthon.pretrain.config import ModelConfig, RuntimeOptions
 from orthon.pretrain.model import GLMForCausalLM
 
 COMPONENTS = ("embedding", "attention", "indexer", "dense_mlp", "router", "routed_experts", "shared_experts",
@@ -32,9 +32,10 @@ def component_of(name: str) -> str:
     return "norms"
 
 
-def meta_model(config: ModelConfig) -> GLMForCausalLM:
+def meta_model(config: ModelConfig, runtime: RuntimeOptions | None = None) -> GLMForCausalLM:
+    """The torch model of ``config`` on the meta device: names, shapes and ParamSpecs, no memory."""
     with torch.device("meta"):
-        return GLMForCausalLM(config, init=False)
+        return GLMForCausalLM(config, init=False, runtime=runtime)
 
 
 def parameter_counts(config: ModelConfig) -> dict[str, dict[str, int]]:

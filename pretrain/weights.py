@@ -37,6 +37,7 @@ from orthon.core.files import atomic_write_json
 from orthon.core.interrupts import sigint_deferred
 from orthon.pretrain.config import ModelConfig, RuntimeOptions
 from orthon.pretrain.model import GLMForCausalLM
+from orthon.pretrain.model_info import meta_model
 
 SIDECAR = "orthon.json"
 SIDECAR_FORMAT = "orthon-weights"
@@ -206,6 +207,13 @@ def load_runtime(directory, **runtime_fields) -> RuntimeOptions:
     return build(RuntimeOptions, fields, "runtime")
 
 
+def read_checked(directory, **runtime_fields) -> tuple[GLMForCausalLM, dict[str, torch.Tensor]]:
+    """(the model of a weights directory on the meta device, its tensors checked against that model):
+    what every backend's reader starts from."""
+    model = meta_model(load_config(directory), load_runtime(directory, **runtime_fields))
+    return model, hf_io.check_state(model, hf_io.load_hf_state(directory))
+
+
 def load_weights(directory, device="cpu", dtype: torch.dtype | None = None, **runtime_fields) -> GLMForCausalLM:
     """The model of a weights directory (orthon's, or any HF ``glm_moe_dsa`` checkpoint).
 
@@ -213,13 +221,9 @@ def load_weights(directory, device="cpu", dtype: torch.dtype | None = None, **ru
     sidecar they take their defaults. The model is float32 (whatever the files hold) unless ``dtype``
     says otherwise. Missing, extra or mis-shaped tensors and damaged files raise CheckpointError naming
     what is wrong."""
-    config = load_config(directory)
-    runtime = load_runtime(directory, **runtime_fields)
-    with torch.device("meta"):
-        model = GLMForCausalLM(config, init=False, runtime=runtime)
-    state = hf_io.check_state(model, hf_io.load_hf_state(directory))
+    model, state = read_checked(directory, **runtime_fields)
     model.to_empty(device=device)
-    if config.tie_word_embeddings:  # to_empty gives each module its own tensor: tie the head again
+    if model.config.tie_word_embeddings:  # to_empty gives each module its own tensor: tie the head again
         model.lm_head.weight = model.model.embed_tokens.weight
     model.load_state_dict(state, strict=False)  # non-persistent buffers are absent from checkpoints
     for router in model.moe_routers():

@@ -19,7 +19,7 @@ import torch
 
 from orthon.backends.megatron.convert import MegatronLayout
 from orthon.backends.megatron.parallel import ParallelSizes, check_parallel, shard
-from orthon.core.errors import ConfigError, OrthonError
+from orthon.core.errors import CheckpointError, ConfigError, OrthonError
 from orthon.pretrain.config import ModelConfig
 
 INSTALL = "pip install orthon[megatron]"
@@ -194,8 +194,6 @@ def rank_key() -> tuple[int, int, int]:
 def load_megatron_state(gpt, full_state: dict[str, torch.Tensor], model: ModelConfig, options: MegatronOptions) -> None:
     """Load this rank's shard of megatron's full state dict (``convert.hf_to_megatron`` /
     ``weights.load_as_megatron``) into ``gpt``; a parameter the shard does not give is a CheckpointError."""
-    from orthon.core.errors import CheckpointError
-
     mine = shard(full_state, model, options.sizes, gpt.orthon_layout, only=rank_key())[rank_key()]
     expected = {k for k in gpt.state_dict() if not k.endswith("._extra_state")}
     missing = sorted(expected - set(mine))

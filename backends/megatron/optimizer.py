@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from orthon.backends.megatron.parallel import GATED, join, split
 from orthon.optim.muon import MatrixWork, orthogonalise_local, update_scale
 from orthon.optim.param_spec import ParamSpec
 from orthon.pretrain.config import ModelConfig
@@ -61,15 +62,6 @@ def param_specs(named_parameters, model: ModelConfig, tp: int) -> dict[str, Para
     return specs
 
 
-def is_tp_sharded(param: Tensor) -> bool:
-    return bool(getattr(param, "tensor_model_parallel", False))
-
-
-def is_expert(param: Tensor) -> bool:
-    # megatron-core marks expert weights allreduce=False (they are reduced over the expert groups)
-    return not getattr(param, "allreduce", True)
-
-
 class TensorParallelOrthogonaliser:
     """Muon's ``orthogonaliser`` for tensor-parallel shards: ``tp_group`` for dense weights,
     ``expert_group`` (the experts' tensor-parallel group) for expert weights; None: not sharded."""
@@ -80,9 +72,10 @@ class TensorParallelOrthogonaliser:
 
     def _group(self, item: MatrixWork):
         param = item.param
-        if not is_tp_sharded(param):
+        if not getattr(param, "tensor_model_parallel", False):
             return None
-        group = self.expert_group if is_expert(param) else self.tp_group
+        # megatron-core marks expert weights allreduce=False (they are reduced over the expert groups)
+        group = self.tp_group if getattr(param, "allreduce", True) else self.expert_group
         if group is None or dist.get_world_size(group) == 1:
             return None
         if getattr(param, "orthon_gate_up", False):
@@ -109,19 +102,12 @@ class TensorParallelOrthogonaliser:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         pieces = [torch.empty_like(item.update) for _ in range(world)]
         dist.all_gather(pieces, item.update.contiguous(), group=group)
-        gate_up = getattr(item.param, "orthon_gate_up", False)
-        if gate_up:  # [gate_r; up_r] per rank -> [gate; up]
-            halves = [piece.chunk(2, dim=0) for piece in pieces]
-            full = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
-        else:
-            full = torch.cat(pieces, dim=dim)
+        gate_up = getattr(item.param, "orthon_gate_up", False)  # [gate_r; up_r] per rank, [gate; up] whole
+        full = join(pieces, GATED, "") if gate_up else torch.cat(pieces, dim=dim)
         whole = dataclasses.replace(item, update=full, global_shape=tuple(full.shape))
         out = orthogonalise_local([whole], ns)[0]
-        if gate_up:
-            gate, up = out.chunk(2, dim=0)
-            mine = torch.cat([gate.chunk(world, dim=0)[rank], up.chunk(world, dim=0)[rank]])
-        else:
-            mine = out.narrow(dim, rank * item.update.shape[dim], item.update.shape[dim])
+        n = item.update.shape[dim]
+        mine = split(out, GATED, world)[rank] if gate_up else out.narrow(dim, rank * n, n)
         ratio = update_scale(*whole.block_shape) / update_scale(*item.block_shape)
         return mine * ratio
 
@@ -131,16 +117,13 @@ def build_optimizer(gpt, model: ModelConfig, optim_cfg, schedule, tp: int = 1):
     tensor-parallel orthogonaliser over megatron's TP and expert-TP groups."""
     from megatron.core import parallel_state
 
-    from orthon.optim.hybrid import build_optimizer as build_hybrid
-    from orthon.optim.routing import route_parameters
+    from orthon.optim.hybrid import build_optimizer as build_hybrid, route_by_config
 
     named = list(gpt.named_parameters())
     for name, p in named:
         if name.endswith(_GATE_UP):
             p.orthon_gate_up = True
-    plan = route_parameters(named, param_specs(named, model, tp), head_to_muon=optim_cfg.head_to_muon,
-                            muon_split=optim_cfg.muon_split, extra_splits=optim_cfg.extra_splits,
-                            adamw_only=optim_cfg.algorithm == "adamw")
+    plan = route_by_config(named, param_specs(named, model, tp), optim_cfg)
     orthogonaliser = TensorParallelOrthogonaliser(parallel_state.get_tensor_model_parallel_group(),
                                                   parallel_state.get_expert_tensor_parallel_group())
     return build_hybrid(plan, optim_cfg, schedule, orthogonaliser=orthogonaliser)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from orthon.core.errors import CheckpointError, ConfigError
-from orthon.backends.megatron.convert import MegatronLayout
+from orthon.backends.megatron.convert import MegatronLayout, expert_name
 from orthon.pretrain.config import ModelConfig
 
 REPLICATED, COLUMN, GATED, ROW = "replicated", "column", "gated", "row"
@@ -80,7 +80,8 @@ def check_parallel(config: ModelConfig, sizes: ParallelSizes, layout: MegatronLa
         raise ConfigError(f"ETP {etp}: the experts' tensor-parallel size must be 1 or TP ({tp})")
 
 
-_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)(?:linear_(fc[12])\.weight(\d+)|local_experts\.(\d+)\.linear_(fc[12])\.weight)$")
+# (prefix, fc, expert) as convert.expert_name takes them, for TEGroupedMLP's names or SequentialMLP's
+_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.(?:(linear_fc[12])\.weight(\d+)|local_experts\.(\d+)\.(linear_fc[12])\.weight)$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
 
@@ -92,16 +93,12 @@ def split_rule(name: str, layout: MegatronLayout) -> str:
         return COLUMN
     if name.endswith(("linear_q_down_proj.weight", "linear_kv_down_proj.weight")):
         return REPLICATED if layout.te else COLUMN
-    if name.endswith("self_attention.linear_proj.weight") or name.endswith("linear_fc2.weight") or _is_fc(name, "fc2"):
+    expert_fc = (_expert_key(name) or (None, None))[1]  # a grouped expert's name ends in its number
+    if name.endswith(("self_attention.linear_proj.weight", "linear_fc2.weight")) or expert_fc == "linear_fc2":
         return ROW
-    if name.endswith("linear_fc1.weight") or _is_fc(name, "fc1"):
+    if name.endswith("linear_fc1.weight") or expert_fc == "linear_fc1":
         return GATED
     return REPLICATED
-
-
-def _is_fc(name: str, fc: str) -> bool:
-    m = _EXPERT.match(name)
-    return bool(m) and (m[2] or m[5]) == fc
 
 
 def split(tensor: torch.Tensor, rule: str, parts: int) -> list[torch.Tensor]:
@@ -162,12 +159,6 @@ def _expert_key(name: str) -> tuple[str, str, int] | None:
     return (m[1], m[2], int(m[3])) if m[2] else (m[1], m[5], int(m[4]))
 
 
-def _expert_name(prefix: str, fc: str, expert: int, layout: MegatronLayout) -> str:
-    if layout.grouped_experts:
-        return f"{prefix}linear_{fc}.weight{expert}"
-    return f"{prefix}local_experts.{expert}.linear_{fc}.weight"
-
-
 def _stage_name(name: str, layers_per_stage: int) -> tuple[int | None, str]:
     """(pipeline stage, name on that stage) of a decoder-layer tensor; (None, name) for the others."""
     m = _LAYER.match(name)
@@ -202,7 +193,7 @@ def shard(state: dict[str, torch.Tensor], config: ModelConfig, sizes: ParallelSi
             prefix, fc, index = expert
             owner, local_index = divmod(index, per_ep)
             pieces = _parts(tensor, split_rule(local, layout), etp)
-            local = _expert_name(prefix, fc, local_index, layout)
+            local = expert_name(prefix, fc, local_index, layout)
             for s in stages:
                 for t in range(tp):
                     if (s, t, owner) in shards:
@@ -254,7 +245,7 @@ def merge(shards: dict[tuple[int, int, int], dict[str, torch.Tensor]], config: M
                     continue
                 prefix, fc, index = key
                 pieces = [_take(shards[(s, t, e)], name, (s, t, e)) for t in range(etp)]
-                full = _global_name(_expert_name(prefix, fc, e * per_ep + index, layout), s, per_stage)
+                full = _global_name(expert_name(prefix, fc, e * per_ep + index, layout), s, per_stage)
                 out[full] = join(pieces, split_rule(name, layout), full)
     return out
 

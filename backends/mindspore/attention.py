@@ -37,15 +37,10 @@ def deterministic_topk(scores, k: int):
     return ops.topk(ordered_key(scores), k)[1]
 
 
-def causal_mask(num_queries: int, num_keys: int):
-    """(T, S) bool: key s is visible to query t (queries are the last T of S positions)."""
-    offset = num_keys - num_queries
-    return ms.Tensor(np.arange(num_keys)[None, :] <= np.arange(num_queries)[:, None] + offset)
-
-
-def visible_keys(num_queries: int, num_keys: int, doc_ids=None):
-    """(B or 1, T, S) bool: causal and, with doc_ids (B, T), within the same document."""
-    allowed = causal_mask(num_queries, num_keys).expand_dims(0)
+def visible_keys(seq_len: int, doc_ids=None):
+    """(B or 1, T, T) bool: key s is visible to query t when causal (s <= t) and, with doc_ids (B, T),
+    in the same document."""
+    allowed = ms.Tensor(np.tril(np.ones((1, seq_len, seq_len), bool)))
     if doc_ids is None:
         return allowed
     return ops.logical_and(allowed, doc_ids[:, :, None] == doc_ids[:, None, :])
@@ -146,7 +141,7 @@ class MLAttention(nn.Cell):
         layer attended to (for the next IndexShare "shared" layer), or None for all causal keys."""
         B, T, _ = x.shape
         q_resid, q_nope, q_rope, latent = self.project(x, cos, sin)
-        allowed = visible_keys(T, T, doc_ids)
+        allowed = visible_keys(T, doc_ids)
         topk = None
         if self.runtime.sparse_attention and T > self.config.index_topk:
             if self.indexer is None:

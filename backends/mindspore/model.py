@@ -18,6 +18,7 @@ from orthon.backends.mindspore.runtime import ms
 from orthon.optim.param_spec import ParamSpec
 from orthon.pretrain.config import ModelConfig, RuntimeOptions
 from orthon.pretrain.loss import IGNORE_INDEX
+from orthon.pretrain.model_info import meta_model
 
 ops, nn = ms.ops, ms.nn
 
@@ -63,15 +64,13 @@ class GLMForCausalLM(nn.Cell):
         """The torch model's ParamSpecs for this config (Muon Split on W_QB / W_KVB per head, AdamW for
         embedding, head, norms), keyed by this cell's parameter names, which are the same. Covers every
         parameter, frozen ones too (the routers' selection bias is a buffer, not a parameter)."""
-        specs = torch_param_specs(self.config)
-        names = [name for name in self.parameter_names() if not is_buffer(name)]
+        specs = meta_model(self.config).param_specs()
+        # The routers' selection bias: a parameter here, a persistent buffer (saved, never trained) in torch.
+        names = [p.name for p in self.get_parameters() if p.name.rsplit(".", 1)[-1] != "e_score_correction_bias"]
         if set(names) != set(specs):
             raise RuntimeError(f"mindspore backend: parameter names differ from the torch model's: "
                                f"{sorted(set(names) ^ set(specs))[:6]}")
         return {name: specs[name] for name in names}
-
-    def parameter_names(self) -> list[str]:
-        return [p.name for p in self.get_parameters()]
 
     def indexers(self) -> list:
         return [cell for _, cell in self.cells_and_names() if isinstance(cell, Indexer)]
@@ -144,28 +143,7 @@ class GLMForCausalLM(nn.Cell):
         return ms.Tensor(ids.astype(np.int32))
 
 
-# Persistent tensors that are not parameters in the torch model (saved with the weights, never trained).
-BUFFERS = ("e_score_correction_bias",)
-
-
-def is_buffer(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in BUFFERS
-
-
 @functools.lru_cache(maxsize=16)
 def _rope_table(seq_len: int, dim: int, theta: float):
     return rope_cos_sin(np.arange(seq_len), dim, theta)
 
-
-def torch_model_on_meta(config: ModelConfig, runtime: RuntimeOptions | None = None):
-    """The torch model of ``config`` on the meta device: names, shapes and ParamSpecs, no memory."""
-    import torch
-
-    from orthon.pretrain.model import GLMForCausalLM as TorchModel
-
-    with torch.device("meta"):
-        return TorchModel(config, init=False, runtime=runtime)
-
-
-def torch_param_specs(config: ModelConfig) -> dict[str, ParamSpec]:
-    return torch_model_on_meta(config).param_specs()

@@ -21,8 +21,9 @@ from orthon.backends.mindspore.newton_schulz import newton_schulz
 from orthon.backends.mindspore.runtime import ms
 from orthon.core.errors import ConfigError
 from orthon.optim.config import OptimConfig, ScheduleConfig
+from orthon.optim.hybrid import route_by_config
 from orthon.optim.muon import update_scale
-from orthon.optim.routing import RoutingPlan, route_parameters
+from orthon.optim.routing import RoutingPlan
 from orthon.optim.schedules import lr_multiplier
 
 ops = ms.ops
@@ -44,9 +45,7 @@ class Group:
 def plan_for_cell(cell, cfg: OptimConfig) -> RoutingPlan:
     """The routing plan of a MindSpore cell under ``cfg`` (the torch backend's plan_for_model)."""
     specs = cell.param_specs()
-    return route_parameters(((p.name, p) for p in cell.get_parameters() if p.name in specs), specs,
-                            head_to_muon=cfg.head_to_muon, muon_split=cfg.muon_split,
-                            extra_splits=cfg.extra_splits, adamw_only=cfg.algorithm == "adamw")
+    return route_by_config(((p.name, p) for p in cell.get_parameters() if p.name in specs), specs, cfg)
 
 
 def build_groups(plan: RoutingPlan, cfg: OptimConfig, schedule: ScheduleConfig) -> list[Group]:

@@ -5,7 +5,7 @@ Two things about MindSpore 2.10's wheel that everything else here relies on:
 - Its C++ argument parser (libmindspore_common) was compiled against NumPy 1.x and calls NumPy's
   1.x ``import_array`` the first time an op receives a Python sequence. Under NumPy 2 that import
   raises (NumPy refuses a 1.x ABI), the op fails once, and from then on the parser runs without
-  NumPy support: ops work, but NumPy scalars are not taken as numbers. ``_prime_numpy_parser``
+  NumPy support: ops work, but NumPy scalars are not taken as numbers. ``import_mindspore``
   spends that one failure at import, silently, so no user op sees it; the backend never passes a
   NumPy scalar to an op (arrays go through ``Tensor(ndarray)``, which uses pybind11's NumPy-2-aware
   path). Under NumPy 1.x nothing fails and the priming is a no-op.
@@ -15,6 +15,7 @@ Two things about MindSpore 2.10's wheel that everything else here relies on:
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 
@@ -32,24 +33,13 @@ def import_mindspore():
         import mindspore
     except ImportError as exc:
         raise ConfigError(f"backend mindspore: MindSpore is not installed ({exc}); {INSTALL_HINT}") from None
-    _prime_numpy_parser(mindspore)
-    return mindspore
-
-
-_primed = False
-
-
-def _prime_numpy_parser(ms) -> None:
-    global _primed
-    if _primed:
-        return
-    _primed = True
-    probe = ms.Tensor([[0.0, 0.0]], ms.float32)
+    probe = mindspore.Tensor([[0.0, 0.0]], mindspore.float32)  # spend the parser's NumPy failure (see above)
     with contextlib.redirect_stderr(io.StringIO()):  # NumPy prints its ABI notice before raising
         try:
             probe.reshape((2, 1))  # a tuple argument: the parser's first NumPy lookup
         except (SystemError, ImportError):
             pass
+    return mindspore
 
 
 ms = import_mindspore()
@@ -63,14 +53,13 @@ def place(cfg: MindSporeConfig | None = None) -> None:
         ms.set_device(cfg.device_target, cfg.device_id)
     ms.set_context(mode=ms.GRAPH_MODE if cfg.mode == "graph" else ms.PYNATIVE_MODE)
     if cfg.device_target == "CPU":
-        # The CPU kernels' threads: as many as torch was given (the CLI's --threads / OMP_NUM_THREADS);
-        # MindSpore's default is 25 whatever the machine has. Settable once per process.
-        import torch
-
-        global _threads_set
-        if not _threads_set:
-            ms.device_context.cpu.op_tuning.threads_num(max(1, torch.get_num_threads()))
-            _threads_set = True
+        _set_cpu_threads()
 
 
-_threads_set = False
+@functools.cache  # MindSpore lets a process set them once
+def _set_cpu_threads() -> None:
+    """The CPU kernels' threads: as many as torch was given (the CLI's --threads / OMP_NUM_THREADS);
+    MindSpore's default is 25 whatever the machine has."""
+    import torch
+
+    ms.device_context.cpu.op_tuning.threads_num(max(1, torch.get_num_threads()))

@@ -4,11 +4,15 @@ two frameworks as NumPy arrays; the names are the torch model's, so no mapping i
 from __future__ import annotations
 
 import numpy as np
+import torch
 
-from orthon.backends.mindspore.model import GLMForCausalLM, torch_model_on_meta
+from orthon.backends.mindspore.model import GLMForCausalLM
 from orthon.backends.mindspore.runtime import ms
 from orthon.core.errors import CheckpointError
 from orthon.pretrain.config import ModelConfig, RuntimeOptions
+from orthon.pretrain.model import GLMForCausalLM as TorchModel
+from orthon.pretrain.model_info import meta_model
+from orthon.pretrain.weights import read_checked, save_weights
 
 
 def state_arrays(cell: GLMForCausalLM) -> dict[str, np.ndarray]:
@@ -30,27 +34,16 @@ def load_arrays(cell: GLMForCausalLM, arrays: dict[str, np.ndarray]) -> None:
         param.set_data(ms.Tensor(np.ascontiguousarray(value)))
 
 
-def torch_state_to_arrays(state) -> dict[str, np.ndarray]:
-    """A torch state dict (any float dtype) as float32 NumPy arrays."""
-    import torch
-
-    return {k: v.detach().to(torch.float32).cpu().numpy() for k, v in state.items()}
-
-
 def build(config: ModelConfig, runtime: RuntimeOptions | None = None, state=None, seed: int | None = 0) -> GLMForCausalLM:
     """A cell for ``config`` holding ``state`` (a torch state dict or name -> array), or else the torch
     model's initialisation under ``seed`` (so both backends start a run from the same weights)."""
-    import torch
-
-    from orthon.pretrain.model import GLMForCausalLM as TorchModel
-
     cell = GLMForCausalLM(config, runtime)
     if state is None:
         if seed is not None:
             torch.manual_seed(seed)
         state = TorchModel(config, runtime=runtime).state_dict()
-    if state and not isinstance(next(iter(state.values())), np.ndarray):
-        state = torch_state_to_arrays(state)
+    if state and not isinstance(next(iter(state.values())), np.ndarray):  # a torch state dict, any float dtype
+        state = {k: v.detach().to(torch.float32).cpu().numpy() for k, v in state.items()}
     if config.tie_word_embeddings:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     load_arrays(cell, state)
@@ -60,21 +53,12 @@ def build(config: ModelConfig, runtime: RuntimeOptions | None = None, state=None
 def from_hf(directory, **runtime_fields) -> GLMForCausalLM:
     """The MindSpore model of a weights directory (orthon's or any HF glm_moe_dsa checkpoint), float32.
     ``runtime_fields`` override the sidecar's RuntimeOptions, as for the torch backend's load_weights."""
-    import orthon.pretrain.hf_io as hf_io
-    from orthon.pretrain.weights import load_config, load_runtime
-
-    config = load_config(directory)
-    runtime = load_runtime(directory, **runtime_fields)
-    state = hf_io.check_state(torch_model_on_meta(config, runtime), hf_io.load_hf_state(directory))
-    return build(config, runtime, state)
+    model, state = read_checked(directory, **runtime_fields)
+    return build(model.config, model.runtime, state)
 
 
 def save_hf(cell: GLMForCausalLM, directory, **save_kwargs):
     """Write the cell as a weights directory (config.json + safetensors + orthon.json), the torch
     backend's writer doing the work (``save_kwargs``: dtype, max_shard_bytes)."""
-    import torch
-
-    from orthon.pretrain.weights import save_weights
-
     state = {k: torch.from_numpy(v) for k, v in state_arrays(cell).items()}
-    return save_weights(torch_model_on_meta(cell.config, cell.runtime), directory, state, **save_kwargs)
+    return save_weights(meta_model(cell.config, cell.runtime), directory, state, **save_kwargs)
