@@ -17,7 +17,7 @@ import torch
 
 from orthon.data.blend import BlendedDataset
 from orthon.data.config import DataConfig, StoreSource
-from orthon.core.errors import DataError
+from orthon.core.errors import ConfigError, DataError
 from orthon.data.packing import PackedDataset
 from orthon.data.sampler import Sampler
 from orthon.data.store import TokenStore
@@ -118,3 +118,12 @@ class ValidData:
             samples = [(*self.packed[s][i], s) for s, i in chunk]
             ids = [s * (1 << 40) + i for s, i in chunk]
             yield make_batch(samples, ids, self.cfg.document_mask, self.eod_id)
+
+
+def open_training_data(cfg: DataConfig, vocab_size: int, eval_samples: int, rank: int = 0, world: int = 1):
+    """(TrainData, ValidData or None) of a run whose model has ``vocab_size`` token ids: stores tokenised
+    with a larger vocabulary are refused before any step."""
+    data = TrainData(cfg, rank, world)
+    if data.vocab_size > vocab_size:
+        raise ConfigError(f"data: the stores' vocabulary ({data.vocab_size}) exceeds model.vocab_size ({vocab_size})")
+    return data, ValidData(cfg, eval_samples, data.eod_id) if cfg.valid else None

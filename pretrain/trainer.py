@@ -28,7 +28,7 @@ from orthon.core.errors import ConfigError
 from orthon.core.files import atomic_write_bytes
 from orthon.core.metrics import MetricsLogger, open_step_log, plot_training, read_metrics
 from orthon.core.step_loop import run_steps
-from orthon.data.loader import IGNORE_INDEX, TrainData, ValidData
+from orthon.data.loader import IGNORE_INDEX, open_training_data
 from orthon.optim import batch_size_at, build_for_model, lr_at
 from orthon.optim.newton_schulz import bf16_gemm_is_native
 from orthon.pretrain import parallel
@@ -109,14 +109,8 @@ class Trainer:
         self.step_fn = step or NextTokenStep(self.cfg.loss_chunk, recipe.data.document_mask, self.cfg.track_max_logit)
         self._wrap()  # before the optimizer: FSDP2 replaces the parameters it shards
         self.optimizer = (build_optimizer or _hybrid_optimizer)(self.model, recipe)
-        self.data = self.valid = None
-        if with_data:
-            self.data = TrainData(recipe.data, self.rank, self.world)
-            if recipe.data.valid:
-                self.valid = ValidData(recipe.data, recipe.train.eval_samples, self.data.eod_id)
-            if self.data.vocab_size > recipe.model.vocab_size:
-                raise ConfigError(f"data: the stores' vocabulary ({self.data.vocab_size}) exceeds model.vocab_size "
-                                  f"({recipe.model.vocab_size})")
+        self.data, self.valid = (open_training_data(recipe.data, recipe.model.vocab_size, recipe.train.eval_samples, self.rank, self.world)
+                                 if with_data else (None, None))
         self.checkpointer = Checkpointer(self.run_dir, self.cfg.keep_last, log=self.log)
         self.seq_len = recipe.data.seq_len
         self.step, self.tokens = 0, 0

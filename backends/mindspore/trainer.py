@@ -24,10 +24,9 @@ from orthon.backends.mindspore.distributed import DataParallel, local_device_id
 from orthon.backends.mindspore.optim import HybridOptimizer
 from orthon.backends.mindspore.runtime import ms, place
 from orthon.backends.mindspore.weights import build, save_hf
-from orthon.core.errors import ConfigError
 from orthon.core.metrics import MetricsLogger, plot_training, read_metrics
 from orthon.core.step_loop import run_steps
-from orthon.data.loader import IGNORE_INDEX, TrainData, ValidData
+from orthon.data.loader import IGNORE_INDEX, open_training_data
 from orthon.optim import batch_size_at, lr_at
 
 ops = ms.ops
@@ -65,14 +64,8 @@ class MindSporeTrainer:
         self.log = log if self.rank == 0 else (lambda *_: None)
         grad_fn = ms.value_and_grad(self._loss, None, self.params, has_aux=True)
         self.grad_fn = ms.jit(grad_fn) if graph else grad_fn
-        self.data = self.valid = None
-        if with_data:
-            self.data = TrainData(recipe.data, self.rank, self.world)
-            if recipe.data.valid:
-                self.valid = ValidData(recipe.data, self.cfg.eval_samples, self.data.eod_id)
-            if self.data.vocab_size > recipe.model.vocab_size:
-                raise ConfigError(f"data: the stores' vocabulary ({self.data.vocab_size}) exceeds model.vocab_size "
-                                  f"({recipe.model.vocab_size})")
+        self.data, self.valid = (open_training_data(recipe.data, recipe.model.vocab_size, self.cfg.eval_samples, self.rank, self.world)
+                                 if with_data else (None, None))
         self.checkpointer = MindSporeCheckpointer(self.run_dir, self.cfg.keep_last, log=self.log)
         self.reduce_max = self.parallel.max  # the ranks agree on a stop signal (core.step_loop)
         self.seq_len = recipe.data.seq_len
