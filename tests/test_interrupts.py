@@ -44,13 +44,13 @@ def test_ctrl_c_during_a_checkpoint_save_leaves_it_complete(tmp_path, monkeypatc
     opt = torch.optim.AdamW(model.parameters())
     model(torch.ones(2, 4)).sum().backward()
     opt.step()
-    real = module._sha256
+    real = module.sha256_file
 
     def interrupted_checksum(path):  # Ctrl-C between the tensors and the manifest
         os.kill(os.getpid(), signal.SIGINT)
         return real(path)
 
-    monkeypatch.setattr(module, "_sha256", interrupted_checksum)
+    monkeypatch.setattr(module, "sha256_file", interrupted_checksum)
     ckpt = Checkpointer(tmp_path, log=lambda *_: None)
     with pytest.raises(KeyboardInterrupt):
         ckpt.save(1, model, [opt], {"step": 1})

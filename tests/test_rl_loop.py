@@ -134,7 +134,8 @@ def test_default_decode_logprobs_match_the_trainer(tmp_path):
 def test_a_checkpoint_from_before_the_rollout_manager_resumes(tmp_path):
     """The synchronous loop's checkpoints kept the task, buffer and reward counts at the top level of the
     trainer state; resumed from one, the run continues as if never stopped."""
-    from orthon.pretrain.checkpoint import MANIFEST, TRAINER_STATE, _sha256
+    from orthon.core.files import sha256_file
+    from orthon.pretrain.checkpoint import MANIFEST, TRAINER_STATE
 
     pre = _pretrain_dir(tmp_path)
     whole, split = tmp_path / "whole", tmp_path / "split"
@@ -148,7 +149,7 @@ def test_a_checkpoint_from_before_the_rollout_manager_resumes(tmp_path):
     (newest / TRAINER_STATE).write_text(json.dumps(state))
     manifest = json.loads((newest / MANIFEST).read_text())
     manifest["files"][TRAINER_STATE] = {"size": (newest / TRAINER_STATE).stat().st_size,
-                                        "sha256": _sha256(newest / TRAINER_STATE)}
+                                        "sha256": sha256_file(newest / TRAINER_STATE)}
     (newest / MANIFEST).write_text(json.dumps(manifest))
 
     out = orthon("rl", "-c", _recipe(tmp_path, split, 4, total_steps=4, name="split.yaml"), "--resume")
