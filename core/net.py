@@ -1,6 +1,7 @@
 """Small network helpers for services orthon starts itself (engine servers, the router)."""
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import time
@@ -32,8 +33,8 @@ def wait_until_healthy(url: str, timeout_s: float, alive=lambda: True, interval_
             with urllib.request.urlopen(url, timeout=min(5.0, timeout_s)) as answer:
                 if answer.status == 200:
                     return
-        except (OSError, urllib.error.URLError):
-            pass
+        except (OSError, urllib.error.URLError, http.client.HTTPException):
+            pass  # not up yet, or (between free_port and the server's bind) another program answering there
         if time.monotonic() > deadline:
             raise TimeoutError(f"{url}: not healthy after {timeout_s:.0f}s")
         time.sleep(interval_s)

@@ -34,6 +34,10 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _tail(path: Path, lines: int = 5) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
 class EngineServer:
     """Supervises one ``orthon serve`` process (wrapped in ``ray.remote`` by the fleet)."""
 
@@ -44,11 +48,22 @@ class EngineServer:
         self.proc: subprocess.Popen | None = None
         self.start()
 
-    def start(self) -> str:
-        port = free_port(self.host)
+    def start(self, attempts: int = 3) -> str:
+        """Start the server on a free port. The port is free when chosen but the server binds it later, and
+        another process may take it in between (the run's Ray workers, gloo stores): such a start is
+        retried on a new port, ``attempts`` times in all."""
+        for attempt in range(attempts):
+            try:
+                return self._start_on(free_port(self.host))
+            except RuntimeError as exc:
+                if "address already in use" not in str(exc).lower() or attempt == attempts - 1:
+                    raise
+
+    def _start_on(self, port: int) -> str:
         self.url_ = f"http://{self.host}:{port}"
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / f"engine_{port}.log", "ab")
+        log_path = self.log_dir / f"engine_{port}.log"
+        log = open(log_path, "ab")
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "orthon.launch.cli", "serve", self.weights_dir, "--host", self.host,
@@ -57,6 +72,9 @@ class EngineServer:
         log.close()
         try:
             wait_until_healthy(self.url_ + "/health", self.startup_timeout_s, alive=lambda: self.proc.poll() is None)
+        except RuntimeError as exc:  # it exited: say why, from the end of its log
+            self.stop()
+            raise RuntimeError(f"{exc}; the end of {log_path}:\n{_tail(log_path)}") from None
         except Exception:
             self.stop()
             raise
