@@ -73,6 +73,24 @@ static void dots2(const float* a, long lda, long H, const float* x0, const float
     }
 }
 
+/* out[h * K + j] = scale * a[h] . (the first n numbers of key j's latent) over the H rows a[h] = a + h * lda,
+   for each visible key j of the query's idx row ix (-1: hidden), two keys a pass; the value hidden at the
+   hidden keys. Fills off[j] (the latent's offset in lat, -1 when hidden) and seen (the visible keys in
+   order); returns their count. */
+static long key_dots(const float* a, long lda, long H, const long* ix, long K, const float* lat, long D, long n,
+                     float scale, float hidden, float* out, long* off, long* seen) {
+    long m = 0;
+    for (long j = 0; j < K; j++) {
+        off[j] = ix[j] < 0 ? -1 : ix[j] * D;
+        if (off[j] >= 0) seen[m++] = j;
+        else for (long h = 0; h < H; h++) out[h * K + j] = hidden;
+    }
+    for (long i = 0; i + 1 < m; i += 2)
+        dots2(a, lda, H, lat + off[seen[i]], lat + off[seen[i + 1]], n, scale, out + seen[i], out + seen[i + 1], K);
+    if (m % 2) dots(a, lda, H, lat + off[seen[m - 1]], n, scale, out + seen[m - 1], K);
+    return m;
+}
+
 /* e^x for x <= 0 (softmax's shifted logits): 0 below -87 (e^x under FLT_MIN). */
 static inline __m256 exp_nonpositive(__m256 x) {
     return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ), exp_ps(x));
@@ -220,16 +238,8 @@ void sparse_attention_forward(const float* q, const float* lat, const long* idx,
         for (long n = 0; n < N; n++) {
             const long* ix = idx + n * K;
             float* p = probs + n * H * K;
-            long seen[MAX_KEYS], m = 0;  /* the visible keys, scored two at a time */
-            for (long j = 0; j < K; j++) {
-                off[j] = ix[j] < 0 ? -1 : ix[j] * D;
-                if (off[j] >= 0) seen[m++] = j;
-                else for (long h = 0; h < H; h++) p[h * K + j] = -INFINITY;
-            }
-            for (long i = 0; i + 1 < m; i += 2)
-                dots2(q + n * H * D, D, H, lat + off[seen[i]], lat + off[seen[i + 1]], D, scale, p + seen[i],
-                      p + seen[i + 1], K);
-            if (m % 2) dots(q + n * H * D, D, H, lat + off[seen[m - 1]], D, scale, p + seen[m - 1], K);
+            long seen[MAX_KEYS];  /* the logits; a hidden key's -inf makes its probability 0 */
+            long m = key_dots(q + n * H * D, D, H, ix, K, lat, D, D, scale, -INFINITY, p, off, seen);
             for (long h = 0; h < H; h++) softmax_keys(p + h * K, K);
             combine_heads(p, H, K, lat, off, seen, m, R, out + n * H * R);
         }
@@ -258,15 +268,8 @@ void sparse_attention_backward(const float* q, const float* lat, const long* idx
             const float* p = probs + n * H * K;
             const float* dn = dout + n * H * R;
             float* ds = ds_all + n * H * K;
-            long seen[MAX_KEYS], m = 0;
-            for (long j = 0; j < K; j++) {  /* d probs = dout . value (0 for a hidden key, whose prob is 0) */
-                off[j] = ix[j] < 0 ? -1 : ix[j] * D;
-                if (off[j] >= 0) seen[m++] = j;
-                else for (long h = 0; h < H; h++) ds[h * K + j] = 0.0f;
-            }
-            for (long i = 0; i + 1 < m; i += 2)
-                dots2(dn, R, H, lat + off[seen[i]], lat + off[seen[i + 1]], R, 1.0f, ds + seen[i], ds + seen[i + 1], K);
-            if (m % 2) dots(dn, R, H, lat + off[seen[m - 1]], R, 1.0f, ds + seen[m - 1], K);
+            long seen[MAX_KEYS];  /* d probs = dout . value (0 for a hidden key, whose prob is 0) */
+            long m = key_dots(dn, R, H, ix, K, lat, D, R, 1.0f, 0.0f, ds, off, seen);
             for (long h = 0; h < H; h++) {  /* softmax backward, times the logits' scale */
                 float* dh = ds + h * K;
                 const float* ph = p + h * K;
