@@ -1,5 +1,10 @@
-"""A small DSA + MoE model and its loss and gradients, for tests that compare a kernel path with the torch path."""
+"""A small DSA + MoE model and its loss and gradients, for tests that compare a kernel path with the torch path;
+the check that a library switched off falls back with one message."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -23,3 +28,13 @@ def loss_and_grads(model, ids, docs=None):
     loss = model(ids[:, :-1], labels=ids[:, 1:], doc_ids=docs, return_logits=False).loss
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_falls_back_with_one_message(code: str, switch: str, what: str) -> None:
+    """``code`` run with the library's switch at 0 prints "None None" (both kernels declined) and logs one
+    line naming ``what``, the switch and the torch ops that run instead."""
+    out = subprocess.run([sys.executable, "-c", "import logging, torch; logging.basicConfig(level=logging.INFO);" + code],
+                         env={**os.environ, switch: "0"}, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "None None"
+    lines = [line for line in out.stderr.splitlines() if f"{what} unavailable" in line]
+    assert len(lines) == 1 and f"{switch}=0" in lines[0] and "torch ops" in lines[0]

@@ -3,8 +3,6 @@ rounding), take strided rows, give the same bits at any thread count, and step a
 apply; a model trained through them equals the same model on the torch path."""
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ import torch.nn.functional as F
 from orthon.core.native import cpu_has_avx2_fma
 from orthon.pretrain import fused_kernels as FK
 from orthon.pretrain.layers import _RMSNorm
-from kernel_support import loss_and_grads, tiny_dsa_model
+from kernel_support import assert_falls_back_with_one_message, loss_and_grads, tiny_dsa_model
 
 needs_kernel = pytest.mark.skipif(FK.native.load() is None, reason=f"fused kernels: {FK.native.why_unavailable}")
 
@@ -149,14 +147,10 @@ def test_training_through_the_kernels_equals_the_torch_path(monkeypatch):
 
 
 def test_disabled_kernels_fall_back_with_one_message():
-    code = ("import logging, torch; logging.basicConfig(level=logging.INFO);"
-            "from orthon.pretrain import fused_kernels as FK;"
-            "print(FK.rms_norm(torch.ones(2, 8), torch.ones(8), 1e-6), FK.swiglu(torch.ones(2, 8), torch.ones(2, 8)))")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ORTHON_FUSED_KERNELS": "0"},
-                         capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "None None"
-    lines = [line for line in out.stderr.splitlines() if "fused elementwise kernels unavailable" in line]
-    assert len(lines) == 1 and "ORTHON_FUSED_KERNELS=0" in lines[0] and "torch ops" in lines[0]
+    assert_falls_back_with_one_message(
+        "from orthon.pretrain import fused_kernels as FK;"
+        "print(FK.rms_norm(torch.ones(2, 8), torch.ones(8), 1e-6), FK.swiglu(torch.ones(2, 8), torch.ones(2, 8)))",
+        "ORTHON_FUSED_KERNELS", "fused elementwise kernels")
 
 
 @needs_kernel

@@ -4,8 +4,6 @@ gathered latent attention and its gradients up to float summation order; a model
 equals the same model on the torch path; where they cannot run, callers fall back."""
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ import torch
 import orthon.pretrain.attention as A
 from orthon.core.native import cpu_has_avx2_fma
 from orthon.pretrain import sparse_kernels as SK
-from kernel_support import loss_and_grads, tiny_dsa_model
+from kernel_support import assert_falls_back_with_one_message, loss_and_grads, tiny_dsa_model
 
 needs_kernel = pytest.mark.skipif(SK.native.load() is None, reason=f"sparse kernels: {SK.native.why_unavailable}")
 
@@ -115,16 +113,12 @@ def test_training_through_the_kernels_equals_the_torch_path(monkeypatch, packed)
 
 
 def test_disabled_kernels_fall_back_with_one_message():
-    code = ("import logging, torch; logging.basicConfig(level=logging.INFO);"
-            "from orthon.pretrain import sparse_kernels as SK;"
-            "q = torch.ones(1, 4, 2, 8); idx = torch.zeros(1, 4, 2, dtype=torch.long);"
-            "print(SK.latent_attention(q, torch.ones(1, 4, 8), idx, idx >= 0, 0.1, 8),"
-            " SK.causal_topk(torch.ones(1, 4, 2, 8), torch.ones(1, 4, 2), torch.ones(1, 4, 8), 2, 0.1))")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ORTHON_SPARSE_KERNELS": "0"},
-                         capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "None None"
-    lines = [line for line in out.stderr.splitlines() if "sparse attention kernels unavailable" in line]
-    assert len(lines) == 1 and "ORTHON_SPARSE_KERNELS=0" in lines[0] and "torch ops" in lines[0]
+    assert_falls_back_with_one_message(
+        "from orthon.pretrain import sparse_kernels as SK;"
+        "q = torch.ones(1, 4, 2, 8); idx = torch.zeros(1, 4, 2, dtype=torch.long);"
+        "print(SK.latent_attention(q, torch.ones(1, 4, 8), idx, idx >= 0, 0.1, 8),"
+        " SK.causal_topk(torch.ones(1, 4, 2, 8), torch.ones(1, 4, 2), torch.ones(1, 4, 8), 2, 0.1))",
+        "ORTHON_SPARSE_KERNELS", "sparse attention kernels")
 
 
 @needs_kernel
