@@ -143,9 +143,10 @@ class Encoded:
 def encode_tensor(old: np.ndarray, new: np.ndarray, compressor: zstandard.ZstdCompressor,
                   encodings: tuple[str, ...] = ENCODINGS) -> Encoded | None:
     """The smallest of ``encodings`` for the change old -> new (integer views of one tensor), or None when
-    no byte changed. Sizes of the uncompressed forms are computed, not built; of the two zstd forms only
-    the one that suits the density is compressed (gaps where at most half the elements changed). An
-    encoding that cannot hold the tensor (int32 positions past 2**31 elements) falls back to full."""
+    no byte changed. Only the chosen uncompressed form is encoded (its size is computed; the gap tokens,
+    cheap, are made to size uint16_gaps); of the two zstd forms only the one that suits the density is
+    compressed (gaps where at most half the elements changed). An encoding that cannot hold the tensor
+    (int32 positions past 2**31 elements) falls back to full."""
     check_encodings(encodings)
     if old.dtype != new.dtype or old.shape != new.shape:
         raise CheckpointError(f"old and new differ in element type or count: {old.dtype}[{old.size}] vs "
@@ -166,7 +167,8 @@ def encode_tensor(old: np.ndarray, new: np.ndarray, compressor: zstandard.ZstdCo
     want_gaps = "uint16_gaps" in encodings and (only or changed * (2 + width) < n * width)
     if want_int32 or want_gaps or zstd_form == "zstd_gaps":
         positions = np.flatnonzero(mask)
-        tokens = gap_tokens(positions).astype("<u2")
+    if want_gaps or zstd_form == "zstd_gaps":
+        tokens = gap_tokens(positions).astype("<u2", copy=False)
     if want_int32:
         sizes["int32_positions"] = changed * (4 + width)
     if want_gaps:
