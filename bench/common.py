@@ -25,6 +25,28 @@ def median_time(fn, repeats: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def paired_times(fns: dict, rounds: int, warmup: int = 2) -> dict:
+    """Each function's wall times over ``rounds`` rounds of one call each, the order alternating between
+    rounds: the calls of a round run seconds apart, so a shared machine's drift (10-30% from minute to
+    minute on these VMs) hits every side of the round alike. Returns {name: [seconds per round]}."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def paired_ratio(slow: list, fast: list) -> float:
+    """The median over rounds of slow / fast time: the speed-up, each round compared with itself."""
+    return statistics.median(s / f for s, f in zip(slow, fast))
+
+
 def cpu_kind() -> str:
     """The CPU model, its core count and whether bf16 GEMM is native or emulated on it: figures from
     different machines are not comparable. On a native-bf16 CPU, ``ONEDNN_MAX_CPU_ISA=AVX2`` takes

@@ -7,18 +7,23 @@ both forwards under bf16 autocast (fp32 weights and optimizer, as ``train.precis
 precision to train in where the CPU's bf16 GEMM is native (the first line says which kind this is);
 where it is emulated, bf16 is far slower than fp32 for both.
 
+The two steps alternate one at a time (2 x repeats rounds); tokens/s are from each side's median step,
+the ratio is the median of the rounds' own ratios (each round's two steps ran seconds apart, under the
+same load).
+
     python bench/model_step.py [--repeats 5] [--shapes 8x256,2x1024] [--precision fp32|bf16]
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cpu_kind, median_time, report, tiny_pair  # noqa: E402
+from common import cpu_kind, paired_ratio, paired_times, report, tiny_pair  # noqa: E402
 
 
 
@@ -69,19 +74,15 @@ def main():
         b, t = (int(v) for v in shape.split("x"))
         ids = torch.randint(0, config.vocab_size, (b, t + 1))
         tokens = b * t
-        # Alternate the two so drift in machine load hits both alike.
-        times = {"orthon": [], "hf": []}
-        steps = {"orthon": step_fn(ours, ids, orthon_forward, args.precision),
-                 "hf": step_fn(theirs, ids, hf_forward, args.precision)}
-        for _ in range(2):
-            for name in ("orthon", "hf"):
-                times[name].append(median_time(steps[name], max(1, args.repeats // 2 + 1)))
-        o, h = tokens / min(times["orthon"]), tokens / min(times["hf"])
-        print(f"{shape:<12}{o:>14,.0f}{h:>12,.0f}{o / h:>8.2f}")
+        times = paired_times({"orthon": step_fn(ours, ids, orthon_forward, args.precision),
+                              "hf": step_fn(theirs, ids, hf_forward, args.precision)}, 2 * args.repeats)
+        o, h = (tokens / statistics.median(times[name]) for name in ("orthon", "hf"))
+        ratio = paired_ratio(times["hf"], times["orthon"])
+        print(f"{shape:<12}{o:>14,.0f}{h:>12,.0f}{ratio:>8.2f}")
         suffix = shape if args.precision == "fp32" else f"{shape}_{args.precision}"
         figures[f"orthon_tokens_per_s_{suffix}"] = round(o, 1)
         figures[f"hf_tokens_per_s_{suffix}"] = round(h, 1)
-        ratios[f"tokens_per_s_vs_hf_{suffix}"] = round(o / h, 3)
+        ratios[f"tokens_per_s_vs_hf_{suffix}"] = round(ratio, 3)
     report("model_step", figures, ratios)
 
 
