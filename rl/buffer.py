@@ -54,10 +54,6 @@ class DataBuffer:
         self._dropped = 0
         self._rejected = 0
 
-    @classmethod
-    def from_config(cls, config) -> "DataBuffer":
-        return cls(config.num_repeat_per_sample, config.task_type)
-
     def add(self, sample: Sample) -> bool:
         """Store a finished sample in its group; False (counted) if the group is closed or full."""
         if not isinstance(sample, Sample):

@@ -21,15 +21,13 @@ def _positive(obj, *names: str) -> None:
 
 @dataclass
 class BufferConfig:
-    """The Data Buffer: a group of one prompt is ready when it holds G samples."""
+    """The Data Buffer: a group of one prompt is ready when it holds G samples (the buffer's task type is
+    the task's own, ``Task.task_type``)."""
 
     num_repeat_per_sample: int = 32  # G
-    task_type: str = "math"
 
     def __post_init__(self):
         _positive(self, "num_repeat_per_sample")
-        if not self.task_type:
-            raise ConfigError("task_type: must be a non-empty string")
 
 
 @dataclass
@@ -88,7 +86,7 @@ class OPDConfig:
     # Direction of the form-1 KL; the recipe writes KL(teacher || student).
     kl_direction: Literal["teacher_student", "student_teacher"] = "teacher_student"
     group_size: int = 1
-    batch_size: int = 1024
+    batch_size: int = 1024  # samples an iteration: with teachers, prompts_per_iteration = batch_size / group_size
     # The teachers, each with its own prompt set; prompts are drawn from the sets by their ratios and
     # every prompt is scored by the teacher of its set (data-level mixing, never logit averaging).
     teachers: list[TeacherConfig] = field(default_factory=list)

@@ -58,7 +58,7 @@ class RLConfig:
     rollout_args: dict[str, Any] = field(default_factory=dict)  # the plug-in's own settings (RolloutContext.options)
     # None: the task's own binary reward; else a RewardConfig name ("math", "code", dotted path).
     reward: RewardConfig | None = None
-    buffer: BufferConfig = field(default_factory=lambda: BufferConfig(num_repeat_per_sample=8, task_type="arithmetic"))
+    buffer: BufferConfig = field(default_factory=lambda: BufferConfig(num_repeat_per_sample=8))
     loss: LossConfig = field(default_factory=LossConfig)
     # How an update's samples become micro-batches and, under torchrun, which data-parallel rank runs
     # each (orthon.rl.dp_schedule); a micro-batch also holds at most train.micro_batch_size samples.
@@ -79,7 +79,7 @@ class RLConfig:
         for name in ("max_ahead_groups", "max_staleness", "max_retries"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        if self.opd is not None and self.opd.teachers:  # distillation: its prompt source, rollout and group size
+        if self.opd is not None and self.opd.teachers:  # distillation: its prompt source, rollout and batch
             self.task = "orthon.rl.distill.MixedTask"
             self.task_args = {"sets": [{"name": t.name, "task": t.task, "task_args": dict(t.task_args), "ratio": t.ratio}
                                        for t in self.opd.teachers], "eval_size": self.task_args.get("eval_size")}
@@ -87,5 +87,9 @@ class RLConfig:
             self.rollout_args = {**self.rollout_args, "teachers": {t.name: t.weights for t in self.opd.teachers},
                                  "rollouts": {t.name: [t.rollout, dict(t.rollout_args)] for t in self.opd.teachers}}
             self.buffer.num_repeat_per_sample = self.opd.group_size
+            if self.opd.batch_size % self.opd.group_size:
+                raise ConfigError(f"opd.batch_size: must be a multiple of opd.group_size ({self.opd.group_size}), "
+                                  f"got {self.opd.batch_size}")
+            self.prompts_per_iteration = self.opd.batch_size // self.opd.group_size
         if self.max_sampling_rounds > 1 and not self.drop_zero_std_groups:
             raise ConfigError("max_sampling_rounds: refill rounds only make sense with drop_zero_std_groups: true")

@@ -96,6 +96,16 @@ def test_opd_config_sets_the_stage_up():
     assert cfg.task == "orthon.rl.distill.MixedTask" and cfg.rollout == "orthon.rl.distill.opd_rollout"
     assert cfg.buffer.num_repeat_per_sample == 1 and cfg.rollout_args["teachers"] == {"a": "x", "b": "y"}
     assert [s["ratio"] for s in cfg.task_args["sets"]] == [1.0, 2.0]
+    # GLM-5's batch: 1024 samples of group size 1 an iteration, whatever prompts_per_iteration said.
+    assert (cfg.prompts_per_iteration, cfg.buffer.num_repeat_per_sample) == (1024, 1)
+
+
+def test_opd_batch_size_sets_the_prompts_an_iteration():
+    teachers = [{"name": "a", "weights": "x"}]
+    cfg = build(RLConfig, {"prompts_per_iteration": 7, "opd": {"batch_size": 12, "group_size": 3, "teachers": teachers}})
+    assert (cfg.prompts_per_iteration, cfg.buffer.num_repeat_per_sample) == (4, 3)
+    with pytest.raises(Exception, match="opd.batch_size: must be a multiple of opd.group_size"):
+        build(RLConfig, {"opd": {"batch_size": 10, "group_size": 3, "teachers": teachers}})
 
 
 def _opd_trainer(tmp_path, world, form, iterations=8):
@@ -107,7 +117,7 @@ def _opd_trainer(tmp_path, world, form, iterations=8):
         "schedule": {"peak_lr": 3e-3, "floor_lr": 3e-3},
         "rl": {"iterations": iterations, "prompts_per_iteration": 16, "max_new_tokens": 6, "eval_interval": 0,
                "eval_samples": 1, "task_args": {"eval_size": 2},
-               "opd": {"form": form, "teachers": [{**s, "weights": teachers[s["name"]]} for s in SETS]}}}))
+               "opd": {"form": form, "batch_size": 16, "teachers": [{**s, "weights": teachers[s["name"]]} for s in SETS]}}}))
     recipe = load_rl_recipe(path)
     recipe.model = load_config(pre / "final")
     return RLTrainer(recipe, tok, log=lambda *a: None)

@@ -61,11 +61,10 @@ def test_every_stage_runs_and_the_plan_resumes(tmp_path, chat_tokenizer):
                                               "task_args": {"eval_size": 2}, "max_new_tokens": 8,
                                               "rollout": "orthon.rl.multi_turn.tool_rollout",
                                               "rollout_args": {"tools": {"calculator": "orthon.rl.tools.calculator"},
-                                                               "max_turns": 2},
-                                              "buffer": {"task_type": "tool_arithmetic"}}}},
+                                                               "max_turns": 2}}}},
         {"name": "general_rl"},
         {"name": "opd", "teachers": {"reasoning": "reasoning_rl", "general": "general_rl"},
-         "set": {"rl": {"opd": {"teachers": [
+         "set": {"rl": {"opd": {"batch_size": 2, "teachers": [
              {"name": "reasoning", "task": "orthon.rl.tasks.ArithmeticTask", "task_args": {"eval_size": 2}},
              {"name": "general", "task": "orthon.rl.tasks.ArithmeticTask", "task_args": {"difficulty": 1, "eval_size": 2}}]}}}},
     ]}

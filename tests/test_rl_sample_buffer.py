@@ -109,7 +109,7 @@ def test_ready_groups_come_out_in_the_order_they_completed():
 
 
 def test_drop_rebuild_and_task_type():
-    buf = DataBuffer.from_config(build(BufferConfig, {"num_repeat_per_sample": 2, "task_type": "math"}))
+    buf = DataBuffer(build(BufferConfig, {"num_repeat_per_sample": 2}).num_repeat_per_sample, "math")
     buf.add(done("a"))
     buf.add(done("b"))
     buf.add(done("b"))

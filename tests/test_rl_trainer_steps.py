@@ -27,7 +27,7 @@ def _trainer(tmp_path, name, loss=None, own_engine=False, **overrides):
         "train": {"run_dir": str(tmp_path / name / "rl"), "progress": False, "micro_batch_size": 3,
                   "init_from": str(pre / "final")},
         "schedule": {"peak_lr": 1e-3, "floor_lr": 1e-3},
-        "rl": {"buffer": {"num_repeat_per_sample": G, "task_type": "arithmetic"}, "loss": loss or {}, **overrides}})
+        "rl": {"buffer": {"num_repeat_per_sample": G}, "loss": loss or {}, **overrides}})
     recipe.model = model
     import yaml
 
