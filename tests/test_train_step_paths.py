@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from hf_reference import small_model
 from orthon.pretrain.attention import sdpa
+import orthon.pretrain.loss as loss_module
 from orthon.pretrain.loss import chunked_cross_entropy
 
 
@@ -14,9 +15,15 @@ def _reference(hidden, weight, labels):
                            reduction="sum")
 
 
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn-logits", "mkl-logits"])
 @pytest.mark.parametrize("chunk", [1, 5, 64])
 @pytest.mark.parametrize("grads", [(True, True), (True, False), (False, True)])
-def test_fused_loss_matches_cross_entropy(chunk, grads):
+def test_fused_loss_matches_cross_entropy(chunk, grads, onednn, monkeypatch):
+    """Either way of making a chunk's logits (oneDNN's linear where torch has it, MKL's GEMM into one
+    buffer otherwise) gives cross_entropy's value and gradients."""
+    if onednn and not loss_module._HAS_ONEDNN_LINEAR:
+        pytest.skip("this torch has no oneDNN fp32 linear")
+    monkeypatch.setattr(loss_module, "_HAS_ONEDNN_LINEAR", onednn)
     torch.manual_seed(0)
     hidden = torch.randn(3, 11, 16, requires_grad=grads[0])
     weight = torch.randn(40, 16, requires_grad=grads[1])
