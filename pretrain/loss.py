@@ -29,7 +29,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "
 
 
 def _onednn_linear_applies(h: torch.Tensor, w_t: torch.Tensor) -> bool:
-    """Whether the chunk's logits come from oneDNN's fp32 linear rather than MKL's GEMM: a (rows x D) by
+    """Whether the chunks' logits of h @ w_t come from oneDNN's fp32 linear rather than MKL's GEMM: a (rows x D) by
     (D x V) product with V in the thousands and D in the hundreds is the one shape of the step where
     oneDNN is much faster on CPU (126 against 96 GFLOP/s at 512 x 256 x 4096 on the AMD EPYC, 109 against
     70 at 256 rows; the gradient products run as fast on either). The op is the one torch.compile's CPU
@@ -42,17 +42,19 @@ def _onednn_linear_applies(h: torch.Tensor, w_t: torch.Tensor) -> bool:
 _HAS_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _chunk_loss_and_logit_grad(h: torch.Tensor, w_t: torch.Tensor, y: torch.Tensor, want_grad: bool,
-                                buffer: torch.Tensor | None = None):
-    """Summed CE of one chunk and, if wanted, d(sum)/d(logits) = softmax - onehot (zero on ignored rows),
-    computed in place over the chunk's fp32 logits. w_t: the output head transposed, (D, V); buffer: where
-    to write fp32 logits (one buffer for every chunk, so that it stays in cache)."""
-    if _onednn_linear_applies(h, w_t):
-        logits = torch.ops.mkldnn._linear_pointwise(h, w_t.t(), None, "none", [], "")
-    elif buffer is not None and h.dtype == torch.float32:
-        logits = torch.mm(h, w_t, out=buffer[: h.shape[0]])
-    else:
-        logits = (h @ w_t).float()
+def _chunk_logits(h: torch.Tensor, w_t: torch.Tensor, buffer: torch.Tensor | None, onednn: bool) -> torch.Tensor:
+    """A chunk's fp32 logits h @ w_t (w_t: the output head transposed, (D, V)): from oneDNN's linear where
+    ``onednn``, else written into ``buffer`` (one for every chunk, so that it stays in cache) in fp32."""
+    if onednn:
+        return torch.ops.mkldnn._linear_pointwise(h, w_t.t(), None, "none", [], "")
+    if buffer is not None and h.dtype == torch.float32:
+        return torch.mm(h, w_t, out=buffer[: h.shape[0]])
+    return (h @ w_t).float()
+
+
+def _chunk_loss_and_logit_grad(logits: torch.Tensor, y: torch.Tensor, want_grad: bool):
+    """Summed CE of one chunk's fp32 logits and, if wanted, d(sum)/d(logits) = softmax - onehot (zero on
+    ignored rows), computed in place over the logits."""
     if want_grad:
         loss = fused_kernels.cross_entropy_grad_(logits, y, IGNORE_INDEX)
         if loss is not None:
@@ -84,11 +86,13 @@ def _summed_loss(hidden, weight, labels, chunk, need_h, need_w):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         # One fp32 logits buffer for every chunk (a new one each chunk lands on memory out of cache); oneDNN
         # writes its own (the allocator hands each chunk the block the last one freed).
-        buffer = None if _onednn_linear_applies(hidden, w_t) else hidden.new_empty(
-            (min(chunk, hidden.shape[0]), weight.shape[0]), dtype=torch.float32)
+        onednn = _onednn_linear_applies(hidden, w_t)
+        buffer = None if onednn else hidden.new_empty((min(chunk, hidden.shape[0]), weight.shape[0]),
+                                                      dtype=torch.float32)
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start : start + chunk].to(dtype)
-            loss, probs = _chunk_loss_and_logit_grad(h, w_t, labels[start : start + chunk], need_h or need_w, buffer)
+            logits = _chunk_logits(h, w_t, buffer, onednn)
+            loss, probs = _chunk_loss_and_logit_grad(logits, labels[start : start + chunk], need_h or need_w)
             total += loss
             if probs is None:
                 continue
