@@ -10,12 +10,11 @@ but the tail shorter than a sample).
 
 Each position also carries the index of the document it belongs to (an eod
 belongs to the document it ends), so attention can be stopped at document
-boundaries: see ``document_attention_mask``.
+boundaries (the model's ``orthon.pretrain.attention.document_mask``).
 """
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from orthon.core.errors import DataError
 from orthon.data.store import TokenStore
@@ -83,25 +82,3 @@ class PackedDataset:
             pos = take
             d += 1
         return tokens, doc_ids
-
-
-def document_attention_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Causal mask that also stops at document boundaries: ``[..., T] -> bool [..., T, T]``.
-
-    ``mask[..., q, k]`` is True where query ``q`` may attend to key ``k``:
-    ``k <= q`` and both belong to the same document.
-    """
-    T = doc_ids.shape[-1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
-    same = doc_ids.unsqueeze(-1) == doc_ids.unsqueeze(-2)
-    return same & causal
-
-
-def positions_in_document(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Position of each token counted from the start of its document within the row (``[..., T]``)."""
-    T = doc_ids.shape[-1]
-    idx = torch.arange(T, device=doc_ids.device).expand_as(doc_ids)
-    new_doc = torch.ones_like(doc_ids, dtype=torch.bool)
-    new_doc[..., 1:] = doc_ids[..., 1:] != doc_ids[..., :-1]
-    start = torch.where(new_doc, idx, torch.zeros_like(idx)).cummax(dim=-1).values
-    return idx - start

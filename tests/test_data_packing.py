@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from orthon.core.errors import DataError
-from orthon.data.packing import PackedDataset, document_attention_mask, num_samples, positions_in_document
+from orthon.data.packing import PackedDataset, num_samples
+from orthon.pretrain.attention import document_mask
 from orthon.data.store import MANIFEST, TokenStore, write_shard
 
 EOD = 2
@@ -78,9 +79,10 @@ def test_too_little_data_is_a_clear_error(tmp_path):
         PackedDataset(store, 1, 300)
 
 
-def test_document_attention_mask_hand_checked():
+def test_document_mask_hand_checked():
+    """The packed documents' ids are what the model's attention mask reads (doc_ids of a batch)."""
     doc_ids = torch.tensor([[0, 0, 1, 1, 1, 2]])
-    mask = document_attention_mask(doc_ids)[0].int()
+    mask = document_mask(doc_ids, doc_ids, torch.arange(6))[0].int()
     expected = torch.tensor([
         [1, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0],
@@ -90,6 +92,5 @@ def test_document_attention_mask_hand_checked():
         [0, 0, 0, 0, 0, 1],
     ])
     assert torch.equal(mask, expected)
-    assert positions_in_document(doc_ids).tolist() == [[0, 1, 0, 1, 2, 0]]
     same = torch.zeros(2, 5, dtype=torch.long)
-    assert torch.equal(document_attention_mask(same), torch.ones(5, 5, dtype=torch.bool).tril().expand(2, 5, 5))
+    assert torch.equal(document_mask(same, same, torch.arange(5)), torch.ones(5, 5, dtype=torch.bool).tril().expand(2, 5, 5))
