@@ -6,8 +6,8 @@ import torch
 
 from orthon.core.errors import DataError
 from orthon.data.packing import PackedDataset, num_samples
-from orthon.pretrain.attention import document_mask
 from orthon.data.store import MANIFEST, TokenStore, write_shard
+from orthon.pretrain.attention import document_mask
 
 EOD = 2
 
