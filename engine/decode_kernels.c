@@ -12,24 +12,38 @@ void thin_pack(const float* w, float* p, long N, long K) {
             p[(n / 16) * K * 16 + k * 16 + (n % 16)] = w[n * K + k];
 }
 
+/* One row's 16 columns (lo, hi) into y; a panel's last columns may be fewer. The accumulators reach
+   here by value, so the compiler keeps them in registers for the whole k loop (a store through a local
+   array of them made it spill all of them to the stack every k). */
+static inline void store16(float* y, __m256 lo, __m256 hi, long ncols) {
+    if (ncols == 16) {
+        _mm256_storeu_ps(y, lo);
+        _mm256_storeu_ps(y + 8, hi);
+    } else {
+        float tmp[16];
+        _mm256_storeu_ps(tmp, lo); _mm256_storeu_ps(tmp + 8, hi);
+        memcpy(y, tmp, sizeof(float) * ncols);
+    }
+}
+
+/* The loops over a block's rows and k-sets run fully unrolled, so that every accumulator is a register
+   of its own (a loop left rolled indexes them as an array in memory: a store per FMA). */
+#define UNROLL _Pragma("GCC unroll 16")
+
 /* MB rows of y, 16 columns: y[m, c] = sum_k x[m, k] * panel[k, c]. */
 #define BLOCK(MB) \
 static inline void block##MB(const float* x, const float* panel, float* y, long K, long ldy, long ncols) { \
     __m256 a0[MB], a1[MB]; \
-    for (int m = 0; m < MB; m++) { a0[m] = _mm256_setzero_ps(); a1[m] = _mm256_setzero_ps(); } \
+    UNROLL for (int m = 0; m < MB; m++) { a0[m] = _mm256_setzero_ps(); a1[m] = _mm256_setzero_ps(); } \
     for (long k = 0; k < K; k++) { \
         __m256 w0 = _mm256_loadu_ps(panel + k * 16), w1 = _mm256_loadu_ps(panel + k * 16 + 8); \
-        for (int m = 0; m < MB; m++) { \
+        UNROLL for (int m = 0; m < MB; m++) { \
             __m256 b = _mm256_broadcast_ss(x + m * K + k); \
             a0[m] = _mm256_fmadd_ps(b, w0, a0[m]); \
             a1[m] = _mm256_fmadd_ps(b, w1, a1[m]); \
         } \
     } \
-    for (int m = 0; m < MB; m++) { \
-        float tmp[16]; \
-        _mm256_storeu_ps(tmp, a0[m]); _mm256_storeu_ps(tmp + 8, a1[m]); \
-        memcpy(y + m * ldy, tmp, sizeof(float) * ncols); \
-    } \
+    UNROLL for (int m = 0; m < MB; m++) store16(y + m * ldy, a0[m], a1[m], ncols); \
 }
 BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6)
 
@@ -38,13 +52,13 @@ BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6)
 #define BLOCK_SPLIT_K(MB, KS) \
 static inline void block##MB(const float* x, const float* panel, float* y, long K, long ldy, long ncols) { \
     __m256 a0[MB][KS], a1[MB][KS]; \
-    for (int m = 0; m < MB; m++) \
-        for (int s = 0; s < KS; s++) { a0[m][s] = _mm256_setzero_ps(); a1[m][s] = _mm256_setzero_ps(); } \
+    UNROLL for (int m = 0; m < MB; m++) \
+        UNROLL for (int s = 0; s < KS; s++) { a0[m][s] = _mm256_setzero_ps(); a1[m][s] = _mm256_setzero_ps(); } \
     long k = 0; \
     for (; k + KS <= K; k += KS) \
-        for (int s = 0; s < KS; s++) { \
+        UNROLL for (int s = 0; s < KS; s++) { \
             __m256 w0 = _mm256_loadu_ps(panel + (k + s) * 16), w1 = _mm256_loadu_ps(panel + (k + s) * 16 + 8); \
-            for (int m = 0; m < MB; m++) { \
+            UNROLL for (int m = 0; m < MB; m++) { \
                 __m256 b = _mm256_broadcast_ss(x + m * K + k + s); \
                 a0[m][s] = _mm256_fmadd_ps(b, w0, a0[m][s]); \
                 a1[m][s] = _mm256_fmadd_ps(b, w1, a1[m][s]); \
@@ -52,17 +66,15 @@ static inline void block##MB(const float* x, const float* panel, float* y, long 
         } \
     for (; k < K; k++) { \
         __m256 w0 = _mm256_loadu_ps(panel + k * 16), w1 = _mm256_loadu_ps(panel + k * 16 + 8); \
-        for (int m = 0; m < MB; m++) { \
+        UNROLL for (int m = 0; m < MB; m++) { \
             __m256 b = _mm256_broadcast_ss(x + m * K + k); \
             a0[m][0] = _mm256_fmadd_ps(b, w0, a0[m][0]); \
             a1[m][0] = _mm256_fmadd_ps(b, w1, a1[m][0]); \
         } \
     } \
-    for (int m = 0; m < MB; m++) { \
-        for (int s = 1; s < KS; s++) { a0[m][0] = _mm256_add_ps(a0[m][0], a0[m][s]); a1[m][0] = _mm256_add_ps(a1[m][0], a1[m][s]); } \
-        float tmp[16]; \
-        _mm256_storeu_ps(tmp, a0[m][0]); _mm256_storeu_ps(tmp + 8, a1[m][0]); \
-        memcpy(y + m * ldy, tmp, sizeof(float) * ncols); \
+    UNROLL for (int m = 0; m < MB; m++) { \
+            UNROLL for (int s = 1; s < KS; s++) { a0[m][0] = _mm256_add_ps(a0[m][0], a0[m][s]); a1[m][0] = _mm256_add_ps(a1[m][0], a1[m][s]); } \
+        store16(y + m * ldy, a0[m][0], a1[m][0], ncols); \
     } \
 }
 BLOCK_SPLIT_K(1, 4) BLOCK_SPLIT_K(2, 2)
@@ -73,19 +85,19 @@ BLOCK_SPLIT_K(1, 4) BLOCK_SPLIT_K(2, 2)
 __attribute__((target("avx512f"))) \
 static void zblock##MB(const float* x, const float* panel, float* y, long K, long ldy, long ncols) { \
     __m512 a[MB][KS]; \
-    for (int m = 0; m < MB; m++) for (int s = 0; s < KS; s++) a[m][s] = _mm512_setzero_ps(); \
+    UNROLL for (int m = 0; m < MB; m++) UNROLL for (int s = 0; s < KS; s++) a[m][s] = _mm512_setzero_ps(); \
     long k = 0; \
     for (; k + KS <= K; k += KS) \
-        for (int s = 0; s < KS; s++) { \
+        UNROLL for (int s = 0; s < KS; s++) { \
             __m512 w = _mm512_loadu_ps(panel + (k + s) * 16); \
-            for (int m = 0; m < MB; m++) a[m][s] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k + s]), w, a[m][s]); \
+            UNROLL for (int m = 0; m < MB; m++) a[m][s] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k + s]), w, a[m][s]); \
         } \
     for (; k < K; k++) { \
         __m512 w = _mm512_loadu_ps(panel + k * 16); \
-        for (int m = 0; m < MB; m++) a[m][0] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), w, a[m][0]); \
+        UNROLL for (int m = 0; m < MB; m++) a[m][0] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), w, a[m][0]); \
     } \
-    for (int m = 0; m < MB; m++) { \
-        for (int s = 1; s < KS; s++) a[m][0] = _mm512_add_ps(a[m][0], a[m][s]); \
+    UNROLL for (int m = 0; m < MB; m++) { \
+        UNROLL for (int s = 1; s < KS; s++) a[m][0] = _mm512_add_ps(a[m][0], a[m][s]); \
         _mm512_mask_storeu_ps(y + m * ldy, (__mmask16)((1u << ncols) - 1), a[m][0]); \
     } \
 }

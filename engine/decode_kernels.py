@@ -3,7 +3,7 @@ around them, each one C call (decode_kernels.c) where torch would run several op
 costs more than their arithmetic at these sizes.
 
 - ``PackedLinear``: a weight packed once (panels of 16 output columns, contiguous along K) times 1 to
-  8 rows, the rows' accumulators in registers (AVX-512 where the CPU has it, else AVX2), so the weight
+  64 rows, the rows' accumulators in registers (AVX-512 where the CPU has it, else AVX2), so the weight
   streams once per call; optionally with the RMSNorm that feeds it folded in (``norm``).
 - ``rms_norm``, ``rope_rows``: RMSNorm and RoPE of a step's vectors.
 - ``index_topk``: the DSA indexer's scores over the cached keys and their deterministic top-k.
@@ -32,7 +32,11 @@ from orthon.core.native import NativeLibrary
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 8  # above this the BLAS's blocked GEMM is as fast or faster
+# Rows per call the kernels take (their C buffers' bound; a batch-64 decode step fits). On one Zen 3
+# core with hot caches the packed matmul runs at 83-98 GFLOP/s on the tiny model's shapes from 16 to
+# 512 rows, MKL's F.linear at 57-93, and from memory the packed weights skip the copy MKL makes of
+# every weight every call: at batch 64 the decode step is ~1.4x faster than with MKL's GEMMs.
+MAX_ROWS = 64
 PANEL = 16
 
 

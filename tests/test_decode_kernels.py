@@ -9,7 +9,7 @@ from orthon.engine import decode_kernels
 from orthon.pretrain.attention import latent_attention
 from orthon.pretrain.layers import RMSNorm, apply_rope
 from orthon.pretrain.moe import route
-from orthon.engine.decode_kernels import PackedLinear, PackedMoE, index_topk, latent_attention_step, rms_norm, rope_rows
+from orthon.engine.decode_kernels import MAX_ROWS, PackedLinear, PackedMoE, index_topk, latent_attention_step, rms_norm, rope_rows
 from orthon.pretrain.topk import deterministic_topk
 
 pytestmark = [pytest.mark.skipif(decode_kernels.library() is None, reason=f"decode kernels: {decode_kernels.native.why_unavailable}"),
@@ -23,7 +23,7 @@ def _norm(dim, seed):
     return norm
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 64])
 def test_rms_norm_equals_torch_on_rows_of_a_wider_tensor(rows):
     norm = _norm(40, rows)
     wide = torch.randn(rows, 100) * 3
@@ -33,7 +33,7 @@ def test_rms_norm_equals_torch_on_rows_of_a_wider_tensor(rows):
         torch.testing.assert_close(rms_norm(wide[:, :40].contiguous(), norm), norm(wide[:, :40]), atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 8])
+@pytest.mark.parametrize("rows", [1, 2, 8, 37, 64])
 def test_linear_with_its_norm_folded_in_equals_norm_then_linear(rows):
     norm, w = _norm(64, 1), torch.randn(70, 64)
     x = torch.randn(rows, 64) * 2
@@ -41,7 +41,7 @@ def test_linear_with_its_norm_folded_in_equals_norm_then_linear(rows):
     with torch.no_grad():
         ref = F.linear(norm(x), w)
         torch.testing.assert_close(packed(x), ref, atol=1e-5, rtol=1e-5)
-        many = torch.randn(20, 64)  # past the kernel's rows: the torch path, same function
+        many = torch.randn(MAX_ROWS + 1, 64)  # past the kernel's rows: the torch path, same function
         torch.testing.assert_close(packed(many), F.linear(norm(many), w), atol=1e-5, rtol=1e-5)
 
 
@@ -110,7 +110,7 @@ def test_latent_attention_step_equals_latent_attention(sparse):
     torch.testing.assert_close(got, latent_attention(q, keys, 0.2, rank, mask[:, None]), atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 8])
+@pytest.mark.parametrize("rows", [1, 5, 8, 64])
 @pytest.mark.parametrize("groups,shared,normalise", [(1, True, True), (4, True, True), (1, False, False)])
 def test_moe_block_equals_route_then_experts(rows, groups, shared, normalise):
     g = torch.Generator().manual_seed(rows + groups)
