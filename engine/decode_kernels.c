@@ -110,10 +110,17 @@ typedef void (*block_fn)(const float* x, const float* panel, float* y, long K, l
 static const block_fn zblocks[8] = {zblock1, zblock2, zblock3, zblock4, zblock5, zblock6, zblock7, zblock8};
 static const block_fn blocks[6] = {block1, block2, block3, block4, block5, block6};
 
-/* y (M x N) = x (M x K) @ w^T over the packed panels, rows in blocks of at most `rows`. */
+/* Below this many FLOPs a product runs on one thread: a parallel region's fork and join (a few us)
+   would cost more than the second core gains. */
+#define PARALLEL_FLOPS (1L << 21)
+
+/* y (M x N) = x (M x K) @ w^T over the packed panels, rows in blocks of at most `rows`; the panels
+   split across `threads` threads where the product is large enough (every thread reads all of x). */
 static void panel_loop(const float* x, const float* p, float* y, long M, long N, long K, long rows,
-                       const block_fn* kernels) {
-    for (long nb = 0; nb < (N + 15) / 16; nb++) {
+                       const block_fn* kernels, int threads) {
+    long NB = (N + 15) / 16;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && NB > 1 && 2 * M * N * K >= PARALLEL_FLOPS)
+    for (long nb = 0; nb < NB; nb++) {
         const float* panel = p + nb * K * 16;
         long n0 = nb * 16, ncols = N - n0 < 16 ? N - n0 : 16;
         for (long m0 = 0; m0 < M; m0 += rows)
@@ -129,14 +136,14 @@ void thin_use_avx512(int on) { avx512 = on && __builtin_cpu_supports("avx512f");
 /* y (M x N) = x (M x K) @ w^T, w packed by thin_pack. AVX-512 where the CPU has it: 8 rows a block.
    AVX2: rows in equal blocks of up to 6 (12 accumulators: 8 rows go 4 + 4, not 6 + 2, whose 2-row
    block would use a third of the FMA units' width). */
-void thin_linear(const float* x, const float* p, float* y, long M, long N, long K) {
+void thin_linear(const float* x, const float* p, float* y, long M, long N, long K, int threads) {
     if (M <= 0) return;
     if (avx512 < 0) thin_use_avx512(1);
     if (avx512) {
-        panel_loop(x, p, y, M, N, K, 8, zblocks);
+        panel_loop(x, p, y, M, N, K, 8, zblocks, threads);
     } else {
         long parts = (M + 5) / 6;
-        panel_loop(x, p, y, M, N, K, (M + parts - 1) / parts, blocks);
+        panel_loop(x, p, y, M, N, K, (M + parts - 1) / parts, blocks, threads);
     }
 }
 
@@ -162,11 +169,11 @@ void thin_rms_norm(const float* x, const float* w, float* y, long M, long K, lon
 }
 
 /* y = rms_norm(x) @ w^T for a weight packed with the norm's scale folded in: the linear map of x,
-   each row's output times that row's rstd (M <= 64). */
-void thin_norm_linear(const float* x, const float* p, float* y, long M, long N, long K, float eps) {
-    float rstd[64];
+   each row's output times that row's rstd. */
+void thin_norm_linear(const float* x, const float* p, float* y, long M, long N, long K, float eps, int threads) {
+    float rstd[M];
     row_rstd(x, rstd, M, K, K, eps);
-    thin_linear(x, p, y, M, N, K);
+    thin_linear(x, p, y, M, N, K, threads);
     for (long m = 0; m < M; m++)
         for (long n = 0; n < N; n++) y[m * N + n] *= rstd[m];
 }
@@ -215,7 +222,7 @@ static void route_row(const float* logits, const float* bias, long E, long topk,
         weights[j] = (norm_topk ? weights[j] / (total + 1e-20f) : weights[j]) * scaling;
 }
 
-/* The MoE block of a few rows (M <= 64, E <= 256): routing (route_row on logits, ld_logits apart), then
+/* The MoE block of a few rows (E <= 256): routing (route_row on logits, ld_logits apart), then
    y (M x H) = sum over each row's choices of weight * down_e(silu(gate_e x) * up_e x), the rows grouped by
    expert so each chosen expert's packed weights are read once, plus the shared expert's
    shared_down(silu(g) * u) of shared_in = [g, u] (M x 2 Is, ld_shared apart; skipped when shared_down is
@@ -224,12 +231,12 @@ static void route_row(const float* logits, const float* bias, long E, long topk,
 void thin_moe(const float* x, long M, long H, long I, long E, const float* logits, long ld_logits,
               const float* bias, long topk, long n_group, long topk_group, long norm_topk, float scaling,
               const float* const* gate_up, const float* const* down, const float* shared_in, long ld_shared,
-              long Is, const float* shared_down, float* y, long* chosen, float* weights, float* scratch) {
+              long Is, const float* shared_down, float* y, long* chosen, float* weights, float* scratch, int threads) {
     float* xb = scratch;            /* n x H */
     float* h = xb + M * H;          /* n x 2I */
     float* act = h + M * 2 * I;     /* n x I, then M x Is */
     float* out = act + M * (I > Is ? I : Is);  /* n x H */
-    long rows[64]; float w[64];
+    long rows[M]; float w[M];  /* an expert's rows: each row picks an expert at most once */
     for (long m = 0; m < M; m++)
         route_row(logits + m * ld_logits, bias, E, topk, n_group, topk_group, (int)norm_topk, scaling,
                   chosen + m * topk, weights + m * topk);
@@ -241,13 +248,13 @@ void thin_moe(const float* x, long M, long H, long I, long E, const float* logit
                 if (chosen[m * topk + j] == e) { rows[n] = m; w[n] = weights[m * topk + j]; n++; }
         if (n == 0) continue;
         for (long r = 0; r < n; r++) memcpy(xb + r * H, x + rows[r] * H, sizeof(float) * H);
-        thin_linear(xb, gate_up[e], h, n, 2 * I, H);
+        thin_linear(xb, gate_up[e], h, n, 2 * I, H, threads);
         for (long r = 0; r < n; r++)
             for (long i = 0; i < I; i++) {
                 float g = h[r * 2 * I + i];
                 act[r * I + i] = g / (1.0f + expf(-g)) * h[r * 2 * I + I + i];
             }
-        thin_linear(act, down[e], out, n, H, I);
+        thin_linear(act, down[e], out, n, H, I, threads);
         for (long r = 0; r < n; r++)
             for (long k = 0; k < H; k++) y[rows[r] * H + k] += w[r] * out[r * H + k];
     }
@@ -257,7 +264,7 @@ void thin_moe(const float* x, long M, long H, long I, long E, const float* logit
                 float g = shared_in[m * ld_shared + i];
                 act[m * Is + i] = g / (1.0f + expf(-g)) * shared_in[m * ld_shared + Is + i];
             }
-        thin_linear(act, shared_down, out, M, H, Is);
+        thin_linear(act, shared_down, out, M, H, Is, threads);
         for (long k = 0; k < M * H; k++) y[k] += out[k];
     }
 }

@@ -16,7 +16,7 @@ folds, once per weight version, what a cached token multiplies by:
   folded into its weight, the normalisation done inside the matmul's call.
 
 Every piece of the step is a kernel of ``orthon.engine.decode_kernels`` where one applies (fp32 on a
-CPU with AVX2, up to 64 rows for the matmuls, norms and MoE block): the thin matmuls on pre-packed
+CPU with AVX2, up to 256 rows for the matmuls, norms and MoE block): the thin matmuls on pre-packed
 weights, RMSNorm, RoPE, the indexer's top-k, the attention over the cached latents, and an MoE
 block's routing, experts and shared expert in one call. Elsewhere the same step runs in torch ops,
 through the model's own absorbed-MLA functions (orthon.pretrain.attention: ``head_matmul``,

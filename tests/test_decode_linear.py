@@ -50,6 +50,24 @@ def test_kernel_equals_linear(rows, out_features, in_features, isa):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [64, MAX_ROWS])
+def test_threads_split_the_panels_without_changing_a_bit(rows, isa):
+    """A large product's 16-column panels go to different threads; each output's sum is the same one."""
+    w, x = torch.randn(448, 128), torch.randn(rows, 128)
+    packed = PackedLinear(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = packed(x)
+        torch.set_num_threads(2)
+        threaded = packed(x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(serial, threaded)
+    torch.testing.assert_close(threaded, F.linear(x, w), atol=1e-4, rtol=1e-5)
+
+
+@needs_kernel
 def test_outside_its_range_it_is_f_linear():
     w = torch.randn(24, 32)
     packed = PackedLinear(w)
