@@ -12,9 +12,7 @@ void thin_pack(const float* w, float* p, long N, long K) {
             p[(n / 16) * K * 16 + k * 16 + (n % 16)] = w[n * K + k];
 }
 
-/* One row's 16 columns (lo, hi) into y; a panel's last columns may be fewer. The accumulators reach
-   here by value, so the compiler keeps them in registers for the whole k loop (a store through a local
-   array of them made it spill all of them to the stack every k). */
+/* One row's 16 columns (lo, hi) into y; a panel's last columns may be fewer. */
 static inline void store16(float* y, __m256 lo, __m256 hi, long ncols) {
     if (ncols == 16) {
         _mm256_storeu_ps(y, lo);
@@ -27,7 +25,8 @@ static inline void store16(float* y, __m256 lo, __m256 hi, long ncols) {
 }
 
 /* The loops over a block's rows and k-sets run fully unrolled, so that every accumulator is a register
-   of its own (a loop left rolled indexes them as an array in memory: a store per FMA). */
+   of its own: GCC left a rolled loop indexing them as an array in memory, and stored every accumulator
+   to the stack every k (the kernel ran at a third of the FMA units' rate). */
 #define UNROLL _Pragma("GCC unroll 16")
 
 /* MB rows of y, 16 columns: y[m, c] = sum_k x[m, k] * panel[k, c]. */
@@ -73,7 +72,7 @@ static inline void block##MB(const float* x, const float* panel, float* y, long 
         } \
     } \
     UNROLL for (int m = 0; m < MB; m++) { \
-            UNROLL for (int s = 1; s < KS; s++) { a0[m][0] = _mm256_add_ps(a0[m][0], a0[m][s]); a1[m][0] = _mm256_add_ps(a1[m][0], a1[m][s]); } \
+        UNROLL for (int s = 1; s < KS; s++) { a0[m][0] = _mm256_add_ps(a0[m][0], a0[m][s]); a1[m][0] = _mm256_add_ps(a1[m][0], a1[m][s]); } \
         store16(y + m * ldy, a0[m][0], a1[m][0], ncols); \
     } \
 }
