@@ -110,7 +110,7 @@ def test_latent_attention_step_equals_latent_attention(sparse):
     torch.testing.assert_close(got, latent_attention(q, keys, 0.2, rank, mask[:, None]), atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 8, 64])
+@pytest.mark.parametrize("rows", [1, 5, 8, 64, MAX_ROWS])
 @pytest.mark.parametrize("groups,shared,normalise", [(1, True, True), (4, True, True), (1, False, False)])
 def test_moe_block_equals_route_then_experts(rows, groups, shared, normalise):
     g = torch.Generator().manual_seed(rows + groups)

@@ -33,7 +33,7 @@ def isa(request):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 9, 13, 64])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 9, 13, 64, MAX_ROWS])
 @pytest.mark.parametrize("out_features,in_features", [(16, 8), (37, 13), (448, 128), (3, 256)])
 def test_kernel_equals_linear(rows, out_features, in_features, isa):
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
