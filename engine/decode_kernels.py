@@ -33,12 +33,12 @@ from orthon.core.native import NativeLibrary
 
 log = logging.getLogger(__name__)
 
-# Rows per call the kernels take. On one Zen 3 core with hot caches the packed matmul runs at 83-98
-# GFLOP/s on the tiny model's shapes from 16 to 512 rows, MKL's F.linear at 57-93; from memory the packed
-# weights also skip the copy MKL makes of every weight every call, and above 2 MFLOP a product's panels
-# split across torch's threads. Decode at batch 64 / 128 runs 1.4x / 1.1x faster than on MKL's GEMMs
-# (one thread), 1.5x / 1.3x (two). The kernel does not block K, so larger batches (and wider models)
-# are left to the BLAS.
+# Rows per call the kernels take. Measured on the AMD EPYC (Zen 3), one thread: the packed matmul at
+# 83-98 GFLOP/s on the tiny model's shapes (16-512 rows, hot caches), MKL's F.linear at 57-93; on
+# 2048-8192 x 512-4096 weights at 8 / 64 / 256 rows, 62-71 / 87-89 / 90-96 against MKL's 25-32 / 61-73 /
+# 77-88, and with two threads (a product above 2 MFLOP splits its panels) 166-172 / 176-181 / 177-191
+# against 34-41 / 103-126 / 138-170. Decode at batch 64 / 128 runs 1.4x / 1.1x faster than on MKL's
+# GEMMs (one thread), 1.5x / 1.3x (two). Larger batches are left to the BLAS (not measured there).
 MAX_ROWS = 256
 PANEL = 16
 
