@@ -158,13 +158,10 @@ static void row_rstd(const float* x, float* rstd, long M, long K, long ldx, floa
 
 /* y (M x K) = x * rstd(x) * w: RMSNorm of rows ldx apart. */
 void thin_rms_norm(const float* x, const float* w, float* y, long M, long K, long ldx, float eps) {
-    float rstd[64];
-    for (long m0 = 0; m0 < M; m0 += 64) {
-        long mb = M - m0 < 64 ? M - m0 : 64;
-        row_rstd(x + m0 * ldx, rstd, mb, K, ldx, eps);
-        for (long m = 0; m < mb; m++)
-            for (long k = 0; k < K; k++) y[(m0 + m) * K + k] = x[(m0 + m) * ldx + k] * rstd[m] * w[k];
-    }
+    float rstd[M];
+    row_rstd(x, rstd, M, K, ldx, eps);
+    for (long m = 0; m < M; m++)
+        for (long k = 0; k < K; k++) y[m * K + k] = x[m * ldx + k] * rstd[m] * w[k];
 }
 
 /* y = rms_norm(x) @ w^T for a weight packed with the norm's scale folded in: the linear map of x,

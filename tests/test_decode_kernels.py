@@ -23,7 +23,7 @@ def _norm(dim, seed):
     return norm
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 64])
+@pytest.mark.parametrize("rows", [1, 3, 8, 64, MAX_ROWS])
 def test_rms_norm_equals_torch_on_rows_of_a_wider_tensor(rows):
     norm = _norm(40, rows)
     wide = torch.randn(rows, 100) * 3

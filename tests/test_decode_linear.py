@@ -64,7 +64,7 @@ def test_threads_split_the_panels_without_changing_a_bit(rows, isa):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(serial, threaded)
-    torch.testing.assert_close(threaded, F.linear(x, w), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(threaded, F.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
 @needs_kernel
