@@ -27,3 +27,8 @@ class EngineUnavailable(OrthonError, ConnectionError):
 class WrongBaseVersion(CheckpointError):
     """A weight delta made against another version than the one the engine holds: refused, nothing
     changed; the sender needs to send a full copy (or the delta of the right base)."""
+
+
+class DivergedError(OrthonError, FloatingPointError):
+    """Training gave non-finite gradients in more steps in a row than it may skip; the message names the
+    steps and the limit."""

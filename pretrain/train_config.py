@@ -22,6 +22,9 @@ class TrainConfig:
     log_interval: int = 1
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast the forward
     grad_clip: float = 0.0  # max global grad norm; 0 = off (GLM-5 trains Muon Split without clipping)
+    # A step whose gradient norm is inf or NaN is skipped (no update; the data moves on; counted as the
+    # metric skipped_steps); more than this many in a row stop the run as diverged. 0: stop at the first.
+    max_nonfinite_skips: int = 5
     moe_bias_rate: float = 1e-3  # aux-loss-free balancing: bias step per optimizer step
     seed: int = 0
     parallel: Literal["ddp", "fsdp"] = "ddp"  # how to shard when launched on more than one rank
@@ -46,7 +49,8 @@ class TrainConfig:
         for name in ("micro_batch_size", "log_interval", "keep_last"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
-        for name in ("total_tokens", "max_steps", "eval_interval", "checkpoint_interval", "eval_samples", "loss_chunk"):
+        for name in ("total_tokens", "max_steps", "eval_interval", "checkpoint_interval", "eval_samples", "loss_chunk",
+                     "max_nonfinite_skips"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         check_stop_signals(self.stop_signals)

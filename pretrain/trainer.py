@@ -26,6 +26,7 @@ from orthon.core import distributed
 from orthon.core.config import to_dict
 from orthon.core.errors import ConfigError
 from orthon.core.files import atomic_write_bytes
+from orthon.core.nonfinite import NonFiniteSteps
 from orthon.core.metrics import MetricsLogger, open_step_log, plot_training, read_metrics
 from orthon.core.step_loop import run_steps
 from orthon.data.loader import IGNORE_INDEX, open_training_data
@@ -114,6 +115,7 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir, self.cfg.keep_last, log=self.log)
         self.seq_len = recipe.data.seq_len
         self.step, self.tokens = 0, 0
+        self.nonfinite = NonFiniteSteps(self.cfg.max_nonfinite_skips, self.log)
         self.total_tokens = self.cfg.total_tokens or recipe.schedule.total_tokens
 
     # ------------------------------------------------------------ state
@@ -125,6 +127,8 @@ class Trainer:
             return None
         state = self.checkpointer.load(path, self.wrapped, self.optimizer.optimizers)
         self.step, self.tokens = state["step"], state["tokens"]
+        if "nonfinite" in state:  # checkpoints from before the skip counts have none: nothing was skipped
+            self.nonfinite.load_state_dict(state["nonfinite"])
         if self.data is not None:
             self.data.load_state_dict(state["data"])
         _set_rng_state(state["rng"])
@@ -132,7 +136,8 @@ class Trainer:
         return state
 
     def save_checkpoint(self, extra: dict | None = None) -> None:
-        state = {"step": self.step, "tokens": self.tokens, "rng": _rng_state(), **(extra or {})}
+        state = {"step": self.step, "tokens": self.tokens, "rng": _rng_state(),
+                 "nonfinite": self.nonfinite.state_dict(), **(extra or {})}
         if self.data is not None:
             state["data"] = self.data.state_dict()
         self.checkpointer.save(self.step, self.wrapped, self.optimizer.optimizers, state)
@@ -193,9 +198,15 @@ class Trainer:
                 sums[key] = sums.get(key, 0.0) + value
         sums = _all_reduce_dict(sums, self.device)
         grad_norm = self._clip_and_norm()
-        self.optimizer.step()
+        skipped = self.nonfinite.skip(self.step + 1, grad_norm)
+        if not skipped:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        imbalance = self._update_moe_bias() if self.step_fn.update_moe_bias else None
+        imbalance = None
+        if self.step_fn.update_moe_bias and not skipped:
+            imbalance = self._update_moe_bias()
+        elif skipped:
+            self._discard_moe_load()
         self.step += 1
         self.tokens += int(tokens or 0)
         elapsed = time.perf_counter() - start
@@ -205,6 +216,8 @@ class Trainer:
             metrics.update(batch_tokens=tokens, tokens=self.tokens, tokens_per_s=tokens / elapsed)
         if imbalance is not None:
             metrics["moe_load_max_over_mean"] = imbalance
+        if self.nonfinite.total:
+            metrics["skipped_steps"] = self.nonfinite.total
         return metrics
 
     def _clip_and_norm(self) -> float:
@@ -229,6 +242,12 @@ class Trainer:
                     update_expert_bias(router.e_score_correction_bias, load, self.cfg.moe_bias_rate))
             router.expert_load.zero_()
         return sum(ratios) / len(ratios) if ratios else None
+
+    @torch.no_grad()
+    def _discard_moe_load(self) -> None:
+        """A skipped step's routing counts: dropped, so the next bias update sees its own step's alone."""
+        for router in self.model.moe_routers():
+            router.expert_load.zero_()
 
     @torch.no_grad()
     def evaluate(self) -> float | None:

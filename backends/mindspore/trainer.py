@@ -25,6 +25,7 @@ from orthon.backends.mindspore.optim import HybridOptimizer
 from orthon.backends.mindspore.runtime import ms, place
 from orthon.backends.mindspore.weights import build, save_hf
 from orthon.core.metrics import MetricsLogger, plot_training, read_metrics
+from orthon.core.nonfinite import NonFiniteSteps
 from orthon.core.step_loop import run_steps
 from orthon.data.loader import IGNORE_INDEX, open_training_data
 from orthon.optim import batch_size_at, lr_at
@@ -70,6 +71,7 @@ class MindSporeTrainer:
         self.reduce_max = self.parallel.max  # the ranks agree on a stop signal (core.step_loop)
         self.seq_len = recipe.data.seq_len
         self.step, self.tokens = 0, 0
+        self.nonfinite = NonFiniteSteps(self.cfg.max_nonfinite_skips, self.log)
         self.total_tokens = self.cfg.total_tokens or recipe.schedule.total_tokens
 
     def _loss(self, input_ids, labels, doc_ids, cos, sin):
@@ -89,6 +91,8 @@ class MindSporeTrainer:
             return None
         state = self.checkpointer.load(path, self.model, self.optimizer)
         self.step, self.tokens = state["step"], state["tokens"]
+        if "nonfinite" in state:
+            self.nonfinite.load_state_dict(state["nonfinite"])
         if self.data is not None:
             self.data.load_state_dict(state["data"])
         self.log(f"resumed from {path} at step {self.step} ({self.tokens:,} tokens)")
@@ -97,7 +101,8 @@ class MindSporeTrainer:
     def save_checkpoint(self) -> None:
         if self.rank != 0:  # the state is the same on every rank
             return
-        state = {"step": self.step, "tokens": self.tokens, "backend": "mindspore"}
+        state = {"step": self.step, "tokens": self.tokens, "backend": "mindspore",
+                 "nonfinite": self.nonfinite.state_dict()}
         if self.data is not None:
             state["data"] = self.data.state_dict()
         self.checkpointer.save(self.step, self.model, self.optimizer, state)
@@ -129,10 +134,12 @@ class MindSporeTrainer:
         count = max(round(count), 1)
         grads = [g / count for g in grads]  # the gradient of the global batch's mean loss
         grad_norm = global_norm(grads)
-        if self.cfg.grad_clip > 0 and grad_norm > self.cfg.grad_clip:
-            grads = [g * (self.cfg.grad_clip / (grad_norm + 1e-6)) for g in grads]
-        self.optimizer.step({p.name: g for p, g in zip(self.params, grads)})
-        imbalance = self._update_moe_bias(loads) if loads is not None else None
+        skipped = self.nonfinite.skip(self.step + 1, grad_norm)  # the same norm on every rank
+        if not skipped:
+            if self.cfg.grad_clip > 0 and grad_norm > self.cfg.grad_clip:
+                grads = [g * (self.cfg.grad_clip / (grad_norm + 1e-6)) for g in grads]
+            self.optimizer.step({p.name: g for p, g in zip(self.params, grads)})
+        imbalance = self._update_moe_bias(loads) if loads is not None and not skipped else None
         self.step += 1
         self.tokens += int(tokens or 0)
         elapsed = time.perf_counter() - start
@@ -142,6 +149,8 @@ class MindSporeTrainer:
             metrics.update(batch_tokens=tokens, tokens=self.tokens, tokens_per_s=tokens / elapsed)
         if imbalance is not None:
             metrics["moe_load_max_over_mean"] = imbalance
+        if self.nonfinite.total:
+            metrics["skipped_steps"] = self.nonfinite.total
         return metrics
 
     def _update_moe_bias(self, loads) -> float | None:
