@@ -15,7 +15,7 @@ import os
 import re
 import shutil
 import warnings
-from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-from orthon.core.distributed import barrier, is_distributed, rank
+from orthon.core.distributed import barrier, gather_object, is_distributed, rank
 from orthon.core.errors import CheckpointError
 from orthon.core.files import sha256_file
 from orthon.core.interrupts import sigint_deferred
@@ -36,16 +36,27 @@ TRAINER_STATE = "trainer_state.json"
 CORRUPT_DIR = "corrupt"
 
 
-@contextmanager
-def _single_process_quiet():
-    """DCP warns on every save and load that torch.distributed is not initialised and it works in one
-    process; in a single-process run that is the intent, so the warning is dropped there (and only there)."""
-    if is_distributed():
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield
+# DCP warns on every save and load in a single process that torch.distributed is not initialised and it
+# works in one process: there that is the intent, and it is the only place the warning arises. A filter
+# for the whole process, since a background save warns from its own thread, out of reach of a
+# catch_warnings context.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
+
+
+def _checksums(paths) -> dict:
+    return {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in paths}
+
+
+def _own_files(tmp: Path) -> dict:
+    """Size and checksum of the data files this rank wrote (DCP names them ``__RANK_N.distcp``): every
+    rank checksums its own share, so the time does not grow with the number of ranks."""
+    return _checksums(p for p in sorted(tmp.iterdir()) if p.name.startswith(f"__{rank()}_"))
+
+
+def _own_files_once_written(written, tmp: Path) -> dict:
+    written.result()
+    return _own_files(tmp)
 
 
 def verify(path: Path) -> None:
@@ -77,6 +88,9 @@ class Checkpointer:
         self.log = log
         self.bad: set[str] = set()  # checkpoints latest_good() found unusable; moved aside at the next save
         self.good: str | None = None  # the newest checkpoint known to verify (found, or written here)
+        self.pending = None  # (future, step, trainer state) of a background save not yet completed
+        self._group = None
+        self._thread = None  # the background saves' checksumming thread
 
     def step_dirs(self) -> list[Path]:
         if not self.root.is_dir():
@@ -84,27 +98,69 @@ class Checkpointer:
         dirs = [p for p in self.root.iterdir() if p.is_dir() and p.name.startswith("step_") and p.suffix != ".tmp"]
         return sorted(dirs, key=lambda p: int(p.name.split("_")[1]))
 
-    def save(self, step: int, model: torch.nn.Module, optimizers: list, trainer_state: dict) -> Path:
+    def save(self, step: int, model: torch.nn.Module, optimizers: list, trainer_state: dict,
+             background: bool = False) -> Path:
         """Collective when distributed: every rank calls it. A Ctrl-C during the save takes effect once the
-        checkpoint is complete (core.interrupts)."""
-        with sigint_deferred():
-            return self._save(step, model, optimizers, trainer_state)
+        checkpoint is complete (core.interrupts). A save still in flight is completed first.
 
-    def _save(self, step: int, model: torch.nn.Module, optimizers: list, trainer_state: dict) -> Path:
-        final = self.root / f"step_{step:08d}"
-        tmp = final.with_suffix(".tmp")
+        ``background``: the state is copied to CPU memory (DCP's staging) and a thread writes it and
+        checksums this rank's files while training goes on; the checkpoint gets its manifest and its
+        final name at the next ``wait()`` (the next save, or the end of the run). Until then it is a
+        ``.tmp`` directory, which resuming ignores."""
+        with sigint_deferred():
+            self.wait()
+            tmp = self._begin(step)
+            model_state, optim_state = get_state_dict(model, optimizers)
+            state = {"model": model_state, "optim": optim_state}
+            text = json.dumps(trainer_state)  # now: the caller's dicts may change while the thread writes
+            if background:
+                written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._background_group())
+                if self._thread is None:
+                    self._thread = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-checksums")
+                self.pending = (self._thread.submit(_own_files_once_written, written, tmp), step, text)
+                return tmp.with_suffix("")
+            dcp.save(state, checkpoint_id=str(tmp))
+            return self._finish(step, text, _own_files(tmp))
+
+    def wait(self) -> None:
+        """Complete the save in flight, if any: its files written and checksummed, then its manifest,
+        name and pruning. Collective when distributed."""
+        if self.pending is None:
+            return
+        (checksummed, step, text), self.pending = self.pending, None
+        with sigint_deferred():
+            self._finish(step, text, checksummed.result())
+
+    def _background_group(self):
+        """A gloo group of its own for the writing thread's collectives, so that they never interleave
+        with the training's on the default group (None in one process: no collectives)."""
+        if not is_distributed():
+            return None
+        if self._group is None:
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _begin(self, step: int) -> Path:
+        tmp = self.root / f"step_{step:08d}.tmp"
         if rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
-        model_state, optim_state = get_state_dict(model, optimizers)
-        with _single_process_quiet():
-            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-        barrier()
+        return tmp
+
+    def _finish(self, step: int, trainer_state: str, own_files: dict) -> Path:
+        """Every rank's files written and checksummed (each rank its own, in parallel): rank 0 adds the
+        rest (DCP's metadata, the trainer state), writes the manifest and renames the directory."""
+        final = self.root / f"step_{step:08d}"
+        tmp = final.with_suffix(".tmp")
+        shares = gather_object(own_files)
         if rank() == 0:
-            (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state))
-            files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(tmp.iterdir())}
-            (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
+            (tmp / TRAINER_STATE).write_text(trainer_state)
+            files = {name: entry for share in shares for name, entry in share.items()}
+            files.update(_checksums(p for p in tmp.iterdir() if p.name not in files))
+            (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": dict(sorted(files.items()))}, indent=1))
             self._move_bad_aside()
             if final.exists():
                 shutil.rmtree(final)
@@ -141,6 +197,9 @@ class Checkpointer:
                 shutil.rmtree(old, ignore_errors=True)
 
     def has(self, step: int) -> bool:
+        """Whether the newest checkpoint (or the one being written in the background) is of ``step``."""
+        if self.pending is not None:
+            return self.pending[1] == step
         dirs = self.step_dirs()
         return bool(dirs) and dirs[-1].name == f"step_{step:08d}"
 
@@ -168,8 +227,7 @@ class Checkpointer:
         if missing:
             self.log(f"checkpoint {path.name} predates the optimizer settings "
                      f"{sorted({key.rsplit('.', 1)[1] for key in missing})}: they keep this run's values")
-        with _single_process_quiet():
-            dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=bool(missing)))
+        dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=bool(missing)))
         set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=StateDictOptions(strict=True))
         return json.loads((path / TRAINER_STATE).read_text())
@@ -177,8 +235,7 @@ class Checkpointer:
     def load_model(self, path: Path, model: torch.nn.Module) -> dict:
         """Only the model's weights (to evaluate a saved step, no optimizer built); returns trainer state."""
         state = {"model": get_model_state_dict(model)}
-        with _single_process_quiet():
-            dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
         return json.loads((path / TRAINER_STATE).read_text())
 

@@ -19,6 +19,10 @@ class TrainConfig:
     eval_samples: int = 64  # held-out sequences per source
     checkpoint_interval: int = 100  # steps between checkpoints (0: only at the end)
     keep_last: int = 3
+    # Write the step loop's checkpoints in the background: the state is copied to CPU memory (as much
+    # again as the model and optimizer state), then a thread writes it while training goes on; the
+    # checkpoint is completed (manifest, name, pruning) at the next save or the run's end.
+    async_checkpoint: bool = False
     log_interval: int = 1
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast the forward
     grad_clip: float = 0.0  # max global grad norm; 0 = off (GLM-5 trains Muon Split without clipping)

@@ -113,6 +113,7 @@ class Trainer:
         self.data, self.valid = (open_training_data(recipe.data, recipe.model.vocab_size, recipe.train.eval_samples, self.rank, self.world)
                                  if with_data else (None, None))
         self.checkpointer = Checkpointer(self.run_dir, self.cfg.keep_last, log=self.log)
+        self._background_saves = False  # train.async_checkpoint, inside fit (whose end completes the last save)
         self.seq_len = recipe.data.seq_len
         self.step, self.tokens = 0, 0
         self.nonfinite = NonFiniteSteps(self.cfg.max_nonfinite_skips, self.log)
@@ -140,7 +141,7 @@ class Trainer:
                  "nonfinite": self.nonfinite.state_dict(), **(extra or {})}
         if self.data is not None:
             state["data"] = self.data.state_dict()
-        self.checkpointer.save(self.step, self.wrapped, self.optimizer.optimizers, state)
+        self.checkpointer.save(self.step, self.wrapped, self.optimizer.optimizers, state, background=self._background_saves)
 
     def _trainable_names(self) -> frozenset[str]:
         return frozenset(n for n, p in self.model.named_parameters() if p.requires_grad)
@@ -282,9 +283,12 @@ class Trainer:
             samples_log.write(json.dumps({"step": self.step, "ids": self.sample_ids.tolist()}) + "\n")
             samples_log.flush()
         label = self.cfg.progress_label if self.cfg.progress and self.rank == 0 else None
+        self._background_saves = self.cfg.async_checkpoint
         try:
             last, final_eval = run_steps(self, metrics_log, label, log_sample_ids if samples_log is not None else None)
-        finally:  # a stop signal or Ctrl-C: what was logged reaches the files (TensorBoard buffers events)
+        finally:  # a stop signal or Ctrl-C: the checkpoint being written is completed, and what was logged
+            self._background_saves = False  # reaches the files (TensorBoard buffers events)
+            self.checkpointer.wait()
             metrics_log.close()
             if samples_log is not None:
                 samples_log.close()

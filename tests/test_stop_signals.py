@@ -63,13 +63,17 @@ def _stopped_at(run: Path) -> int:
     return int(dirs[0].name.split("_")[1])
 
 
-def test_sigterm_saves_the_step_and_the_run_continues_exactly(tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["foreground-save", "background-save"])
+def test_sigterm_saves_the_step_and_the_run_continues_exactly(tmp_path, background):
+    """With train.async_checkpoint the stop's checkpoint is written in the background, and the run
+    completes it before it exits."""
     stores = make_stores(tmp_path / "data")
     # No interval checkpoint before step 1000: the only checkpoint is the one the signal makes.
     train = {"max_steps": 400, "checkpoint_interval": 1000, "eval_interval": 0}
     run = tmp_path / "run"
     proc = _start([sys.executable, "-m", "orthon.launch.cli", "pretrain", "-c",
-                   write_recipe(tmp_path / "r.yaml", stores, run, train=train)], run, after_steps=3)
+                   write_recipe(tmp_path / "r.yaml", stores, run, train={**train, "async_checkpoint": background})],
+                  run, after_steps=3)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, stderr
