@@ -36,3 +36,11 @@ def retain_freed_memory() -> int:
     # mallopt returns 1 on success; setting either also stops glibc adapting the thresholds itself.
     threshold = next((value for value in MMAP_THRESHOLDS if libc.mallopt(M_MMAP_THRESHOLD, value)), 0)
     return threshold if threshold and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) else 0
+
+
+def physical_memory() -> int:
+    """This machine's RAM in bytes (0 where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0

@@ -30,10 +30,9 @@ def machine_memory() -> tuple[int, str]:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         return props.total_memory, f"GPU memory ({props.name})"
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "memory"
-    except (ValueError, OSError, AttributeError):
-        return 0, "memory"
+    from orthon.core.allocator import physical_memory
+
+    return physical_memory(), "memory"
 
 
 def check_model_fits(model_config, parallel: str = "ddp", command: str = "train") -> None:

@@ -3,11 +3,13 @@
 A weights directory (a run's final/) is already the Hugging Face glm_moe_dsa layout (config.json +
 safetensors) plus orthon's sidecar (orthon.json), so neither command converts between formats:
 
-    orthon export SRC --out DIR [--dtype bfloat16] [--max-shard-size 5GB] [--tokenizer PATH]
+    orthon export SRC --out DIR [--dtype bfloat16] [--max-shard-size 5GB] [--tokenizer PATH] [--step N|latest]
         a fresh copy of a run's model (SRC: a run directory, its final/ is used, or a weights
         directory), cast and re-sharded for publishing, with its tokenizer (the run's, the weights
         directory's own, or --tokenizer); transformers loads DIR as it loads SRC, and
-        `orthon generate DIR` samples from it.
+        `orthon generate DIR` samples from it. --step: the model of the run's checkpoint of that step
+        instead (its newest that verifies with ``latest``), read one shard at a time
+        (orthon.pretrain.checkpoint_export): an intermediate step, or a model too large for final/.
     orthon import SRC --out DIR [--set sparse_impl=gather ...] [--tokenizer PATH]
         check an HF glm_moe_dsa directory (config orthon supports, every tensor present with its
         shape, files readable) and write it as an orthon weights directory, the sidecar holding
@@ -39,6 +41,8 @@ def register(parser, name):
         parser.add_argument("--out", required=True, help="directory to write (new, or a weights directory to replace)")
         parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating tensors (default: as saved)")
         parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+        parser.add_argument("--step", help="export the run's checkpoint of this step (or 'latest': its newest that "
+                                           "verifies) instead of its final/")
     else:
         parser.add_argument("source", metavar="SRC",
                             help="HF glm_moe_dsa directory (config.json + safetensors), or an old-layout orthon weights dir")
@@ -84,6 +88,8 @@ def run(args, name):
     from orthon.pretrain.weights import load_weights, parse_size, save_weights, weights_tokenizer
 
     source = Path(args.source)
+    if name == "export" and args.step:
+        return _export_step(source, args)
     if name == "export":
         weights = source / "final" if (source / "final").is_dir() and not (source / "config.json").is_file() else source
         model = load_weights(weights)
@@ -106,3 +112,51 @@ def run(args, name):
     print(f"wrote {args.out} ({n:,} parameters, hidden {model.config.hidden_size}, "
           f"{model.config.num_hidden_layers} layers; HF layout + orthon.json{with_tokenizer})")
     return 0
+
+
+def _export_step(run: Path, args) -> int:
+    """`orthon export RUN --step N|latest --out DIR`: a checkpoint's model, shard by shard."""
+    from orthon.pretrain.checkpoint import Checkpointer
+    from orthon.pretrain.checkpoint_export import export_checkpoint
+    from orthon.pretrain.weights import parse_size, weights_tokenizer
+
+    checkpointer = Checkpointer(run, log=print)
+    if not checkpointer.step_dirs():
+        raise CheckpointError(f"{run}: no checkpoints (--step exports a run directory's RUN/checkpoints/step_N)")
+    if args.step == "latest":
+        path = checkpointer.latest_good()
+        if path is None:
+            raise CheckpointError(f"{run}: no checkpoint verifies")
+    else:
+        try:
+            step = int(args.step)
+        except ValueError:
+            raise ConfigError(f"--step: a step number or 'latest', got {args.step!r}") from None
+        path = checkpointer.root / f"step_{step:08d}"
+        if not path.is_dir():
+            have = ", ".join(p.name.split("_")[1].lstrip("0") or "0" for p in checkpointer.step_dirs())
+            raise CheckpointError(f"{run}: no checkpoint of step {step} (it has steps {have})")
+    config, runtime, tokenizer = _run_model(run)
+    tokenizer = args.tokenizer or tokenizer
+    export_checkpoint(path, config, runtime, args.out, dtype=DTYPES[args.dtype] if args.dtype else None,
+                      max_shard_bytes=parse_size(args.max_shard_size), tokenizer=tokenizer)
+    with_tokenizer = f", tokenizer {Path(tokenizer).name}" if tokenizer else "; no tokenizer (pass --tokenizer)"
+    print(f"wrote {args.out} from {path} (hidden {config.hidden_size}, {config.num_hidden_layers} layers; "
+          f"HF layout + orthon.json{with_tokenizer})")
+    return 0
+
+
+def _run_model(run: Path):
+    """(ModelConfig, RuntimeOptions, tokenizer or None) of a run: its recipe (config.yaml), else the
+    weights directory it ended with (final/), for runs whose config.yaml is not a pretraining recipe."""
+    from orthon.pretrain.recipe import load_recipe
+    from orthon.pretrain.weights import load_config, load_runtime, weights_tokenizer
+
+    try:
+        recipe = load_recipe(run / "config.yaml")
+    except (ConfigError, OSError) as exc:
+        if (run / "final").is_dir():
+            return load_config(run / "final"), load_runtime(run / "final"), weights_tokenizer(run / "final")
+        raise CheckpointError(f"{run}: its config.yaml does not describe the model ({exc}) and it has no final/") from None
+    tokenizer = recipe.data.tokenizer if recipe.data.tokenizer and Path(recipe.data.tokenizer).exists() else None
+    return recipe.model, recipe.runtime, tokenizer

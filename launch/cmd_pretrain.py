@@ -105,7 +105,7 @@ def run(args, name):
         print(f"done: step {result['step']}, {result['tokens']:,} tokens, train loss {result.get('loss', float('nan')):.4f}, "
               f"{held_out(result['final_eval_loss'])}, "
               f"{time.perf_counter() - start:.0f}s; run directory {run_dir}")
-        if args.sample and recipe.data.tokenizer:
+        if args.sample and recipe.data.tokenizer and (run_dir / "final").is_dir():
             from orthon.launch.cmd_generate import sample_text
 
             text = sample_text(run_dir, args.sample, max_new_tokens=120, temperature=0.8, seed=0)

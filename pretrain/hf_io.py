@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -83,63 +84,90 @@ def experts_from_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def persistent_names(model: GLMForCausalLM) -> list[str]:
+    """The tensors a checkpoint of ``model`` holds: its state dict's names (persistent buffers included),
+    a tied head once, under the embedding's name."""
+    names = list(model.state_dict(keep_vars=True))  # names only (an FSDP model's are shards)
+    if model.config.tie_word_embeddings:
+        names.remove("lm_head.weight")
+    return names
+
+
 def hf_tensors(model: GLMForCausalLM, state: dict[str, torch.Tensor] | None = None,
                dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The tensors an HF directory holds for ``model`` (or for ``state``, a full state dict of it, e.g.
     gathered from FSDP shards): persistent tensors only, a tied head once (under the embedding's name),
-    routed experts one tensor each, on the CPU. ``dtype`` casts floating tensors, except the routers'
-    ``e_score_correction_bias`` (kept in float32: it decides expert selection by small margins)."""
+    routed experts one tensor each, on the CPU, cast as ``to_hf`` casts."""
     if state is None:
         state = _persistent_state(model)
     else:
-        expected = set(model.state_dict(keep_vars=True))  # names only (an FSDP model's are shards)
-        if model.config.tie_word_embeddings:
-            expected.discard("lm_head.weight")
-        missing = sorted(expected - set(state))
+        expected = persistent_names(model)
+        missing = sorted(set(expected) - set(state))
         if missing:
             raise CheckpointError(f"the state to save lacks {len(missing)} tensors of the model: {missing[:8]}")
-        state = {k: v.detach().contiguous() for k, v in state.items() if k in expected}
+        state = {k: state[k] for k in expected}
+    return to_hf(state, dtype)
+
+
+def to_hf(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """orthon-named tensors as the HF layout names them (routed experts one tensor each), contiguous on
+    the CPU. ``dtype`` casts floating tensors, except the routers' ``e_score_correction_bias`` (kept in
+    float32: it decides expert selection by small margins)."""
     out = {}
-    for key, tensor in experts_to_hf(state).items():
-        tensor = tensor.detach().cpu()
+    for key, tensor in experts_to_hf({k: v.detach() for k, v in state.items()}).items():
+        tensor = tensor.cpu()
         if dtype is not None and tensor.is_floating_point() and not key.endswith("e_score_correction_bias"):
             tensor = tensor.to(dtype)
         out[key] = tensor.contiguous()
     return out
 
 
+def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """The names, in order, grouped into shards of at most ``max_shard_bytes`` (a larger tensor alone)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in sizes.items():
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
 def write_hf(directory, tensors: dict[str, torch.Tensor], config: dict,
              max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
-    """Write safetensors shards (one ``model.safetensors`` when they fit in one, else numbered shards and
-    the index) and ``config.json`` into ``directory``; returns the files written. Each file goes to a
-    temporary name first, config.json last, so a crash never leaves a directory that looks complete."""
+    """Write ``tensors`` as safetensors shards of at most ``max_shard_bytes`` and ``config.json`` into
+    ``directory`` (``write_hf_shards``); returns the files written."""
+    groups = plan_shards({k: t.numel() * t.element_size() for k, t in tensors.items()}, max_shard_bytes)
+    return write_hf_shards(directory, [lambda group=group: {k: tensors[k] for k in group} for group in groups], config)
+
+
+def write_hf_shards(directory, shards: list[Callable[[], dict[str, torch.Tensor]]], config: dict) -> list[Path]:
+    """Write each shard as its loader returns it, one in memory at a time (one ``model.safetensors`` when
+    there is one, else numbered shards and the index), then ``config.json``; returns the files written.
+    Each file goes to a temporary name first, config.json last, so a crash never leaves a directory that
+    looks complete."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
     names = [SINGLE_NAME] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
     ]
-    written, weight_map = [], {}
-    for shard, fname in zip(shards, names):
+    written, weight_map, total = [], {}, 0
+    for load, fname in zip(shards, names):
+        shard = load()
         tmp = directory / (fname + ".tmp")
         save_file(shard, str(tmp), metadata={"format": "pt"})
         fsync_file(tmp)
         os.replace(tmp, directory / fname)
         written.append(directory / fname)
         weight_map.update({k: fname for k in shard})
+        total += sum(t.numel() * t.element_size() for t in shard.values())
+        del shard
     stale = directory / (SINGLE_NAME if len(shards) > 1 else INDEX_NAME)
     if stale.exists():
         stale.unlink()
     if len(shards) > 1:
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
         atomic_write_json(directory / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
         written.append(directory / INDEX_NAME)
     atomic_write_json(directory / CONFIG_NAME, config)
@@ -149,11 +177,16 @@ def write_hf(directory, tensors: dict[str, torch.Tensor], config: dict,
 
 def hf_config(model: GLMForCausalLM, tensors: dict[str, torch.Tensor]) -> dict:
     """config.json for ``model`` whose weights are ``tensors`` (their dtype is the config's ``dtype``)."""
-    config = model.config.to_hf_dict()
     head = tensors.get("lm_head.weight", tensors.get("model.embed_tokens.weight"))
-    if head is not None:
-        config["dtype"] = str(head.dtype).replace("torch.", "")
-    return config
+    return config_with_dtype(model.config, None if head is None else head.dtype)
+
+
+def config_with_dtype(config, dtype: torch.dtype | None) -> dict:
+    """config.json of a ModelConfig whose weights are stored in ``dtype`` (None: not said)."""
+    out = config.to_hf_dict()
+    if dtype is not None:
+        out["dtype"] = str(dtype).replace("torch.", "")
+    return out
 
 
 def read_hf_config(directory) -> dict:

@@ -23,6 +23,7 @@ import yaml
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from orthon.core import distributed
+from orthon.core.allocator import physical_memory
 from orthon.core.config import to_dict
 from orthon.core.errors import ConfigError
 from orthon.core.files import atomic_write_bytes
@@ -292,10 +293,13 @@ class Trainer:
             metrics_log.close()
             if samples_log is not None:
                 samples_log.close()
-        # Gathered on every rank (FSDP shards), written by rank 0.
-        full_state = get_model_state_dict(self.wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.rank == 0:
-            self.finish(full_state)
+        if self._final_fits():
+            # Gathered on every rank (FSDP shards), written by rank 0.
+            full_state = get_model_state_dict(self.wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if self.rank == 0:
+                self.finish(full_state)
+        elif self.rank == 0:
+            self.finish(None)
         if not last:  # resumed at its end: no step ran here, so report the last logged step's figures
             path = self.run_dir / "metrics.jsonl"
             logged = [r for r in read_metrics(path) if "loss" in r] if path.is_file() else []
@@ -307,9 +311,25 @@ class Trainer:
             return None
         return open_step_log(self.run_dir / "samples.jsonl", resume_step)  # cut back as the metrics are
 
-    def finish(self, state: dict) -> None:
-        """The run's final weights (orthon weights dir, for `orthon export`, RL `--from`) and loss plot."""
-        save_weights(self.model, self.run_dir / "final", state)
+    def _final_fits(self) -> bool:
+        """Whether rank 0's machine can hold final/'s source: the whole model gathered in fp32 on one
+        process, and its HF-layout copy (twice the fp32 model's bytes, at most its RAM). The same answer on
+        every rank (the gather is collective)."""
+        need = 2 * 4 * sum(p.numel() for p in self.model.parameters())
+        have = physical_memory()
+        short = torch.tensor([float(self.rank == 0 and have > 0 and need > have)], device=self.device)
+        if distributed.all_reduce_sum(short).item() == 0:
+            return True
+        self.log(f"final/ not written: it would gather the whole model on one process ({need / 2 / 1e9:,.1f} GB "
+                 f"in fp32, twice that written out) on a machine with {have / 1e9:,.1f} GB; export the last "
+                 f"checkpoint shard by shard instead: orthon export {self.run_dir} --step latest --out DIR")
+        return False
+
+    def finish(self, state: dict | None) -> None:
+        """The run's final weights (orthon weights dir, for `orthon export`, RL `--from`) from ``state``
+        (None: not written) and loss plot."""
+        if state is not None:
+            save_weights(self.model, self.run_dir / "final", state)
         records = read_metrics(self.run_dir / "metrics.jsonl")
         plot_training(records, self.run_dir / "loss.png",
                       title=f"{self.cfg.progress_label} loss ({self.recipe.model.hidden_size}-wide, "

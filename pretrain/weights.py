@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -89,6 +90,17 @@ def save_weights(model: GLMForCausalLM, directory, state: dict | None = None, *,
     float32); ``max_shard_bytes`` sizes the safetensors shards; ``tokenizer`` (a sentencepiece model, or an
     HF tokenizer.json or its directory) is copied in. An existing weights directory is replaced whole; a
     directory holding other files is refused."""
+    with writing_weights_dir(directory, model.runtime, tokenizer) as tmp:
+        tensors = hf_io.hf_tensors(model, state, dtype)
+        hf_io.write_hf(tmp, tensors, hf_io.hf_config(model, tensors), max_shard_bytes)
+    return Path(os.path.abspath(directory))
+
+
+@contextmanager
+def writing_weights_dir(directory, runtime: RuntimeOptions, tokenizer=None):
+    """A weights directory written whole: the body writes the HF layout into the yielded temporary
+    directory beside ``directory``; then the sidecar of ``runtime`` and the tokenizer go in and it
+    replaces ``directory`` by renames. A directory holding files other than model weights is refused."""
     directory = Path(os.path.abspath(directory))
     old = directory.with_name(directory.name + ".old")
     if not directory.exists() and old.is_dir():  # a save that died between its two renames: put it back
@@ -104,13 +116,11 @@ def save_weights(model: GLMForCausalLM, directory, state: dict | None = None, *,
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     with sigint_deferred():  # a Ctrl-C lands after the swap, not inside safetensors' writer
-        tensors = hf_io.hf_tensors(model, state, dtype)
-        hf_io.write_hf(tmp, tensors, hf_io.hf_config(model, tensors), max_shard_bytes)
-        atomic_write_json(tmp / SIDECAR, sidecar(model.runtime))
+        yield tmp
+        atomic_write_json(tmp / SIDECAR, sidecar(runtime))
         if tokenizer is not None:
             _copy_tokenizer(Path(tokenizer), tmp)
         _swap_in(tmp, directory)
-    return directory
 
 
 def _copy_tokenizer(source: Path, directory: Path) -> None:

@@ -8,8 +8,10 @@ and the runs drift apart by more than round-off."""
 import functools
 
 import pytest
+import torch
 
 import pretrain_support
+from orthon.pretrain.hf_io import load_hf_state
 from pretrain_support import losses, make_stores, orthon, records_up_to, resumed_from
 
 write_recipe = functools.partial(pretrain_support.write_recipe, optim={"ns_dtype": "fp32"})
@@ -39,6 +41,11 @@ def test_two_processes_match_one(mode, single, tmp_path):
                                                                      "micro_batch_size": 2})
     orthon("pretrain", "-c", recipe, nproc=2)
     _close(losses(run), reference, range(1, STEPS + 1))
+    # The last checkpoint (two ranks' files; FSDP2's shards of every tensor) exported on its own is the
+    # final/ the run gathered.
+    orthon("export", run, "--step", "latest", "--out", tmp_path / "exported")
+    final, exported = (load_hf_state(d) for d in (run / "final", tmp_path / "exported"))
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
 
 
 @pytest.mark.slow  # about 25 s: a 2-process run, then its resume on one
