@@ -45,6 +45,10 @@ def rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("RANK_ID", "0")))
 
 
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if is_distributed():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
@@ -73,6 +77,15 @@ def gather_object(obj, dst: int = 0) -> list | None:
         return [obj]
     out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
     dist.gather_object(obj, out, dst=dst)
+    return out
+
+
+def all_gather_object(obj) -> list:
+    """Every rank's ``obj`` in rank order, on every rank (pickled, small data)."""
+    if not is_distributed():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
     return out
 
 

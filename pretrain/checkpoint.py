@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-from orthon.core.distributed import barrier, gather_object, is_distributed, rank
+from orthon.core.distributed import all_gather_object, barrier, gather_object, is_distributed, rank, world_size
 from orthon.core.errors import CheckpointError
 from orthon.core.files import sha256_file
 from orthon.core.interrupts import sigint_deferred
@@ -59,8 +59,12 @@ def _own_files_once_written(written, tmp: Path) -> dict:
     return _own_files(tmp)
 
 
-def verify(path: Path) -> None:
-    """Raise CheckpointError unless every file of the manifest is present with its checksum."""
+def verify(path: Path, share: tuple[int, int] = (0, 1)) -> None:
+    """Raise CheckpointError unless every file of the manifest is present with its size and checksum.
+
+    ``share`` (i, n): read and checksum only every n-th file from the i-th (the sizes of all are checked):
+    the n ranks of a job resuming split the reading, each file read once, instead of each rank reading
+    the whole checkpoint."""
     manifest = path / MANIFEST
     if not manifest.is_file():
         raise CheckpointError(f"{path}: no {MANIFEST} (incomplete checkpoint)")
@@ -68,14 +72,15 @@ def verify(path: Path) -> None:
         entries = json.loads(manifest.read_text())["files"]
     except (json.JSONDecodeError, KeyError) as exc:
         raise CheckpointError(f"{manifest}: unreadable ({exc})") from None
-    for name, expected in entries.items():
+    mine, of = share
+    for k, (name, expected) in enumerate(sorted(entries.items())):
         f = path / name
         try:
             if not f.is_file():
                 raise CheckpointError(f"{path}: file {name} is missing")
             if f.stat().st_size != expected["size"]:
                 raise CheckpointError(f"{path}: file {name} is {f.stat().st_size} bytes, expected {expected['size']} (truncated?)")
-            if sha256_file(f) != expected["sha256"]:
+            if k % of == mine and sha256_file(f) != expected["sha256"]:
                 raise CheckpointError(f"{path}: file {name} fails its checksum (corrupted)")
         except OSError as exc:  # vanished or unreadable while being checked
             raise CheckpointError(f"{path}: file {name} cannot be read ({exc})") from None
@@ -204,15 +209,21 @@ class Checkpointer:
         return bool(dirs) and dirs[-1].name == f"step_{step:08d}"
 
     def latest_good(self) -> Path | None:
-        """The newest checkpoint that verifies; bad ones are reported and skipped."""
+        """The newest checkpoint that verifies; bad ones are reported and skipped. Collective when
+        distributed: the ranks split the checksumming (``verify``'s share) and agree on each verdict."""
+        share = (rank(), world_size()) if is_distributed() else (0, 1)
         for path in reversed(self.step_dirs()):
             try:
-                verify(path)
+                verify(path, share)
+                problem = None
+            except CheckpointError as exc:
+                problem = str(exc)
+            problems = [p for p in all_gather_object(problem) if p]
+            if not problems:
                 self.good = path.name
                 return path
-            except CheckpointError as exc:
-                self.bad.add(path.name)
-                self.log(f"checkpoint {path.name} is unusable, falling back: {exc}")
+            self.bad.add(path.name)
+            self.log(f"checkpoint {path.name} is unusable, falling back: {problems[0]}")
         return None
 
     def load(self, path: Path, model: torch.nn.Module, optimizers: list) -> dict:

@@ -143,3 +143,28 @@ def test_a_checkpoint_from_before_an_optimizer_setting_existed_still_loads(tmp_p
     bigger = torch.nn.Linear(6, 4)  # a bias the checkpoint never had
     with pytest.raises(CheckpointError, match=r"lacks \d+ entries.*model\.bias"):
         ckpt.load(ckpt.latest_good(), bigger, [Muon([bigger.weight], lr=0.1), torch.optim.AdamW([bigger.bias])])
+
+
+def test_resuming_ranks_split_the_checksums(tmp_path, monkeypatch):
+    """verify's share (i, n): each file is read by exactly one of the n ranks (sizes are checked by all),
+    and corruption in a file is found by the rank whose share holds it."""
+    import orthon.pretrain.checkpoint as module
+
+    ckpt = Checkpointer(tmp_path, keep_last=1, log=lambda *_: None)
+    model, opt = _model_opt()
+    path = ckpt.save(1, model, [opt], {"step": 1})
+    files = sorted(json.loads((path / "manifest.json").read_text())["files"])
+    assert len(files) >= 3
+    read = []
+    real = module.sha256_file
+    monkeypatch.setattr(module, "sha256_file", lambda p: read.append(p.name) or real(p))
+    for i in range(3):
+        verify(path, (i, 3))
+    assert sorted(read) == files  # each once
+    victim = files[1]
+    data = bytearray((path / victim).read_bytes())
+    data[0] ^= 0xFF
+    (path / victim).write_bytes(bytes(data))  # same size: only a checksum finds it
+    verify(path, (0, 3)), verify(path, (2, 3))
+    with pytest.raises(CheckpointError, match=f"file {victim} fails its checksum"):
+        verify(path, (1, 3))

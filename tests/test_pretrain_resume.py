@@ -1,7 +1,9 @@
 """Kill the pretraining process with SIGKILL mid-run and resume: the same losses, bit for bit, and every
 sample seen exactly once."""
+import json
 import sys
 
+import pytest
 
 from pretrain_support import kill_when, losses, make_stores, orthon, records_up_to, resumed_from, sample_ids, write_recipe
 
@@ -50,3 +52,28 @@ def test_corrupted_checkpoint_falls_back_to_the_previous_good_one(tmp_path):
     assert "step_00000008 is unusable" in log and "truncated" in log
     assert resumed_from(log) == (run_dir / "checkpoints" / "step_00000004", 4)
     assert sorted(losses(run_dir)) == list(range(1, 11))  # steps 5..10 run again after the fallback
+
+
+@pytest.mark.slow  # about 30 s: two 2-rank runs
+def test_two_ranks_split_the_checks_and_agree_on_a_corrupt_checkpoint(tmp_path):
+    """Resuming on two ranks, each checksums half the newest checkpoint's files; a flipped byte in a file
+    of rank 1's half (same size: only a checksum finds it) makes both ranks fall back to the previous
+    checkpoint together, and the run goes on from there as the uninterrupted one did."""
+    stores = make_stores(tmp_path / "data")
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", stores, run_dir, train={"max_steps": 8, "micro_batch_size": 2},
+                          optim={"ns_dtype": "fp32"})
+    orthon("pretrain", "-c", recipe, nproc=2)
+    reference = losses(run_dir)
+    newest = run_dir / "checkpoints" / "step_00000008"
+    files = sorted(json.loads((newest / "manifest.json").read_text())["files"])
+    victim = newest / files[1]  # the second file: rank 1's share of two
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    out = orthon("pretrain", "--resume", run_dir, "train.max_steps=8", nproc=2)
+    log = out.stdout + out.stderr
+    assert f"step_00000008 is unusable, falling back: {newest}: file {files[1]} fails its checksum" in log, log[-3000:]
+    assert resumed_from(log) == (run_dir / "checkpoints" / "step_00000004", 4)
+    resumed = losses(run_dir)
+    assert all(resumed[s] == pytest.approx(reference[s], rel=2e-5, abs=2e-5) for s in range(1, 9))
