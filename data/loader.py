@@ -90,6 +90,10 @@ class TrainData:
         ids = self.sampler.next_batch(global_batch, self.rank, self.world)
         return make_batch([self.dataset[int(j)] for j in ids], ids, self.cfg.document_mask, self.eod_id)
 
+    def skip(self, samples: int) -> None:
+        """Move past the next ``samples`` samples without reading them (they count as consumed by nothing)."""
+        self.sampler.position += samples
+
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "tokens_by_source": dict(self.tokens_by_source)}
 

@@ -132,10 +132,7 @@ def _export_step(run: Path, args) -> int:
             step = int(args.step)
         except ValueError:
             raise ConfigError(f"--step: a step number or 'latest', got {args.step!r}") from None
-        path = checkpointer.root / f"step_{step:08d}"
-        if not path.is_dir():
-            have = ", ".join(p.name.split("_")[1].lstrip("0") or "0" for p in checkpointer.step_dirs())
-            raise CheckpointError(f"{run}: no checkpoint of step {step} (it has steps {have})")
+        path = checkpointer.of_step(step)
     config, runtime, tokenizer = _run_model(run)
     tokenizer = args.tokenizer or tokenizer
     export_checkpoint(path, config, runtime, args.out, dtype=DTYPES[args.dtype] if args.dtype else None,

@@ -10,7 +10,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from orthon.core.errors import OrthonError
+from orthon.core.errors import ConfigError, OrthonError
 from orthon.launch.args import add_recipe_args, check_model_fits, held_out, require_recipe
 from orthon.pretrain.recipe import Recipe, load_recipe, with_tokenizer_ids
 
@@ -18,6 +18,10 @@ from orthon.pretrain.recipe import Recipe, load_recipe, with_tokenizer_ids
 def register(parser, name):
     add_recipe_args(parser)
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last good checkpoint")
+    parser.add_argument("--step", type=int, help="with --resume: continue from the checkpoint of this step instead "
+                                                 "(the later ones are moved to checkpoints/abandoned/)")
+    parser.add_argument("--skip-batches", type=int, default=0, metavar="K",
+                        help="with --resume: move the data past the next K steps' batches first (past a loss spike)")
     parser.add_argument("--sample", default="def ", help="prompt to sample from the trained model at the end")
 
 
@@ -73,6 +77,10 @@ def make_trainer(recipe, run_dir, with_data: bool = True):
 def run(args, name):
     from orthon.pretrain.trainer import CONFIG_NAME, write_run_config
 
+    if (args.step is not None or args.skip_batches) and not args.resume:
+        raise ConfigError("--step and --skip-batches go with --resume RUN_DIR")
+    if args.skip_batches < 0:
+        raise ConfigError(f"--skip-batches: must be >= 0, got {args.skip_batches}")
     if args.resume:
         run_dir = Path(args.resume)
         if not (run_dir / CONFIG_NAME).is_file():
@@ -80,6 +88,8 @@ def run(args, name):
                                                          f"no {CONFIG_NAME} (not a run directory, or the run was "
                                                          f"stopped before it started: run its pretrain command again)"))
         recipe = load_recipe(run_dir / CONFIG_NAME, args.overrides)
+        if recipe.backend == "mindspore" and (args.step is not None or args.skip_batches):
+            raise ConfigError("--step and --skip-batches: the torch backend's (the MindSpore backend resumes from its newest checkpoint)")
         check_model_fits(recipe.model, recipe.train.parallel, "train")
     else:
         require_recipe(args, name)
@@ -98,8 +108,12 @@ def run(args, name):
     if trainer.rank == 0 and not args.resume:
         write_run_config(run_dir, replace(recipe, train=replace(recipe.train, run_dir=str(run_dir))))
     args.started_run_dir = str(run_dir)
-    if args.resume and not trainer.resume():
-        trainer.log(f"no usable checkpoint in {run_dir}; starting from step 0")
+    if args.resume:
+        resumed = trainer.resume(args.step) if args.step is not None else trainer.resume()
+        if not resumed:
+            trainer.log(f"no usable checkpoint in {run_dir}; starting from step 0")
+        if args.skip_batches:
+            trainer.skip_batches(args.skip_batches)
     result = trainer.fit()
     if trainer.rank == 0:
         print(f"done: step {result['step']}, {result['tokens']:,} tokens, train loss {result.get('loss', float('nan')):.4f}, "

@@ -34,6 +34,7 @@ from orthon.core.interrupts import sigint_deferred
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 CORRUPT_DIR = "corrupt"
+ABANDONED_DIR = "abandoned"
 
 
 # DCP warns on every save and load in a single process that torch.distributed is not initialised and it
@@ -42,6 +43,18 @@ CORRUPT_DIR = "corrupt"
 # catch_warnings context.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
                         category=UserWarning)
+
+
+def _move_to(path: Path, folder: Path) -> Path:
+    """``path`` moved into ``folder`` (``NAME.1``, ``NAME.2``, ... if the name is taken); returns where."""
+    target = folder / path.name
+    n = 1
+    while target.exists():
+        target = folder / f"{path.name}.{n}"
+        n += 1
+    folder.mkdir(parents=True, exist_ok=True)
+    os.replace(path, target)
+    return target
 
 
 def _checksums(paths) -> dict:
@@ -179,16 +192,8 @@ class Checkpointer:
         """Checkpoints found unusable go to checkpoints/corrupt/ (a later name if one is there already)."""
         for name in sorted(self.bad):
             path = self.root / name
-            if not path.is_dir():
-                continue
-            target = self.root / CORRUPT_DIR / name
-            n = 1
-            while target.exists():
-                target = self.root / CORRUPT_DIR / f"{name}.{n}"
-                n += 1
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(path, target)
-            self.log(f"moved the unusable checkpoint {name} aside to {target}")
+            if path.is_dir():
+                self.log(f"moved the unusable checkpoint {name} aside to {_move_to(path, self.root / CORRUPT_DIR)}")
         self.bad.clear()
 
     def _prune(self) -> None:
@@ -211,20 +216,47 @@ class Checkpointer:
     def latest_good(self) -> Path | None:
         """The newest checkpoint that verifies; bad ones are reported and skipped. Collective when
         distributed: the ranks split the checksumming (``verify``'s share) and agree on each verdict."""
-        share = (rank(), world_size()) if is_distributed() else (0, 1)
         for path in reversed(self.step_dirs()):
-            try:
-                verify(path, share)
-                problem = None
-            except CheckpointError as exc:
-                problem = str(exc)
-            problems = [p for p in all_gather_object(problem) if p]
-            if not problems:
+            problem = self.problem(path)
+            if problem is None:
                 self.good = path.name
                 return path
             self.bad.add(path.name)
-            self.log(f"checkpoint {path.name} is unusable, falling back: {problems[0]}")
+            self.log(f"checkpoint {path.name} is unusable, falling back: {problem}")
         return None
+
+    def of_step(self, step: int) -> Path:
+        """The checkpoint of ``step``, verified (collective, as ``latest_good``); CheckpointError naming the
+        steps there are when it is missing, or what is wrong with it."""
+        path = self.root / f"step_{step:08d}"
+        if not path.is_dir():
+            have = ", ".join(str(int(p.name.split("_")[1])) for p in self.step_dirs()) or "none"
+            raise CheckpointError(f"{self.root.parent}: no checkpoint of step {step} (it has steps {have})")
+        problem = self.problem(path)
+        if problem is not None:
+            raise CheckpointError(problem)
+        return path
+
+    def problem(self, path: Path) -> str | None:
+        """What makes the checkpoint ``path`` unusable (None: it verifies). Collective when distributed:
+        each rank checksums its share of the files and every rank gets the same answer."""
+        try:
+            verify(path, (rank(), world_size()) if is_distributed() else (0, 1))
+            mine = None
+        except CheckpointError as exc:
+            mine = str(exc)
+        return next((p for p in all_gather_object(mine) if p), None)
+
+    def set_aside_after(self, step: int) -> list[str]:
+        """Move the checkpoints after ``step`` to ``checkpoints/abandoned/`` (a run resumed from an earlier
+        step starts a new line of steps; the old ones are kept, out of the way of resuming and pruning).
+        Collective when distributed; returns the names moved."""
+        later = [p for p in self.step_dirs() if int(p.name.split("_")[1]) > step]
+        if rank() == 0:
+            for path in later:
+                _move_to(path, self.root / ABANDONED_DIR)
+        barrier()
+        return [p.name for p in later]
 
     def load(self, path: Path, model: torch.nn.Module, optimizers: list) -> dict:
         """Load into an already-built (and already-sharded) model and optimizers; returns trainer state.

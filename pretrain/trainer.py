@@ -121,10 +121,18 @@ class Trainer:
         self.total_tokens = self.cfg.total_tokens or recipe.schedule.total_tokens
 
     # ------------------------------------------------------------ state
-    def resume(self) -> dict | None:
-        """Load the newest good checkpoint; returns its trainer state (with any extra keys the caller
-        saved), or None when there is none."""
-        path = self.checkpointer.latest_good()
+    def resume(self, step: int | None = None) -> dict | None:
+        """Load the newest good checkpoint (or the one of ``step``, the later ones then set aside as
+        abandoned); returns its trainer state (with any extra keys the caller saved), or None when there
+        is none."""
+        if step is None:
+            path = self.checkpointer.latest_good()
+        else:
+            path = self.checkpointer.of_step(step)
+            abandoned = self.checkpointer.set_aside_after(step)
+            if abandoned:
+                self.log(f"resuming from step {step}: the later checkpoints ({', '.join(abandoned)}) moved to "
+                         f"{self.checkpointer.root / 'abandoned'}")
         if path is None:
             return None
         state = self.checkpointer.load(path, self.wrapped, self.optimizer.optimizers)
@@ -136,6 +144,15 @@ class Trainer:
         _set_rng_state(state["rng"])
         self.log(f"resumed from {path} at step {self.step} ({self.tokens:,} tokens)")
         return state
+
+    def skip_batches(self, batches: int) -> None:
+        """Move the data past the next ``batches`` steps' batches without training on them (the remedy for
+        a loss spike tied to the data: resume before it and skip past it). The step, the tokens and so
+        the schedule stay where they are; the next checkpoint records the new data position."""
+        samples = batches * self.batch_sequences()
+        self.data.skip(samples)
+        self.log(f"skipped {batches} batches ({samples:,} sequences, {samples * self.seq_len:,} tokens) of data "
+                 f"after step {self.step}")
 
     def save_checkpoint(self, extra: dict | None = None) -> None:
         state = {"step": self.step, "tokens": self.tokens, "rng": _rng_state(),

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from orthon.pretrain.checkpoint import Checkpointer
 from pretrain_support import kill_when, losses, make_stores, orthon, records_up_to, resumed_from, sample_ids, write_recipe
 
 STEPS = 24
@@ -77,3 +78,42 @@ def test_two_ranks_split_the_checks_and_agree_on_a_corrupt_checkpoint(tmp_path):
     assert resumed_from(log) == (run_dir / "checkpoints" / "step_00000004", 4)
     resumed = losses(run_dir)
     assert all(resumed[s] == pytest.approx(reference[s], rel=2e-5, abs=2e-5) for s in range(1, 9))
+
+
+def _ids_by_step(run_dir):
+    return {r["step"]: r["ids"] for r in map(json.loads, (run_dir / "samples.jsonl").read_text().splitlines())}
+
+
+def test_resume_from_an_earlier_step_and_past_some_data(tmp_path):
+    """`--resume RUN --step N` goes back to step N's checkpoint (the later ones set aside, not deleted) and
+    retraces the run exactly; `--skip-batches K` then moves the data past the next K batches, as one
+    does to step over a loss spike tied to its data."""
+    stores = make_stores(tmp_path / "data")
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", stores, run_dir, train={"max_steps": 8, "checkpoint_interval": 2},
+                          batch={"start_batch_tokens": 256, "end_batch_tokens": 256})  # 8 sequences every step
+    orthon("pretrain", "-c", recipe)
+    original, original_ids = losses(run_dir), _ids_by_step(run_dir)
+    ckpts = run_dir / "checkpoints"
+
+    out = orthon("pretrain", "--resume", run_dir, "--step", "4")
+    log = out.stdout + out.stderr
+    assert resumed_from(log) == (ckpts / "step_00000004", 4)
+    assert "the later checkpoints (step_00000006, step_00000008) moved to" in log
+    assert sorted(p.name for p in (ckpts / "abandoned").iterdir()) == ["step_00000006", "step_00000008"]
+    assert losses(run_dir) == original and _ids_by_step(run_dir) == original_ids  # retraced exactly
+    assert [p.name for p in Checkpointer(run_dir).step_dirs()][-2:] == ["step_00000006", "step_00000008"]
+
+    out = orthon("pretrain", "--resume", run_dir, "--step", "4", "--skip-batches", "2", "train.max_steps=6")
+    log = out.stdout + out.stderr
+    assert resumed_from(log)[1] == 4 and "skipped 2 batches (16 sequences, 512 tokens) of data after step 4" in log
+    ids = _ids_by_step(run_dir)
+    assert ids[5] == original_ids[7] and ids[6] == original_ids[8]  # steps 5 and 6's batches stepped over
+    assert sorted(losses(run_dir)) == list(range(1, 7)) and losses(run_dir)[4] == original[4]
+    assert sorted(p.name for p in (ckpts / "abandoned").iterdir()) == [
+        "step_00000006", "step_00000006.1", "step_00000008", "step_00000008.1"]
+
+    refused = orthon("pretrain", "--resume", run_dir, "--step", "5", check=False)
+    assert refused.returncode == 2 and "no checkpoint of step 5 (it has steps 2, 4, 6)" in refused.stderr
+    refused = orthon("pretrain", "-c", recipe, "--skip-batches", "2", check=False)
+    assert refused.returncode == 2 and "--step and --skip-batches go with --resume RUN_DIR" in refused.stderr
