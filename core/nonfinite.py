@@ -38,7 +38,8 @@ class NonFiniteSteps:
             raise DivergedError(
                 f"the gradient norm was not finite ({grad_norm}) at {span}, more steps in a row than {self.key} "
                 f"= {self.limit} allows: the run has diverged. The weights are those of step {first - 1} "
-                f"(a skipped step updates nothing); resume from a checkpoint with a lower learning rate or other data")
+                f"(a skipped step updates nothing); resume from an earlier checkpoint with a lower learning rate or past "
+                f"the data (orthon pretrain --resume RUN --step N --skip-batches K)")
         self.log(f"warning: step {step}: gradient norm {grad_norm}, not finite: skipped (no update; "
                  f"{self.in_a_row} in a row, {self.key} {self.limit})")
         return True
