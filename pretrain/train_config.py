@@ -24,6 +24,10 @@ class TrainConfig:
     # checkpoint is completed (manifest, name, pruning) at the next save or the run's end.
     async_checkpoint: bool = False
     log_interval: int = 1
+    # torch.profiler over steps profile_from_step .. + profile_steps - 1 (0: off): a Chrome / Perfetto
+    # trace per rank and a table of the ops by time, in RUN_DIR/profile/.
+    profile_from_step: int = 0
+    profile_steps: int = 2
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast the forward
     grad_clip: float = 0.0  # max global grad norm; 0 = off (GLM-5 trains Muon Split without clipping)
     # A step whose gradient norm is inf or NaN is skipped (no update; the data moves on; counted as the
@@ -50,11 +54,11 @@ class TrainConfig:
     stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
 
     def __post_init__(self):
-        for name in ("micro_batch_size", "log_interval", "keep_last"):
+        for name in ("micro_batch_size", "log_interval", "keep_last", "profile_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
         for name in ("total_tokens", "max_steps", "eval_interval", "checkpoint_interval", "eval_samples", "loss_chunk",
-                     "max_nonfinite_skips"):
+                     "max_nonfinite_skips", "profile_from_step"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         check_stop_signals(self.stop_signals)

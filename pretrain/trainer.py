@@ -28,6 +28,7 @@ from orthon.core.config import to_dict
 from orthon.core.errors import ConfigError
 from orthon.core.files import atomic_write_bytes
 from orthon.core.nonfinite import NonFiniteSteps
+from orthon.core.profiling import StepProfiler
 from orthon.core.metrics import MetricsLogger, open_step_log, plot_training, read_metrics
 from orthon.core.step_loop import run_steps
 from orthon.data.loader import IGNORE_INDEX, open_training_data
@@ -302,10 +303,18 @@ class Trainer:
             samples_log.flush()
         label = self.cfg.progress_label if self.cfg.progress and self.rank == 0 else None
         self._background_saves = self.cfg.async_checkpoint
+        profiler = StepProfiler(self.run_dir, self.cfg.profile_from_step, self.cfg.profile_steps, self.rank,
+                                self.step, self.log)
+
+        def after_step():
+            profiler.step()
+            if samples_log is not None:
+                log_sample_ids()
         try:
-            last, final_eval = run_steps(self, metrics_log, label, log_sample_ids if samples_log is not None else None)
+            last, final_eval = run_steps(self, metrics_log, label, after_step)
         finally:  # a stop signal or Ctrl-C: the checkpoint being written is completed, and what was logged
-            self._background_saves = False  # reaches the files (TensorBoard buffers events)
+            profiler.close()  # reaches the files (TensorBoard buffers events)
+            self._background_saves = False
             self.checkpointer.wait()
             metrics_log.close()
             if samples_log is not None:
