@@ -33,6 +33,10 @@ class TrainConfig:
     # A step whose gradient norm is inf or NaN is skipped (no update; the data moves on; counted as the
     # metric skipped_steps); more than this many in a row stop the run as diverged. 0: stop at the first.
     max_nonfinite_skips: int = 5
+    # > 0: a step whose gradient norm or loss is more than this many standard deviations above the mean
+    # of the last spike_window steps' is skipped too (OLMo 2's skipped steps use 6 over 128). 0: off.
+    spike_sigma: float = 0.0
+    spike_window: int = 128
     moe_bias_rate: float = 1e-3  # aux-loss-free balancing: bias step per optimizer step
     seed: int = 0
     parallel: Literal["ddp", "fsdp"] = "ddp"  # how to shard when launched on more than one rank
@@ -54,7 +58,7 @@ class TrainConfig:
     stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
 
     def __post_init__(self):
-        for name in ("micro_batch_size", "log_interval", "keep_last", "profile_steps"):
+        for name in ("micro_batch_size", "log_interval", "keep_last", "profile_steps", "spike_window"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
         for name in ("total_tokens", "max_steps", "eval_interval", "checkpoint_interval", "eval_samples", "loss_chunk",
@@ -62,5 +66,7 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         check_stop_signals(self.stop_signals)
+        if self.spike_sigma < 0:
+            raise ConfigError(f"spike_sigma: must be >= 0 (0 = off), got {self.spike_sigma}")
         if self.grad_clip < 0:
             raise ConfigError(f"grad_clip: must be >= 0 (0 = off), got {self.grad_clip}")

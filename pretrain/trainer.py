@@ -27,7 +27,7 @@ from orthon.core.allocator import physical_memory
 from orthon.core.config import to_dict
 from orthon.core.errors import ConfigError
 from orthon.core.files import atomic_write_bytes
-from orthon.core.nonfinite import NonFiniteSteps
+from orthon.core.step_guard import StepGuard
 from orthon.core.profiling import StepProfiler
 from orthon.core.metrics import MetricsLogger, open_step_log, plot_training, read_metrics
 from orthon.core.step_loop import run_steps
@@ -118,7 +118,7 @@ class Trainer:
         self._background_saves = False  # train.async_checkpoint, inside fit (whose end completes the last save)
         self.seq_len = recipe.data.seq_len
         self.step, self.tokens = 0, 0
-        self.nonfinite = NonFiniteSteps(self.cfg.max_nonfinite_skips, self.log)
+        self.guard = StepGuard(self.cfg.max_nonfinite_skips, self.cfg.spike_sigma, self.cfg.spike_window, self.log)
         self.total_tokens = self.cfg.total_tokens or recipe.schedule.total_tokens
 
     # ------------------------------------------------------------ state
@@ -138,8 +138,8 @@ class Trainer:
             return None
         state = self.checkpointer.load(path, self.wrapped, self.optimizer.optimizers)
         self.step, self.tokens = state["step"], state["tokens"]
-        if "nonfinite" in state:  # checkpoints from before the skip counts have none: nothing was skipped
-            self.nonfinite.load_state_dict(state["nonfinite"])
+        if "guard" in state:  # checkpoints from before skipped steps have none: nothing was skipped
+            self.guard.load_state_dict(state["guard"])
         if self.data is not None:
             self.data.load_state_dict(state["data"])
         _set_rng_state(state["rng"])
@@ -157,7 +157,7 @@ class Trainer:
 
     def save_checkpoint(self, extra: dict | None = None) -> None:
         state = {"step": self.step, "tokens": self.tokens, "rng": _rng_state(),
-                 "nonfinite": self.nonfinite.state_dict(), **(extra or {})}
+                 "guard": self.guard.state_dict(), **(extra or {})}
         if self.data is not None:
             state["data"] = self.data.state_dict()
         self.checkpointer.save(self.step, self.wrapped, self.optimizer.optimizers, state, background=self._background_saves)
@@ -217,8 +217,9 @@ class Trainer:
             for key, value in micro_sums.items():
                 sums[key] = sums.get(key, 0.0) + value
         sums = _all_reduce_dict(sums, self.device)
+        step_metrics = self.step_fn.end(self, sums)
         grad_norm = self._clip_and_norm()
-        skipped = self.nonfinite.skip(self.step + 1, grad_norm)
+        skipped = self.guard.skip(self.step + 1, grad_norm, step_metrics.get("loss"))
         if not skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -230,14 +231,14 @@ class Trainer:
         self.step += 1
         self.tokens += int(tokens or 0)
         elapsed = time.perf_counter() - start
-        metrics = {**self.step_fn.end(self, sums), "lr": lr, "grad_norm": grad_norm, "step_time_s": elapsed,
+        metrics = {**step_metrics, "lr": lr, "grad_norm": grad_norm, "step_time_s": elapsed,
                    "micro_batches": len(micros)}
         if tokens:
             metrics.update(batch_tokens=tokens, tokens=self.tokens, tokens_per_s=tokens / elapsed)
         if imbalance is not None:
             metrics["moe_load_max_over_mean"] = imbalance
-        if self.nonfinite.total:
-            metrics["skipped_steps"] = self.nonfinite.total
+        if self.guard.total:
+            metrics["skipped_steps"] = self.guard.total
         return metrics
 
     def _clip_and_norm(self) -> float:

@@ -25,7 +25,7 @@ from orthon.backends.mindspore.optim import HybridOptimizer
 from orthon.backends.mindspore.runtime import ms, place
 from orthon.backends.mindspore.weights import build, save_hf
 from orthon.core.metrics import MetricsLogger, plot_training, read_metrics
-from orthon.core.nonfinite import NonFiniteSteps
+from orthon.core.step_guard import StepGuard
 from orthon.core.step_loop import run_steps
 from orthon.data.loader import IGNORE_INDEX, open_training_data
 from orthon.optim import batch_size_at, lr_at
@@ -71,7 +71,7 @@ class MindSporeTrainer:
         self.reduce_max = self.parallel.max  # the ranks agree on a stop signal (core.step_loop)
         self.seq_len = recipe.data.seq_len
         self.step, self.tokens = 0, 0
-        self.nonfinite = NonFiniteSteps(self.cfg.max_nonfinite_skips, self.log)
+        self.guard = StepGuard(self.cfg.max_nonfinite_skips, self.cfg.spike_sigma, self.cfg.spike_window, self.log)
         self.total_tokens = self.cfg.total_tokens or recipe.schedule.total_tokens
 
     def _loss(self, input_ids, labels, doc_ids, cos, sin):
@@ -91,8 +91,8 @@ class MindSporeTrainer:
             return None
         state = self.checkpointer.load(path, self.model, self.optimizer)
         self.step, self.tokens = state["step"], state["tokens"]
-        if "nonfinite" in state:
-            self.nonfinite.load_state_dict(state["nonfinite"])
+        if "guard" in state:
+            self.guard.load_state_dict(state["guard"])
         if self.data is not None:
             self.data.load_state_dict(state["data"])
         self.log(f"resumed from {path} at step {self.step} ({self.tokens:,} tokens)")
@@ -102,7 +102,7 @@ class MindSporeTrainer:
         if self.rank != 0:  # the state is the same on every rank
             return
         state = {"step": self.step, "tokens": self.tokens, "backend": "mindspore",
-                 "nonfinite": self.nonfinite.state_dict()}
+                 "guard": self.guard.state_dict()}
         if self.data is not None:
             state["data"] = self.data.state_dict()
         self.checkpointer.save(self.step, self.model, self.optimizer, state)
@@ -134,7 +134,7 @@ class MindSporeTrainer:
         count = max(round(count), 1)
         grads = [g / count for g in grads]  # the gradient of the global batch's mean loss
         grad_norm = global_norm(grads)
-        skipped = self.nonfinite.skip(self.step + 1, grad_norm)  # the same norm on every rank
+        skipped = self.guard.skip(self.step + 1, grad_norm, loss_sum / count)  # the same on every rank
         if not skipped:
             if self.cfg.grad_clip > 0 and grad_norm > self.cfg.grad_clip:
                 grads = [g * (self.cfg.grad_clip / (grad_norm + 1e-6)) for g in grads]
@@ -149,8 +149,8 @@ class MindSporeTrainer:
             metrics.update(batch_tokens=tokens, tokens=self.tokens, tokens_per_s=tokens / elapsed)
         if imbalance is not None:
             metrics["moe_load_max_over_mean"] = imbalance
-        if self.nonfinite.total:
-            metrics["skipped_steps"] = self.nonfinite.total
+        if self.guard.total:
+            metrics["skipped_steps"] = self.guard.total
         return metrics
 
     def _update_moe_bias(self, loads) -> float | None:
