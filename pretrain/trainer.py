@@ -27,9 +27,9 @@ from orthon.core.allocator import physical_memory
 from orthon.core.config import to_dict
 from orthon.core.errors import ConfigError
 from orthon.core.files import atomic_write_bytes
-from orthon.core.step_guard import StepGuard
-from orthon.core.profiling import StepProfiler
 from orthon.core.metrics import MetricsLogger, open_step_log, plot_training, read_metrics
+from orthon.core.profiling import StepProfiler
+from orthon.core.step_guard import StepGuard
 from orthon.core.step_loop import run_steps
 from orthon.data.loader import IGNORE_INDEX, open_training_data
 from orthon.optim import batch_size_at, build_for_model, lr_at
