@@ -35,10 +35,13 @@ def _close(a: dict, b: dict, steps):
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_processes_match_one(mode, single, tmp_path):
+    """The FSDP2 run also writes its checkpoints in the background (FSDP2's shards staged, every third
+    step, written while the ranks train on)."""
     stores, reference = single
     run = tmp_path / mode
     recipe = write_recipe(tmp_path / "r.yaml", stores, run, train={"max_steps": STEPS, "parallel": mode,
-                                                                     "micro_batch_size": 2})
+                                                                     "micro_batch_size": 2, "checkpoint_interval": 3,
+                                                                     "async_checkpoint": mode == "fsdp"})
     orthon("pretrain", "-c", recipe, nproc=2)
     _close(losses(run), reference, range(1, STEPS + 1))
     # The last checkpoint (two ranks' files; FSDP2's shards of every tensor) exported on its own is the
