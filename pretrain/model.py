@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from orthon.pretrain.attention import Indexer, MLAttention
 from orthon.pretrain.cache import KVCache
@@ -54,6 +55,17 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+def _fill(tensor: torch.Tensor, draw) -> None:
+    """``draw`` (an in-place initialisation such as ``normal_``) on ``tensor``. A DTensor (an FSDP2 shard)
+    keeps its part of the full tensor drawn on the CPU: every rank draws the same numbers from the same
+    generator state, and each holds only one full parameter at a time."""
+    if isinstance(tensor, DTensor):
+        full = draw(torch.empty(tensor.shape, dtype=tensor.dtype))
+        tensor.to_local().copy_(distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local())
+    else:
+        draw(tensor)
+
+
 class GLMForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, init: bool = True, runtime: RuntimeOptions | None = None):
         super().__init__()
@@ -71,26 +83,47 @@ class GLMForCausalLM(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None) -> None:
         """Normal(0, initializer_range) for every weight matrix and embedding, ones for norm scales,
-        zeros for biases and the router bias (as transformers initialises glm_moe_dsa)."""
+        zeros for biases and the router bias (as transformers initialises glm_moe_dsa). Parameters
+        sharded by FSDP2 (DTensors) get their part of what the unsharded model would draw."""
         generator = None
         if seed is not None:
-            generator = torch.Generator(device=self.lm_head.weight.device).manual_seed(seed)
+            device = "cpu" if isinstance(self.lm_head.weight, DTensor) else self.lm_head.weight.device
+            generator = torch.Generator(device=device).manual_seed(seed)
         std = self.config.initializer_range
+
+        def normal(t):
+            return t.normal_(0.0, std, generator=generator)
+
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, std, generator=generator)
+                _fill(module.weight, normal)
                 if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
+                    _fill(module.bias, torch.Tensor.zero_)
             elif isinstance(module, (RMSNorm, nn.LayerNorm)):
-                module.weight.fill_(1.0)
+                _fill(module.weight, lambda t: t.fill_(1.0))
                 if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
+                    _fill(module.bias, torch.Tensor.zero_)
             elif isinstance(module, Experts):
-                module.gate_up_proj.normal_(0.0, std, generator=generator)
-                module.down_proj.normal_(0.0, std, generator=generator)
+                _fill(module.gate_up_proj, normal)
+                _fill(module.down_proj, normal)
             elif isinstance(module, Router):
-                module.weight.normal_(0.0, std, generator=generator)
+                _fill(module.weight, normal)
                 module.e_score_correction_bias.zero_()
+                module.expert_load.zero_()
+
+    @torch.no_grad()
+    def draw_as_built(self) -> None:
+        """Draw from the global generator what building this model on a real device draws before
+        ``reset_parameters`` (torch's own initialisation of each nn.Linear and nn.Embedding, in the
+        order they are built), without keeping it: a model built on the meta device, then given memory,
+        then this and ``reset_parameters`` holds the values the same seed gives a model built directly."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                torch.empty(module.weight.shape).uniform_()  # kaiming_uniform_: one uniform draw a weight
+                if module.bias is not None:
+                    torch.empty(module.bias.shape).uniform_()
+            elif isinstance(module, nn.Embedding):
+                torch.empty(module.weight.shape).normal_()
 
     def param_specs(self) -> dict[str, ParamSpec]:
         """What each parameter is, for the optimizer's routing (see ParamSpec). Muon Split is declared

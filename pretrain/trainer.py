@@ -100,10 +100,16 @@ class Trainer:
         random.seed(self.cfg.seed)
         np.random.seed(self.cfg.seed)
 
-        self.model = GLMForCausalLM(recipe.model, runtime=dataclasses.replace(recipe.runtime))  # a copy: phases change it
+        # FSDP2 over several ranks: built on the meta device and sharded before it has memory, so no rank ever
+        # holds the whole model (GLM-5's 744B parameters would not fit); the same values as a direct build.
+        sharded_build = (self.cfg.parallel == "fsdp" and self.world > 1 and not self.cfg.init_from
+                         and not recipe.model.tie_word_embeddings)
+        with torch.device("meta") if sharded_build else nullcontext():
+            self.model = GLMForCausalLM(recipe.model, runtime=dataclasses.replace(recipe.runtime))  # a copy: phases change it
         if self.cfg.init_from:
             self.model.load_state_dict(initial_weights(self.cfg.init_from, recipe.model))
-        self.model.to(self.device)
+        if not sharded_build:
+            self.model.to(self.device)
         if self.cfg.precision == "bf16" and not bf16_gemm_is_native(self.device):
             self.log("warning: train.precision bf16 on a CPU whose bf16 matmul is emulated (no AVX512-BF16 / AMX; "
                      "about 1 GFLOP/s): each step will take many times as long as in fp32 (train.precision=fp32)")
@@ -111,6 +117,11 @@ class Trainer:
         self.model.track_max_logit(self.cfg.track_max_logit)
         self.step_fn = step or NextTokenStep(self.cfg.loss_chunk, recipe.data.document_mask, self.cfg.track_max_logit)
         self._wrap()  # before the optimizer: FSDP2 replaces the parameters it shards
+        if sharded_build:
+            self.model.to_empty(device=self.device)
+            self.model.draw_as_built()
+            self.model.reset_parameters()
+            self.log(f"model built sharded (FSDP2 over {self.world} ranks): no rank held all of it")
         self.optimizer = (build_optimizer or _hybrid_optimizer)(self.model, recipe)
         self.data, self.valid = (open_training_data(recipe.data, recipe.model.vocab_size, recipe.train.eval_samples, self.rank, self.world)
                                  if with_data else (None, None))

@@ -122,3 +122,25 @@ def test_document_mask_equals_separate_documents(case, impl):
         alone_b = model(b, position_ids=torch.arange(14, 40)).logits
     torch.testing.assert_close(out[:, :14], alone_a, atol=1e-5, rtol=0)
     torch.testing.assert_close(out[:, 14:], alone_b, atol=1e-5, rtol=0)
+
+
+def test_a_model_built_on_meta_then_drawn_equals_a_direct_build():
+    """What FSDP2's sharded build relies on: built on the meta device, given memory, draw_as_built() then
+    reset_parameters() give the values a direct build gives under the same seed, and leave the global
+    generator where a direct build does."""
+    from pathlib import Path
+
+    from orthon.pretrain.recipe import load_recipe
+
+    config = load_recipe(Path(__file__).resolve().parents[1] / "configs/tiny.yaml").model
+    torch.manual_seed(11)
+    direct = GLMForCausalLM(config).state_dict()
+    after_direct = torch.rand(3)
+    torch.manual_seed(11)
+    with torch.device("meta"):
+        model = GLMForCausalLM(config)
+    model.to_empty(device="cpu")
+    model.draw_as_built()
+    model.reset_parameters()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in direct.items())
+    assert torch.equal(torch.rand(3), after_direct)
