@@ -235,6 +235,47 @@ def load_hf_state(directory) -> dict[str, torch.Tensor]:
     return experts_from_hf(state)
 
 
+class HFTensors:
+    """The tensors of an HF directory read one at a time by orthon's names (a routed-expert stack
+    assembled from its per-expert tensors when asked for): what a sharded model loads from without any
+    process holding every tensor at once."""
+
+    def __init__(self, directory):
+        self.where: dict[str, Path] = {}
+        for path in weight_files(directory):
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    self.where.update((key, path) for key in f.keys())
+            except (SafetensorError, OSError) as exc:
+                raise CheckpointError(f"{path}: unreadable safetensors file, truncated or corrupted? ({exc})") from None
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor orthon names ``name``; CheckpointError when the directory lacks it."""
+        if name in self.where:
+            return self._get(name)
+        m = _STACKED.match(name)
+        if not m:
+            raise CheckpointError(f"the weights lack {name}")
+        prefix, kind = m.groups()
+        experts = sorted(int(k[len(prefix) + 1:].split(".")[0]) for k in self.where
+                         if k.startswith(prefix + ".") and k.endswith(".down_proj.weight"))
+        if not experts or experts != list(range(len(experts))):
+            raise CheckpointError(f"the weights lack the experts of {prefix} (found {experts[:8]})")
+        if kind == "down_proj":
+            return torch.stack([self._get(f"{prefix}.{e}.down_proj.weight") for e in experts])
+        return torch.stack([torch.cat([self._get(f"{prefix}.{e}.gate_proj.weight"),
+                                       self._get(f"{prefix}.{e}.up_proj.weight")]) for e in experts])
+
+    def _get(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise CheckpointError(f"the weights lack {name}")
+        try:
+            with safe_open(str(self.where[name]), framework="pt") as f:
+                return f.get_tensor(name)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{self.where[name]}: unreadable ({exc})") from None
+
+
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 

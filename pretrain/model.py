@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from orthon.pretrain.attention import Indexer, MLAttention
 from orthon.pretrain.cache import KVCache
@@ -19,6 +19,7 @@ from orthon.pretrain.config import ModelConfig, RuntimeOptions
 from orthon.pretrain.layers import MLP, RMSNorm, rope_cos_sin
 from orthon.pretrain.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy, default_loss_chunk
 from orthon.pretrain.moe import MoE, Experts, Router
+from orthon.pretrain.parallel import fill_shard
 from orthon.optim.param_spec import ParamSpec
 
 
@@ -55,17 +56,6 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-def _fill(tensor: torch.Tensor, draw) -> None:
-    """``draw`` (an in-place initialisation such as ``normal_``) on ``tensor``. A DTensor (an FSDP2 shard)
-    keeps its part of the full tensor drawn on the CPU: every rank draws the same numbers from the same
-    generator state, and each holds only one full parameter at a time."""
-    if isinstance(tensor, DTensor):
-        full = draw(torch.empty(tensor.shape, dtype=tensor.dtype))
-        tensor.to_local().copy_(distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local())
-    else:
-        draw(tensor)
-
-
 class GLMForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, init: bool = True, runtime: RuntimeOptions | None = None):
         super().__init__()
@@ -96,18 +86,18 @@ class GLMForCausalLM(nn.Module):
 
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                _fill(module.weight, normal)
+                fill_shard(module.weight, normal)
                 if getattr(module, "bias", None) is not None:
-                    _fill(module.bias, torch.Tensor.zero_)
+                    fill_shard(module.bias, torch.Tensor.zero_)
             elif isinstance(module, (RMSNorm, nn.LayerNorm)):
-                _fill(module.weight, lambda t: t.fill_(1.0))
+                fill_shard(module.weight, lambda t: t.fill_(1.0))
                 if getattr(module, "bias", None) is not None:
-                    _fill(module.bias, torch.Tensor.zero_)
+                    fill_shard(module.bias, torch.Tensor.zero_)
             elif isinstance(module, Experts):
-                _fill(module.gate_up_proj, normal)
-                _fill(module.down_proj, normal)
+                fill_shard(module.gate_up_proj, normal)
+                fill_shard(module.down_proj, normal)
             elif isinstance(module, Router):
-                _fill(module.weight, normal)
+                fill_shard(module.weight, normal)
                 module.e_score_correction_bias.zero_()
                 module.expert_load.zero_()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 from contextlib import nullcontext
 
+import torch
 from torch import nn
 
 from orthon.core.distributed import is_distributed
@@ -56,3 +57,17 @@ class _resync:
 
     def __exit__(self, *exc):
         self.model.set_requires_gradient_sync(True)
+
+
+def fill_shard(tensor: torch.Tensor, draw) -> None:
+    """``draw`` (an in-place fill: ``normal_``, ``copy_`` of a loaded value, ...) on ``tensor``. A DTensor
+    (an FSDP2 shard) keeps its part of the full tensor drawn on the CPU: every rank draws the same
+    numbers from the same generator state (or copies the same value), and holds one full parameter at
+    a time, never the whole model."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(tensor, DTensor):
+        full = draw(torch.empty(tensor.shape, dtype=tensor.dtype))
+        tensor.to_local().copy_(distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local())
+    else:
+        draw(tensor)

@@ -40,7 +40,7 @@ from orthon.pretrain.config import TOKEN_ID_FIELDS
 from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.moe import update_expert_bias
 from orthon.pretrain.steps import NextTokenStep, TrainStep
-from orthon.pretrain.weights import load_weights, save_weights
+from orthon.pretrain.weights import load_config, load_into, load_weights, save_weights
 
 CONFIG_NAME = "config.yaml"
 
@@ -67,16 +67,22 @@ def _all_reduce_dict(sums: dict[str, float], device) -> dict[str, float]:
     return dict(zip(keys, total.tolist()))
 
 
-def initial_weights(source, config) -> dict:
-    """The state dict of ``source`` (a run directory's final/ or a weights directory), checked to hold
-    the model ``config`` describes."""
+def init_source(source, config) -> Path:
+    """The weights directory of ``source`` (a run directory's final/, or a weights directory), checked to
+    hold the model ``config`` describes."""
     path = Path(source)
-    loaded = load_weights(path / "final" if (path / "final").is_dir() else path)
+    path = path / "final" if (path / "final").is_dir() else path
+    saved = load_config(path)
     differ = [f.name for f in dataclasses.fields(config)
-              if f.name not in TOKEN_ID_FIELDS and getattr(loaded.config, f.name) != getattr(config, f.name)]
+              if f.name not in TOKEN_ID_FIELDS and getattr(saved, f.name) != getattr(config, f.name)]
     if differ:
         raise ConfigError(f"train.init_from: {source} holds another model (model.{', model.'.join(differ)} differ)")
-    return loaded.state_dict()
+    return path
+
+
+def initial_weights(source, config) -> dict:
+    """The state dict of ``source`` (see init_source), whole."""
+    return load_weights(init_source(source, config)).state_dict()
 
 
 class Trainer:
@@ -102,13 +108,13 @@ class Trainer:
 
         # FSDP2 over several ranks: built on the meta device and sharded before it has memory, so no rank ever
         # holds the whole model (GLM-5's 744B parameters would not fit); the same values as a direct build.
-        sharded_build = (self.cfg.parallel == "fsdp" and self.world > 1 and not self.cfg.init_from
-                         and not recipe.model.tie_word_embeddings)
+        sharded_build = self.cfg.parallel == "fsdp" and self.world > 1 and not recipe.model.tie_word_embeddings
+        source = init_source(self.cfg.init_from, recipe.model) if self.cfg.init_from else None
         with torch.device("meta") if sharded_build else nullcontext():
             self.model = GLMForCausalLM(recipe.model, runtime=dataclasses.replace(recipe.runtime))  # a copy: phases change it
-        if self.cfg.init_from:
-            self.model.load_state_dict(initial_weights(self.cfg.init_from, recipe.model))
         if not sharded_build:
+            if source is not None:
+                load_into(self.model, source)
             self.model.to(self.device)
         if self.cfg.precision == "bf16" and not bf16_gemm_is_native(self.device):
             self.log("warning: train.precision bf16 on a CPU whose bf16 matmul is emulated (no AVX512-BF16 / AMX; "
@@ -119,8 +125,11 @@ class Trainer:
         self._wrap()  # before the optimizer: FSDP2 replaces the parameters it shards
         if sharded_build:
             self.model.to_empty(device=self.device)
-            self.model.draw_as_built()
-            self.model.reset_parameters()
+            if source is not None:
+                load_into(self.model, source)
+            else:
+                self.model.draw_as_built()
+                self.model.reset_parameters()
             self.log(f"model built sharded (FSDP2 over {self.world} ranks): no rank held all of it")
         self.optimizer = (build_optimizer or _hybrid_optimizer)(self.model, recipe)
         self.data, self.valid = (open_training_data(recipe.data, recipe.model.vocab_size, recipe.train.eval_samples, self.rank, self.world)

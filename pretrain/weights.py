@@ -39,6 +39,7 @@ from orthon.core.interrupts import sigint_deferred
 from orthon.pretrain.config import ModelConfig, RuntimeOptions
 from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.model_info import meta_model
+from orthon.pretrain.parallel import fill_shard
 
 SIDECAR = "orthon.json"
 SIDECAR_FORMAT = "orthon-weights"
@@ -241,6 +242,23 @@ def load_weights(directory, device="cpu", dtype: torch.dtype | None = None, **ru
     if dtype is not None:
         model.to(dtype)
     return model
+
+
+@torch.no_grad()
+def load_into(model: GLMForCausalLM, directory) -> None:
+    """The weights of ``directory`` into ``model`` as built (on its device; FSDP2-sharded or not), one
+    tensor at a time: a sharded model takes its shards without any process reading every tensor at once.
+    A tensor missing or of another shape is a CheckpointError naming it."""
+    tensors = hf_io.HFTensors(check_weights_dir(directory))
+    state = model.state_dict(keep_vars=True)
+    for name in hf_io.persistent_names(model):
+        value = tensors.read(name)
+        if tuple(value.shape) != tuple(state[name].shape):
+            raise CheckpointError(f"{directory}: tensor {name} has shape {tuple(value.shape)}, the model "
+                                  f"{tuple(state[name].shape)}")
+        fill_shard(state[name], lambda t, value=value: t.copy_(value))
+    for router in model.moe_routers():
+        router.expert_load.zero_()
 
 
 def parse_size(text: str) -> int:

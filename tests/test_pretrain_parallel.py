@@ -68,3 +68,22 @@ def test_saved_at_world_two_resumes_at_world_one(single, tmp_path):
     assert resumed_from(out.stdout + out.stderr) == (run / "checkpoints" / f"step_{STEPS:08d}", STEPS)
     assert (run / "metrics.jsonl").read_text().splitlines()[: len(before)] == records_up_to(before, STEPS) == before
     _close(losses(run), reference, range(1, 2 * STEPS + 1))
+
+
+@pytest.mark.slow  # about 30 s: a source run, then a 1-process and a 2-process continuation
+def test_continued_pretraining_on_sharded_ranks_matches_one_process(tmp_path):
+    """train.init_from under FSDP2: each rank reads the source's tensors one at a time into its shards
+    (no rank loads the whole model) and trains as one process started from the same weights does."""
+    stores = make_stores(tmp_path / "data")
+    source = tmp_path / "source"
+    orthon("pretrain", "-c", write_recipe(tmp_path / "s.yaml", stores, source, train={"max_steps": 3}))
+    runs = {}
+    for nproc in (1, 2):
+        runs[nproc] = tmp_path / f"run{nproc}"
+        recipe = write_recipe(tmp_path / f"r{nproc}.yaml", stores, runs[nproc],
+                              train={"max_steps": 3, "parallel": "fsdp", "micro_batch_size": 4 // nproc,
+                                     "init_from": str(source)})
+        out = orthon("pretrain", "-c", recipe, nproc=nproc)
+        assert ("model built sharded" in out.stdout + out.stderr) == (nproc == 2)
+    _close(losses(runs[2]), losses(runs[1]), range(1, 4))
+    assert losses(runs[1])[1] < losses(source)[1] - 0.1  # it did start from the trained weights
