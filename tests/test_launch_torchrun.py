@@ -15,7 +15,8 @@ write_recipe = functools.partial(pretrain_support.write_recipe, optim={"ns_dtype
 STEPS = 4
 
 
-@pytest.mark.parametrize("background", [False, True], ids=["foreground-saves", "background-saves"])
+@pytest.mark.parametrize("background", [pytest.param(False, id="foreground-saves"),
+                                        pytest.param(True, id="background-saves", marks=pytest.mark.slow)])
 def test_launched_torchrun_trains_on_two_processes(tmp_path, background):
     """With train.async_checkpoint the step-2 checkpoint is written by a thread on a gloo group of its own
     while the ranks train on (their gradient all-reduces on the default group)."""

@@ -63,7 +63,8 @@ def _stopped_at(run: Path) -> int:
     return int(dirs[0].name.split("_")[1])
 
 
-@pytest.mark.parametrize("background", [False, True], ids=["foreground-save", "background-save"])
+@pytest.mark.parametrize("background", [pytest.param(False, id="foreground-save"),
+                                        pytest.param(True, id="background-save", marks=pytest.mark.slow)])
 def test_sigterm_saves_the_step_and_the_run_continues_exactly(tmp_path, background):
     """With train.async_checkpoint the stop's checkpoint is written in the background, and the run
     completes it before it exits."""
