@@ -64,10 +64,14 @@ def fill_shard(tensor: torch.Tensor, draw) -> None:
     (an FSDP2 shard) keeps its part of the full tensor drawn on the CPU: every rank draws the same
     numbers from the same generator state (or copies the same value), and holds one full parameter at
     a time, never the whole model."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
+    # DCP's own helper for where a shard lies in the full tensor (private, but the one DCP plans with).
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if isinstance(tensor, DTensor):
         full = draw(torch.empty(tensor.shape, dtype=tensor.dtype))
-        tensor.to_local().copy_(distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local())
+        shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        # Cut on the CPU: only this rank's piece goes to the device.
+        tensor.to_local().copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
     else:
         draw(tensor)
