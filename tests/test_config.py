@@ -60,6 +60,8 @@ def test_shipped_recipes_load():
     glm5 = load_recipe(str(ROOT / "configs/glm5.yaml"))
     assert tiny.model.hidden_size == 256
     assert (glm5.model.hidden_size, glm5.model.num_hidden_layers, glm5.model.index_topk) == (6144, 78, 2048)
+    # The cluster settings the recipe runs with: sharded, bf16 autocast, checkpoints in the background.
+    assert (glm5.train.parallel, glm5.train.precision, glm5.train.async_checkpoint) == ("fsdp", "bf16", True)
 
 
 def test_model_info_reports_glm5_size():
