@@ -7,22 +7,15 @@ import pytest
 import torch
 
 from pretrain_support import losses, make_stores, orthon, write_recipe
+from test_checkpoint import _model_opt
 from orthon.pretrain.checkpoint import Checkpointer, verify
 from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.recipe import load_recipe
 
 
-def _model_opt():
-    model = torch.nn.Linear(64, 32)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.ones(2, 64)).sum().backward()
-    opt.step()
-    return model, opt
-
-
 def test_a_background_save_holds_the_state_it_was_given(tmp_path):
     ckpt = Checkpointer(tmp_path, keep_last=2, log=lambda *_: None)
-    model, opt = _model_opt()
+    model, opt = _model_opt(64, 32)
     weight, moment = model.weight.detach().clone(), opt.state[model.weight]["exp_avg"].clone()
     ckpt.save(1, model, [opt], {"step": 1}, background=True)
     assert ckpt.has(1) and not ckpt.step_dirs()  # in flight: a .tmp directory, nothing resume would take

@@ -9,10 +9,11 @@ from orthon.core.errors import CheckpointError
 from orthon.pretrain.checkpoint import Checkpointer, verify
 
 
-def _model_opt():
-    model = torch.nn.Linear(4, 3)
+def _model_opt(inputs: int = 4, outputs: int = 3):
+    """A linear layer and its AdamW after one step (so the optimizer has state)."""
+    model = torch.nn.Linear(inputs, outputs)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.ones(2, 4)).sum().backward()
+    model(torch.ones(2, inputs)).sum().backward()
     opt.step()
     return model, opt
 
