@@ -45,8 +45,7 @@ def export_checkpoint(path, config: ModelConfig, runtime: RuntimeOptions, direct
                                   f"model {shapes[name]}")
 
     def saved_dtype(name):
-        kept = dtype is None or name.endswith("e_score_correction_bias")
-        return stored[PREFIX + name].properties.dtype if kept else dtype
+        return hf_io.written_dtype(name, stored[PREFIX + name].properties.dtype, dtype)
 
     sizes = {n: stored[PREFIX + n].size.numel() * saved_dtype(n).itemsize for n in names}
     groups = hf_io.plan_shards(sizes, max_shard_bytes)  # whole source tensors: an expert stack stays in one shard

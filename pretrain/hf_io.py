@@ -28,9 +28,7 @@ DEFAULT_SHARD_BYTES = 5 * 1024**3
 def _persistent_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     # state_dict() drops non-persistent buffers; tied weights appear once under the embedding name.
     state = model.state_dict()
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    return {k: v.detach().contiguous() for k, v in state.items()}
+    return {k: state[k].detach().contiguous() for k in persistent_names(model)}
 
 
 _STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -113,13 +111,16 @@ def to_hf(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> d
     """orthon-named tensors as the HF layout names them (routed experts one tensor each), contiguous on
     the CPU. ``dtype`` casts floating tensors, except the routers' ``e_score_correction_bias`` (kept in
     float32: it decides expert selection by small margins)."""
-    out = {}
-    for key, tensor in experts_to_hf({k: v.detach() for k, v in state.items()}).items():
-        tensor = tensor.cpu()
-        if dtype is not None and tensor.is_floating_point() and not key.endswith("e_score_correction_bias"):
-            tensor = tensor.to(dtype)
-        out[key] = tensor.contiguous()
-    return out
+    return {key: tensor.cpu().to(written_dtype(key, tensor.dtype, dtype)).contiguous()
+            for key, tensor in experts_to_hf({k: v.detach() for k, v in state.items()}).items()}
+
+
+def written_dtype(name: str, stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype tensor ``name`` (now ``stored``) is written in when a save casts to ``dtype``: floating
+    tensors are cast, except the routers' ``e_score_correction_bias``."""
+    if dtype is None or not stored.is_floating_point or name.endswith("e_score_correction_bias"):
+        return stored
+    return dtype
 
 
 def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
