@@ -35,21 +35,25 @@ def machine_memory() -> tuple[int, str]:
     return physical_memory(), "memory"
 
 
-def check_model_fits(model_config, parallel: str = "ddp", command: str = "train") -> None:
-    """Refuse, before anything is allocated, a model whose training state cannot fit: parameters (counted
-    on the meta device) x 16 bytes against one GPU's memory or this machine's RAM (shared by the
-    processes torchrun starts here). ORTHON_NO_MEMORY_CHECK=1 skips the check."""
+def check_model_fits(model_config, parallel: str = "ddp", command: str = "train", expert_parallel: int = 1) -> None:
+    """Refuse, before anything is allocated, a model whose training state cannot fit: one rank's parameters
+    (counted on the meta device; FSDP2 shards them over the ranks, expert parallelism the routed experts
+    over its ranks) x 16 bytes against one GPU's memory or this machine's RAM (shared by the processes
+    torchrun starts here). ORTHON_NO_MEMORY_CHECK=1 skips the check."""
     if os.environ.get("ORTHON_NO_MEMORY_CHECK", "0") not in ("", "0"):
         return
     import torch
 
     from orthon.pretrain.model_info import parameter_counts
 
-    n_params = sum(c["total"] for c in parameter_counts(model_config).values())
+    counts = parameter_counts(model_config)
+    n_params = sum(c["total"] for c in counts.values())
+    experts = counts.get("routed_experts", {"total": 0})["total"]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    full = n_params * BYTES_PER_PARAM
-    share = full / world if parallel == "fsdp" and world > 1 else full  # one rank's part
+    sharded = world if parallel == "fsdp" and world > 1 else 1
+    spread = expert_parallel if world > 1 and expert_parallel > 1 else sharded
+    share = ((n_params - experts) / sharded + experts / spread) * BYTES_PER_PARAM  # one rank's part
     need = share if torch.cuda.is_available() else share * local
     have, what = machine_memory()
     if have and need > have:

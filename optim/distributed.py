@@ -14,6 +14,10 @@ least loaded rank), and the step runs in three phases:
 3. return: the owner broadcasts a replicated parameter's result, and
    scatters a sharded one's back so each rank gets the slice of its shard.
 
+A parameter whose piece on each rank is whole matrices (an expert stack split by expert: expert
+parallelism, or FSDP2's Shard(0) of an expert stack) needs none of this: each rank
+orthogonalises its own piece.
+
 Updates travel in the Newton-Schulz dtype (bf16 by default) both ways:
 Newton-Schulz casts to it first anyway, so the input is the same as on one
 rank, and the traffic is halved; results come back rounded to it on every
@@ -98,6 +102,13 @@ class DistributedOrthogonaliser:
         self.last_owners: list[int] = []  # per item of the last step, for inspection and tests
 
     def __call__(self, work: list[MatrixWork], ns: Callable[[Tensor, MatrixWork], Tensor]) -> list[Tensor]:
+        if any(item.local for item in work):  # whole matrices of this rank's own: orthogonalised here
+            results: list[Tensor | None] = [None] * len(work)
+            parts = ([i for i, item in enumerate(work) if item.local], [i for i, item in enumerate(work) if not item.local])
+            for indices, run in zip(parts, (orthogonalise_local, self)):
+                for i, out in zip(indices, run([work[i] for i in indices], ns) if indices else []):
+                    results[i] = out
+            return results  # type: ignore[return-value]
         world = dist.get_world_size(self.group)
         rank = dist.get_rank(self.group)
         if world == 1:

@@ -73,7 +73,10 @@ class MatrixWork:
     ``prod(global_shape[:-2]) * split_rows`` of them. ns_key: (steps,
     coefficients, eps, dtype, method, gram dtype name); dtype (index 3) is the
     one updates travel in between ranks. param: the parameter (DTensor placements are
-    read from it).
+    read from it). sharded: this rank's piece cuts through its matrices (FSDP2's row shards): it
+    must be gathered to be orthogonalised. local: this rank's piece is whole matrices of its own (a
+    stack split along its stack dimension: expert parallelism, FSDP2's shards of an expert stack):
+    each rank orthogonalises its piece where it lies.
     """
 
     update: Tensor
@@ -82,6 +85,7 @@ class MatrixWork:
     ns_key: tuple
     sharded: bool
     param: Tensor
+    local: bool = False
 
     @property
     def block_shape(self) -> tuple[int, int]:
@@ -92,9 +96,20 @@ class MatrixWork:
         return math.prod(self.global_shape[:-2]) * self.split_rows
 
 
+def _shard_dims(t: Tensor) -> list[int]:
+    return [pl.dim % t.ndim for pl in t.placements if pl.is_shard()] if isinstance(t, DTensor) else []
+
+
 def is_sharded(t: Tensor) -> bool:
-    """Whether ``t`` is a DTensor with a sharded placement (FSDP2 parameters)."""
-    return isinstance(t, DTensor) and any(pl.is_shard() for pl in t.placements)
+    """Whether ``t`` is a DTensor sharded through its matrices (FSDP2 parameters' row shards)."""
+    return any(dim >= t.ndim - 2 for dim in _shard_dims(t))
+
+
+def holds_whole_matrices(t: Tensor) -> bool:
+    """Whether ``t`` is a DTensor sharded only along its stack dimensions: each rank's piece is whole
+    matrices (an expert stack split by expert)."""
+    dims = _shard_dims(t)
+    return bool(dims) and all(dim < t.ndim - 2 for dim in dims)
 
 
 def local_tensor(t: Tensor) -> Tensor:
@@ -246,7 +261,8 @@ class Muon(torch.optim.Optimizer):
             updates = self.passes.momentum_updates(bufs, grads, group["momentum"], group["nesterov"], key[3])
             applies.append((group, local_params, len(work), len(params)))
             for p, update in zip(params, updates):
-                work.append(MatrixWork(update, tuple(p.shape), group["split_rows"], key, is_sharded(p), p))
+                work.append(MatrixWork(update, tuple(p.shape), group["split_rows"], key, is_sharded(p), p,
+                                       holds_whole_matrices(p)))
 
         if not work:
             return loss
@@ -270,8 +286,11 @@ def orthogonalise_local(work: list[MatrixWork], ns: Callable[[Tensor, MatrixWork
                 "Muon: a sharded (FSDP2) parameter needs the distributed orthogonaliser "
                 "(orthon.optim.distributed.DistributedOrthogonaliser) to gather its full matrix"
             )
-    results: list[Tensor | None] = [None] * len(work)
+    results: list[Tensor | None] = [item.update if item.update.numel() == 0 else None for item in work]
     for indices in (part for group in group_by_block(work).values() for part in batch_parts(work, group)):
+        indices = [i for i in indices if results[i] is None]  # a rank's empty piece of a stack: nothing to do
+        if not indices:
+            continue
         # In the Newton-Schulz input dtype (Muon's momentum pass already rounds to it; the cast keeps
         # this right for any caller): both methods' first step, half the bytes to stack in bf16.
         dtype = work[indices[0]].ns_key[3]

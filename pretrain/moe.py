@@ -3,9 +3,12 @@ experts, one always-on shared expert. Names and layouts as transformers' GlmMoeD
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as collectives
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
+from torch.distributed.tensor import DTensor
 
 import orthon.pretrain.fused_kernels as fused_kernels
 from orthon.pretrain.config import ModelConfig
@@ -200,6 +203,36 @@ def grouped_experts(
     return combine_experts(x, token, order, None, ys)
 
 
+# The expert-parallel mesh's dimensions (orthon.pretrain.expert_parallel): the experts of a layer are spread
+# along "experts"; the ranks along "expert_replicas" hold the same experts (data parallelism among them).
+EXPERT_MESH_DIMS = ("expert_replicas", "experts")
+
+
+def exchanged_experts(
+    x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, gate_up: DTensor, down: DTensor
+) -> torch.Tensor:
+    """grouped_experts under expert parallelism: the stacks are DTensors sharded by expert over the mesh's
+    "experts" dimension (ep ranks, E / ep consecutive experts each). Each (token, expert) pair's row goes to
+    the rank holding the expert, each rank runs its experts on the rows it received, and the outputs come
+    back to be weighted and summed where their tokens live: one all-to-all of the rows and one of the
+    outputs a layer, each mirrored in backward (autograd through both), plus one of the counts. Every rank
+    of the expert group must run the layer together, as it does in a training step."""
+    group = gate_up.device_mesh.get_group(EXPERT_MESH_DIMS[1])
+    local_gate_up, local_down = gate_up.to_local(), down.to_local()
+    ep, per_rank = dist.get_world_size(group), local_gate_up.shape[0]
+    order, token, counts = sort_by_expert(indices, ep * per_rank)
+    received = torch.empty_like(counts)  # (source rank, my expert): the pairs each rank sends each of mine
+    dist.all_to_all_single(received, counts, group=group)
+    send = counts.view(ep, per_rank).sum(1).tolist()
+    receive = received.view(ep, per_rank).sum(1).tolist()
+    rows = collectives.all_to_all_single_autograd(x.index_select(0, token), receive, send, group)
+    # Rows arrive by source rank, each source's sorted by expert: the local expert of each.
+    mine = torch.arange(per_rank, device=x.device).repeat(ep).repeat_interleave(received)
+    ys = grouped_experts(rows, mine[:, None], rows.new_ones(len(mine), 1), local_gate_up, local_down)
+    outputs = collectives.all_to_all_single_autograd(ys, send, receive, group)
+    return combine_experts(x, token, order, weights, outputs)
+
+
 class Router(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -230,6 +263,8 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
 
     def forward(self, x, indices, weights):
+        if isinstance(self.gate_up_proj, DTensor):  # expert parallelism (orthon.pretrain.expert_parallel)
+            return exchanged_experts(x, indices, weights, self.gate_up_proj, self.down_proj)
         return grouped_experts(x, indices, weights, self.gate_up_proj, self.down_proj)
 
 

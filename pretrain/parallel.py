@@ -6,17 +6,30 @@ import inspect
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from orthon.core.distributed import is_distributed
+
+
+def _placed(module: nn.Module) -> set[nn.Parameter]:
+    """Parameters already distributed before wrapping (the expert-parallel stacks, DTensors): data
+    parallelism leaves them alone, their gradients are reduced by orthon.pretrain.expert_parallel."""
+    return {p for p in module.parameters() if isinstance(p, DTensor)}
 
 
 def wrap(model: nn.Module, mode: str) -> nn.Module:
     """DDP, or FSDP2 (fully_shard each decoder layer, then the root); the model itself when alone."""
     if not is_distributed():
         return model
+    placed = _placed(model)
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
+
+        if placed:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                model, [name for name, p in model.named_parameters() if p in placed])
 
         # No buffer sync before a forward: each rank's MoE expert_load counts its own tokens until the step
         # all-reduces them (rank 0's buffers broadcast before every forward would overwrite them mid-step).
@@ -28,9 +41,44 @@ def wrap(model: nn.Module, mode: str) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, ignored_params=_placed(layer) or None)
+    fully_shard(model, ignored_params=placed or None)
     return model
+
+
+def grad_norm(params) -> torch.Tensor:
+    """The global 2-norm of the parameters' gradients, each element counted once: a DTensor's squared sum is
+    added over the mesh dimensions it is sharded along (not over its copies along replicated ones); a plain
+    tensor is the same on every rank (DDP), counted as this rank's. Collective: every rank calls it with
+    the same parameters in the same order."""
+    sums: dict[tuple, torch.Tensor] = {}
+    for p in params:
+        grad, groups = p.grad, ()
+        if isinstance(grad, DTensor):
+            groups = tuple(grad.device_mesh.get_group(d) for d, pl in enumerate(grad.placements) if pl.is_shard())
+            grad = grad.to_local()
+        square = grad.detach().float().pow(2).sum()
+        sums[groups] = sums[groups] + square if groups in sums else square
+    total = torch.zeros((), dtype=torch.float32)
+    for groups, square in sums.items():
+        for group in groups:
+            dist.all_reduce(square, group=group)
+        total = total + square.cpu()
+    return total.sqrt()
+
+
+@torch.no_grad()
+def clip_grads(params, max_norm: float) -> float:
+    """torch's clip_grad_norm_ (the same coefficient) over ``grad_norm``: for parameters of several layouts
+    at once (plain, FSDP2's and expert-parallel DTensors), which torch's cannot stack. Returns the norm."""
+    params = list(params)
+    norm = grad_norm(params)
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    if coefficient < 1:
+        for p in params:
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            grad.mul_(coefficient.to(grad.device, grad.dtype))
+    return float(norm)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -40,6 +40,10 @@ class TrainConfig:
     moe_bias_rate: float = 1e-3  # aux-loss-free balancing: bias step per optimizer step
     seed: int = 0
     parallel: Literal["ddp", "fsdp"] = "ddp"  # how to shard when launched on more than one rank
+    # > 1: each MoE layer's routed experts spread over this many ranks (it divides the world size and
+    # model.n_routed_experts), tokens sent to their experts' ranks and back (all-to-all); the rest stays
+    # data-parallel by `parallel`. Pretraining's step only (generation needs every expert on one rank).
+    expert_parallel: int = 1
     track_max_logit: bool = True  # log the largest attention logit (the Muon Split claim)
     log_sample_ids: bool = False  # write every consumed sample id to samples.jsonl
     progress: bool = True
@@ -58,7 +62,7 @@ class TrainConfig:
     stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
 
     def __post_init__(self):
-        for name in ("micro_batch_size", "log_interval", "keep_last", "profile_steps", "spike_window"):
+        for name in ("micro_batch_size", "log_interval", "keep_last", "profile_steps", "spike_window", "expert_parallel"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
         for name in ("total_tokens", "max_steps", "eval_interval", "checkpoint_interval", "eval_samples", "loss_chunk",

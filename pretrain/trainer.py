@@ -34,7 +34,7 @@ from orthon.core.step_loop import run_steps
 from orthon.data.loader import IGNORE_INDEX, open_training_data
 from orthon.optim import batch_size_at, build_for_model, lr_at
 from orthon.optim.newton_schulz import bf16_gemm_is_native
-from orthon.pretrain import parallel
+from orthon.pretrain import expert_parallel, parallel
 from orthon.pretrain.checkpoint import Checkpointer
 from orthon.pretrain.config import TOKEN_ID_FIELDS
 from orthon.pretrain.model import GLMForCausalLM
@@ -122,6 +122,9 @@ class Trainer:
         self.model.set_indexers_trainable(False)  # the LM loss never reaches them; mid-training trains them
         self.model.track_max_logit(self.cfg.track_max_logit)
         self.step_fn = step or NextTokenStep(self.cfg.loss_chunk, recipe.data.document_mask, self.cfg.track_max_logit)
+        self.expert_parallel = self.cfg.expert_parallel if self.world > 1 else 1
+        if self.expert_parallel > 1:
+            self._shard_experts()
         self._wrap()  # before the optimizer: FSDP2 replaces the parameters it shards
         if sharded_build:
             self.model.to_empty(device=self.device)
@@ -182,6 +185,17 @@ class Trainer:
             state["data"] = self.data.state_dict()
         self.checkpointer.save(self.step, self.wrapped, self.optimizer.optimizers, state, background=self._background_saves)
 
+    def _shard_experts(self) -> None:
+        ep = self.expert_parallel
+        expert_parallel.check_degree(ep, self.world, self.recipe.model.n_routed_experts)
+        if type(self.step_fn) is not NextTokenStep:
+            raise ConfigError(f"train.expert_parallel = {ep}: only pretraining's step runs expert-parallel "
+                              f"({type(self.step_fn).__name__} does not); set train.expert_parallel=1")
+        stacks = expert_parallel.shard_experts(self.model, ep, self.device)
+        self.log(f"expert parallelism: {self.recipe.model.n_routed_experts // ep} of the "
+                 f"{self.recipe.model.n_routed_experts} experts of each MoE layer on each rank ({stacks} stacks "
+                 f"over {ep} ranks, {self.world // ep} replicas)")
+
     def _trainable_names(self) -> frozenset[str]:
         return frozenset(n for n, p in self.model.named_parameters() if p.requires_grad)
 
@@ -236,6 +250,8 @@ class Trainer:
                     objective.backward()
             for key, value in micro_sums.items():
                 sums[key] = sums.get(key, 0.0) + value
+        if self.expert_parallel > 1:
+            expert_parallel.reduce_expert_grads(self.model, self.world)
         sums = _all_reduce_dict(sums, self.device)
         step_metrics = self.step_fn.end(self, sums)
         grad_norm = self._clip_and_norm()
@@ -266,6 +282,8 @@ class Trainer:
         if not params:
             return 0.0
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        if self.expert_parallel > 1:  # expert stacks on another mesh than FSDP2's: torch's cannot mix them
+            return parallel.clip_grads(params, max_norm)
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
@@ -298,16 +316,34 @@ class Trainer:
         self.wrapped.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         count = torch.zeros((), dtype=torch.float64, device=self.device)
-        for batch in self.valid.batches(self.cfg.micro_batch_size, self.rank, self.world):
+        for batch, counted in self._eval_batches():
             batch = batch.to(self.device)
             docs = batch.doc_ids if self.recipe.data.document_mask else None
-            total += self.wrapped(batch.input_ids, labels=batch.labels, doc_ids=docs, return_logits=False,
-                                  loss_reduction="sum", loss_chunk=self.cfg.loss_chunk).loss.double()
-            count += (batch.labels != IGNORE_INDEX).sum()
+            loss = self.wrapped(batch.input_ids, labels=batch.labels, doc_ids=docs, return_logits=False,
+                                loss_reduction="sum", loss_chunk=self.cfg.loss_chunk).loss.double()
+            if counted:
+                total += loss
+                count += (batch.labels != IGNORE_INDEX).sum()
         self.wrapped.train()
         distributed.all_reduce_sum(total)
         distributed.all_reduce_sum(count)
         return (total / count).item() if count > 0 else None
+
+    def _eval_batches(self):
+        """(batch, counted) of this rank's held-out share. Every rank runs as many forwards as the others:
+        under FSDP2 each forward gathers shards from all ranks, under expert parallelism each joins every
+        MoE layer's exchange, so a rank whose share has fewer batches (held-out samples that do not split
+        evenly) runs the first held-out batch again, not counted, until all are done."""
+        mine = self.valid.batches(self.cfg.micro_batch_size, self.rank, self.world)
+        if self.world == 1:
+            yield from ((batch, True) for batch in mine)
+            return
+        mine = list(mine)
+        most = int(distributed.all_reduce_max(torch.tensor([len(mine)], device=self.device)).item())
+        yield from ((batch, True) for batch in mine)
+        if len(mine) < most:
+            filler = next(self.valid.batches(self.cfg.micro_batch_size, 0, 1))
+            yield from ((filler, False) for _ in range(most - len(mine)))
 
     # ------------------------------------------------------------ the loop
     def done(self) -> bool:

@@ -19,7 +19,8 @@ from safetensors.numpy import load_file  # noqa: E402
 STEPS = 3
 
 
-def test_two_msrun_workers_train_as_one_process(tmp_path):
+@pytest.mark.slow  # about 110 s on 2 cores (msrun's scheduler and two MindSpore workers start): the default
+def test_two_msrun_workers_train_as_one_process(tmp_path):  # run's longest test by 4x
     stores = make_stores(tmp_path / "data")
     train = {"max_steps": STEPS, "checkpoint_interval": 2, "eval_interval": STEPS, "log_sample_ids": False}
     runs = {"two": tmp_path / "two", "one": tmp_path / "one"}
@@ -66,6 +67,9 @@ def test_msrun_refuses_what_its_workers_cannot_run(tmp_path, capsys):
                  "configs/tiny.yaml", "backend=mindspore"]) == 2
     assert "only Ascend NPUs read; add mindspore.device_target=Ascend" in capsys.readouterr().err
     assert not table.exists()  # nothing written for a refused command
+    assert main(["launch", "msrun", "--worker-num", "2", "--", "pretrain", "-c", "configs/tiny.yaml", "backend=mindspore",
+                 "train.expert_parallel=2"]) == 2
+    assert "train.expert_parallel = 2: the MindSpore backend's workers are data parallel only" in capsys.readouterr().err
     assert main(["launch", "msrun", "--hosts", str(hosts), "--rank-table", str(table), "--", "pretrain", "-c",
                  "configs/tiny.yaml", "backend=mindspore", "mindspore.device_target=Ascend"]) == 0
     assert table.is_file()

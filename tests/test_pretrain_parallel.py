@@ -6,6 +6,7 @@ the micro-batch: both world sizes then take the same global batch at every step.
 fp32 here: with bf16 a float round-off difference between reduction orders can flip one bf16 rounding,
 and the runs drift apart by more than round-off."""
 import functools
+import json
 
 import pytest
 import torch
@@ -24,8 +25,25 @@ def single(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("single")
     stores = make_stores(tmp / "data")
     run = tmp / "run"
-    orthon("pretrain", "-c", write_recipe(tmp / "r.yaml", stores, run, train={"max_steps": 2 * STEPS}))
-    return stores, losses(run)
+    orthon("pretrain", "-c", write_recipe(tmp / "r.yaml", stores, run, train={"max_steps": 2 * STEPS, **EVAL}))
+    return stores, losses(run), run
+
+
+# Five held-out samples: 3 for rank 0 (two micro-batches of 2), 2 for rank 1 (one), so under expert
+# parallelism rank 1 runs a filler forward to join rank 0's second one.
+EVAL = {"eval_samples": 5, "eval_interval": 5}
+
+
+def grad_norms(run) -> dict[int, float]:
+    return {r["step"]: r["grad_norm"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if "grad_norm" in r}
+
+
+def eval_losses(run) -> dict[int, float]:
+    """The held-out losses by step, the final one (after the last step) as step 0."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {**{r["step"]: r["eval_loss"] for r in records if "eval_loss" in r},
+            **{0: r["final_eval_loss"] for r in records if "final_eval_loss" in r}}
 
 
 def _close(a: dict, b: dict, steps):
@@ -33,20 +51,29 @@ def _close(a: dict, b: dict, steps):
         assert a[step] == pytest.approx(b[step], rel=2e-5, abs=2e-5), (step, a[step], b[step])
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_two_processes_match_one(mode, single, tmp_path):
+@pytest.mark.parametrize("mode,experts", [("ddp", 1), ("fsdp", 1), ("ddp", 2), ("fsdp", 2)],
+                         ids=["ddp", "fsdp", "ddp-expert-parallel", "fsdp-expert-parallel"])
+def test_two_processes_match_one(mode, experts, single, tmp_path):
     """The FSDP2 run also writes its checkpoints in the background (FSDP2's shards staged, every third
-    step, written while the ranks train on)."""
-    stores, reference = single
+    step, written while the ranks train on). Expert parallelism: each rank holds 2 of the 4 experts and
+    the tokens travel to them and back; the losses (with the held-out ones at steps 5 and 6) and the final
+    weights are the 1-process run's only if the exchange, the expert gradients' reduction, Muon on the
+    experts where they lie and the MoE bias update are all right."""
+    stores, reference, reference_run = single
     run = tmp_path / mode
     recipe = write_recipe(tmp_path / "r.yaml", stores, run, train={"max_steps": STEPS, "parallel": mode,
                                                                      "micro_batch_size": 2, "checkpoint_interval": 3,
-                                                                     "async_checkpoint": mode == "fsdp"})
+                                                                     "async_checkpoint": mode == "fsdp",
+                                                                     "expert_parallel": experts, **EVAL})
     out = orthon("pretrain", "-c", recipe, nproc=2)
     # FSDP2 builds the model on the meta device, shards it, then draws each shard's values: the losses
     # match the 1-process run's only if those are the values a direct build draws.
     assert ("model built sharded (FSDP2 over 2 ranks)" in out.stdout + out.stderr) == (mode == "fsdp")
+    assert ("expert parallelism: 2 of the 4 experts" in out.stdout + out.stderr) == (experts == 2)
     _close(losses(run), reference, range(1, STEPS + 1))
+    _close(eval_losses(run), eval_losses(reference_run), [5])
+    # Muon's update is blind to a gradient's scale: the gradient norms show the expert gradients' own.
+    _close(grad_norms(run), grad_norms(reference_run), range(1, STEPS + 1))
     # The last checkpoint (two ranks' files; FSDP2's shards of every tensor) exported on its own is the
     # final/ the run gathered.
     orthon("export", run, "--step", "latest", "--out", tmp_path / "exported")
@@ -55,11 +82,14 @@ def test_two_processes_match_one(mode, single, tmp_path):
 
 
 @pytest.mark.slow  # about 25 s: a 2-process run, then its resume on one
-def test_saved_at_world_two_resumes_at_world_one(single, tmp_path):
-    stores, reference = single
+@pytest.mark.parametrize("experts", [1, 2], ids=["fsdp", "fsdp-expert-parallel"])
+def test_saved_at_world_two_resumes_at_world_one(experts, single, tmp_path):
+    """Expert parallelism: the checkpoint holds each expert stack whole (its two ranks' halves), which one
+    process loads as plain tensors."""
+    stores, reference, _ = single
     run = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.yaml", stores, run, train={"max_steps": STEPS, "parallel": "fsdp",
-                                                                     "micro_batch_size": 2})
+                                                                     "micro_batch_size": 2, "expert_parallel": experts})
     orthon("pretrain", "-c", recipe, nproc=2)
     before = (run / "metrics.jsonl").read_text().splitlines()
     out = orthon("pretrain", "--resume", run, f"train.max_steps={2 * STEPS}", "train.micro_batch_size=4")

@@ -1,0 +1,128 @@
+"""Expert parallelism: the token exchange (moe.exchanged_experts) on two gloo ranks against grouped_experts
+on the whole stacks in one process (outputs and every gradient), the expert gradients' reduction, and
+the degree checks. The whole training path (losses, gradient norms, held-out losses and exported
+weights equal to one process's) is in test_pretrain_parallel.py."""
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from orthon.core.errors import ConfigError
+from orthon.pretrain.expert_parallel import check_degree
+from orthon.pretrain.moe import EXPERT_MESH_DIMS, exchanged_experts, grouped_experts
+
+E, H, I, N, K = 4, 8, 6, 10, 2  # experts, hidden, expert width, tokens a rank, experts a token
+WORLD = 2
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def stacks():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+
+
+def tokens(rank: int, routing: str):
+    """A rank's tokens, their routing (indices, weights) and the probe its loss takes with the output."""
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(N, H, generator=g)
+    if routing == "random":
+        indices = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
+    else:  # every token to experts 0 and 1, both on rank 0: rank 1 receives no row at all
+        indices = torch.tensor([[0, 1]] * N)
+    weights = torch.rand(N, K, generator=g)
+    return x, indices, weights, torch.randn(N, H, generator=g)
+
+
+def one_process(routing: str):
+    """Per rank: output and the gradients of x and the weights; and the stacks' gradients of the sum of
+    both ranks' losses."""
+    gate_up, down = (t.clone().requires_grad_() for t in stacks())
+    per_rank = []
+    for rank in range(WORLD):
+        x, indices, weights, probe = tokens(rank, routing)
+        x.requires_grad_(), weights.requires_grad_()
+        out = grouped_experts(x, indices, weights, gate_up, down)
+        (out * probe).sum().backward()
+        per_rank.append((out.detach(), x.grad, weights.grad))
+    return per_rank, gate_up.grad, down.grad
+
+
+def worker(rank, port, out_dir, routing):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=EXPERT_MESH_DIMS)
+        gate_up, down = (distribute_tensor(t, mesh, [Replicate(), Shard(0)], src_data_rank=None).requires_grad_()
+                         for t in stacks())
+        x, indices, weights, probe = tokens(rank, routing)
+        x.requires_grad_(), weights.requires_grad_()
+        out = exchanged_experts(x, indices, weights, gate_up, down)
+        (out * probe).sum().backward()
+        torch.save({"out": out.detach(), "x": x.grad, "weights": weights.grad, "gate_up": gate_up.grad.to_local(),
+                    "down": down.grad.to_local(), "local": gate_up.to_local().shape[0]},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("routing", ["random", "all to rank 0"])
+def test_exchange_equals_the_whole_stacks_in_one_process(routing, tmp_path):
+    mp.spawn(worker, args=(free_port(), str(tmp_path), routing), nprocs=WORLD, join=True)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    per_rank, gate_up_grad, down_grad = one_process(routing)
+    half = E // WORLD
+    for rank, (out, x_grad, weights_grad) in enumerate(per_rank):
+        mine = got[rank]
+        assert mine["local"] == half  # each rank holds 2 of the 4 experts
+        torch.testing.assert_close(mine["out"], out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine["x"], x_grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine["weights"], weights_grad, rtol=1e-5, atol=1e-5)
+        # A rank's experts' gradients hold both ranks' tokens' contributions (the sum of both losses);
+        # rank 1's are exactly zero when no token went to its experts.
+        torch.testing.assert_close(mine["gate_up"], gate_up_grad[rank * half: (rank + 1) * half], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine["down"], down_grad[rank * half: (rank + 1) * half], rtol=1e-5, atol=1e-5)
+    if routing != "random":
+        assert not got[1]["gate_up"].any() and got[0]["gate_up"].abs().sum() > 0
+
+
+def test_degree_must_divide_the_ranks_and_the_experts():
+    check_degree(4, 8, 256)
+    check_degree(1, 3, 7)
+    with pytest.raises(ConfigError, match=r"expert_parallel = 3 does not divide the 8 ranks"):
+        check_degree(3, 8, 256)
+    with pytest.raises(ConfigError, match=r"expert_parallel = 4 does not divide model.n_routed_experts = 6"):
+        check_degree(4, 8, 6)
+    with pytest.raises(ConfigError, match="at least 1"):
+        check_degree(0, 8, 8)
+
+
+def test_the_memory_check_counts_one_ranks_experts(monkeypatch):
+    """GLM-5 on 1,024 ranks (one per machine here) of 40 GB: FSDP2 alone holds 1/1024 of everything
+    (743.91B x 16 bytes / 1024 = 11.6 GB a rank); with expert parallelism over 256 ranks each rank holds
+    its experts whole (724.78B routed-expert parameters / 256) beside 1/1024 of the other 19.13B: 45.6 GB,
+    which does not fit."""
+    import orthon.launch.args as args
+    from orthon.pretrain.recipe import load_recipe
+
+    model = load_recipe(ROOT / "configs/glm5.yaml").model
+    monkeypatch.setattr(args, "machine_memory", lambda: (40e9, "memory"))
+    monkeypatch.setenv("WORLD_SIZE", "1024")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.delenv("ORTHON_NO_MEMORY_CHECK", raising=False)
+    args.check_model_fits(model, "fsdp", "train")
+    with pytest.raises(ConfigError, match=r"743\.91B parameters need about 45\.6 GB"):
+        args.check_model_fits(model, "fsdp", "train", expert_parallel=256)
