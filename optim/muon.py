@@ -97,7 +97,9 @@ class MatrixWork:
 
 
 def _shard_dims(t: Tensor) -> list[int]:
-    return [pl.dim % t.ndim for pl in t.placements if pl.is_shard()] if isinstance(t, DTensor) else []
+    # Every placement with a dim: FSDP2's shards of an already sharded tensor (expert parallelism) are
+    # _StridedShard, for which is_shard() is False.
+    return [pl.dim % t.ndim for pl in t.placements if hasattr(pl, "dim")] if isinstance(t, DTensor) else []
 
 
 def is_sharded(t: Tensor) -> bool:

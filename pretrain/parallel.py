@@ -13,23 +13,18 @@ from torch.distributed.tensor import DTensor
 from orthon.core.distributed import is_distributed
 
 
-def _placed(module: nn.Module) -> set[nn.Parameter]:
-    """Parameters already distributed before wrapping (the expert-parallel stacks, DTensors): data
-    parallelism leaves them alone, their gradients are reduced by orthon.pretrain.expert_parallel."""
-    return {p for p in module.parameters() if isinstance(p, DTensor)}
-
-
-def wrap(model: nn.Module, mode: str) -> nn.Module:
-    """DDP, or FSDP2 (fully_shard each decoder layer, then the root); the model itself when alone."""
+def wrap(model: nn.Module, mode: str, expert_mesh=None) -> nn.Module:
+    """DDP, or FSDP2 (fully_shard each decoder layer, then the root); the model itself when alone.
+    ``expert_mesh``: the model is expert-parallel (orthon.pretrain.expert_parallel): DDP leaves the expert
+    stacks alone, FSDP2 shards each Experts module over its mesh column first."""
     if not is_distributed():
         return model
-    placed = _placed(model)
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        if placed:
+        if expert_mesh is not None:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-                model, [name for name, p in model.named_parameters() if p in placed])
+                model, [name for name, p in model.named_parameters() if isinstance(p, DTensor)])
 
         # No buffer sync before a forward: each rank's MoE expert_load counts its own tokens until the step
         # all-reduces them (rank 0's buffers broadcast before every forward would overwrite them mid-step).
@@ -40,9 +35,13 @@ def wrap(model: nn.Module, mode: str) -> nn.Module:
         return DistributedDataParallel(model, broadcast_buffers=False)
     from torch.distributed.fsdp import fully_shard
 
+    if expert_mesh is not None:
+        from orthon.pretrain.expert_parallel import shard_over_replicas
+
+        shard_over_replicas(model, expert_mesh)  # the layers' fully_shard then leaves the experts to it
     for layer in model.model.layers:
-        fully_shard(layer, ignored_params=_placed(layer) or None)
-    fully_shard(model, ignored_params=placed or None)
+        fully_shard(layer)
+    fully_shard(model)
     return model
 
 
@@ -55,7 +54,8 @@ def grad_norm(params) -> torch.Tensor:
     for p in params:
         grad, groups = p.grad, ()
         if isinstance(grad, DTensor):
-            groups = tuple(grad.device_mesh.get_group(d) for d, pl in enumerate(grad.placements) if pl.is_shard())
+            # Not is_shard(): FSDP2's shards of an already sharded tensor are _StridedShard, which says False.
+            groups = tuple(grad.device_mesh.get_group(d) for d, pl in enumerate(grad.placements) if not pl.is_replicate())
             grad = grad.to_local()
         square = grad.detach().float().pow(2).sum()
         sums[groups] = sums[groups] + square if groups in sums else square

@@ -123,8 +123,7 @@ class Trainer:
         self.model.track_max_logit(self.cfg.track_max_logit)
         self.step_fn = step or NextTokenStep(self.cfg.loss_chunk, recipe.data.document_mask, self.cfg.track_max_logit)
         self.expert_parallel = self.cfg.expert_parallel if self.world > 1 else 1
-        if self.expert_parallel > 1:
-            self._shard_experts()
+        self.expert_mesh = self._shard_experts() if self.expert_parallel > 1 else None
         self._wrap()  # before the optimizer: FSDP2 replaces the parameters it shards
         if sharded_build:
             self.model.to_empty(device=self.device)
@@ -185,23 +184,24 @@ class Trainer:
             state["data"] = self.data.state_dict()
         self.checkpointer.save(self.step, self.wrapped, self.optimizer.optimizers, state, background=self._background_saves)
 
-    def _shard_experts(self) -> None:
+    def _shard_experts(self):
         ep = self.expert_parallel
         expert_parallel.check_degree(ep, self.world, self.recipe.model.n_routed_experts)
         if type(self.step_fn) is not NextTokenStep:
             raise ConfigError(f"train.expert_parallel = {ep}: only pretraining's step runs expert-parallel "
                               f"({type(self.step_fn).__name__} does not); set train.expert_parallel=1")
-        stacks = expert_parallel.shard_experts(self.model, ep, self.device)
-        self.log(f"expert parallelism: {self.recipe.model.n_routed_experts // ep} of the "
-                 f"{self.recipe.model.n_routed_experts} experts of each MoE layer on each rank ({stacks} stacks "
-                 f"over {ep} ranks, {self.world // ep} replicas)")
+        mesh = expert_parallel.shard_experts(self.model, ep, self.device)
+        n = self.recipe.model.n_routed_experts
+        self.log(f"expert parallelism: {n // ep} of the {n} experts of each MoE layer on each rank ({self.world // ep} "
+                 f"ranks hold the same ones{', FSDP2-sharded among them' if self.cfg.parallel == 'fsdp' else ''})")
+        return mesh
 
     def _trainable_names(self) -> frozenset[str]:
         return frozenset(n for n, p in self.model.named_parameters() if p.requires_grad)
 
     def _wrap(self) -> None:
         self.wrapped = None  # an old DDP wrapper's reducer (and its gradient hooks) goes first
-        self.wrapped = parallel.wrap(self.model, self.cfg.parallel)
+        self.wrapped = parallel.wrap(self.model, self.cfg.parallel, self.expert_mesh)
         self._wrapped_for = self._trainable_names()
 
     def set_trainable(self, trainable) -> None:
@@ -251,7 +251,7 @@ class Trainer:
             for key, value in micro_sums.items():
                 sums[key] = sums.get(key, 0.0) + value
         if self.expert_parallel > 1:
-            expert_parallel.reduce_expert_grads(self.model, self.world)
+            expert_parallel.reduce_expert_grads(self.model, self.expert_mesh, self.cfg.parallel == "fsdp")
         sums = _all_reduce_dict(sums, self.device)
         step_metrics = self.step_fn.end(self, sums)
         grad_norm = self._clip_and_norm()

@@ -111,10 +111,10 @@ def test_degree_must_divide_the_ranks_and_the_experts():
 
 
 def test_the_memory_check_counts_one_ranks_experts(monkeypatch):
-    """GLM-5 on 1,024 ranks (one per machine here) of 40 GB: FSDP2 alone holds 1/1024 of everything
-    (743.91B x 16 bytes / 1024 = 11.6 GB a rank); with expert parallelism over 256 ranks each rank holds
-    its experts whole (724.78B routed-expert parameters / 256) beside 1/1024 of the other 19.13B: 45.6 GB,
-    which does not fit."""
+    """GLM-5 on 1,024 ranks (one a machine here) of 40 GB. FSDP2 holds 1/1024 of everything, with expert
+    parallelism too (it shards the experts over the ranks holding the same ones): 743.91B x 16 bytes /
+    1024 = 11.6 GB a rank. Expert parallelism over 256 ranks under DDP holds the other 19.14B whole and
+    1/256 of the 724.78B routed-expert parameters: (19.14B + 2.83B) x 16 bytes = 351.5 GB."""
     import orthon.launch.args as args
     from orthon.pretrain.recipe import load_recipe
 
@@ -124,5 +124,8 @@ def test_the_memory_check_counts_one_ranks_experts(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     monkeypatch.delenv("ORTHON_NO_MEMORY_CHECK", raising=False)
     args.check_model_fits(model, "fsdp", "train")
-    with pytest.raises(ConfigError, match=r"743\.91B parameters need about 45\.6 GB"):
-        args.check_model_fits(model, "fsdp", "train", expert_parallel=256)
+    args.check_model_fits(model, "fsdp", "train", expert_parallel=256)
+    with pytest.raises(ConfigError, match=r"743\.91B parameters need about 351\.5 GB"):
+        args.check_model_fits(model, "ddp", "train", expert_parallel=256)
+    with pytest.raises(ConfigError, match=r"need about 11,902\.6 GB"):  # DDP alone: all of it on every rank
+        args.check_model_fits(model, "ddp", "train")
