@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from orthon.core.distributed import is_distributed
+from orthon.pretrain.expert_parallel import shard_over_replicas
 
 
 def wrap(model: nn.Module, mode: str, expert_mesh=None) -> nn.Module:
@@ -36,8 +37,6 @@ def wrap(model: nn.Module, mode: str, expert_mesh=None) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     if expert_mesh is not None:
-        from orthon.pretrain.expert_parallel import shard_over_replicas
-
         shard_over_replicas(model, expert_mesh)  # the layers' fully_shard then leaves the experts to it
     for layer in model.model.layers:
         fully_shard(layer)
