@@ -20,9 +20,6 @@ def require_recipe(args, name: str) -> None:
                           f"(configs/glm5.yaml, 744B parameters, a cluster's job)")
 
 
-BYTES_PER_PARAM = 16  # fp32 weights + gradients + two optimizer moments (AdamW; Muon keeps one)
-
-
 def machine_memory() -> tuple[int, str]:
     """(bytes, what) of the memory a model is trained in: one GPU's, or this machine's RAM."""
     import torch
@@ -37,24 +34,19 @@ def machine_memory() -> tuple[int, str]:
 
 def check_model_fits(model_config, parallel: str = "ddp", command: str = "train", expert_parallel: int = 1) -> None:
     """Refuse, before anything is allocated, a model whose training state cannot fit: one rank's parameters
-    (counted on the meta device; FSDP2 shards them all over the ranks, expert parallelism under DDP the
-    routed experts over its ranks) x 16 bytes against one GPU's memory or this machine's RAM (shared by the processes
+    (counted on the meta device; model_info.rank_parameters) x 16 bytes against one GPU's memory or this machine's RAM (shared by the processes
     torchrun starts here). ORTHON_NO_MEMORY_CHECK=1 skips the check."""
     if os.environ.get("ORTHON_NO_MEMORY_CHECK", "0") not in ("", "0"):
         return
     import torch
 
-    from orthon.pretrain.model_info import parameter_counts
+    from orthon.pretrain.model_info import BYTES_PER_PARAM, parameter_counts, rank_parameters
 
     counts = parameter_counts(model_config)
     n_params = sum(c["total"] for c in counts.values())
-    experts = counts.get("routed_experts", {"total": 0})["total"]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    sharded = world if parallel == "fsdp" and world > 1 else 1
-    # FSDP2 shards the experts over the ranks that hold the same ones: 1 / world of them a rank as well.
-    spread = expert_parallel if sharded == 1 and world > 1 and expert_parallel > 1 else sharded
-    share = ((n_params - experts) / sharded + experts / spread) * BYTES_PER_PARAM  # one rank's part
+    share = rank_parameters(counts, world, parallel, expert_parallel) * BYTES_PER_PARAM  # one rank's part
     need = share if torch.cuda.is_available() else share * local
     have, what = machine_memory()
     if have and need > have:

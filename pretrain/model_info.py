@@ -52,6 +52,29 @@ def parameter_counts(config: ModelConfig) -> dict[str, dict[str, int]]:
     return {c: dict(counts[c]) for c in COMPONENTS if c in counts}
 
 
+BYTES_PER_PARAM = 16  # training state: fp32 weights + gradients + two optimizer moments (AdamW; Muon keeps one)
+
+
+def rank_parameters(counts: dict[str, dict[str, int]], world: int, parallel: str = "ddp",
+                    expert_parallel: int = 1) -> float:
+    """Parameters one of ``world`` ranks holds to train: FSDP2 shards all of them over the ranks (with
+    expert parallelism too: it shards each rank's experts over the ranks holding the same ones); under
+    DDP every rank holds everything but the routed experts, which expert parallelism spreads over its
+    ranks."""
+    total = sum(c["total"] for c in counts.values())
+    experts = counts.get("routed_experts", {"total": 0})["total"]
+    sharded = world if parallel == "fsdp" and world > 1 else 1
+    spread = expert_parallel if sharded == 1 and world > 1 and expert_parallel > 1 else sharded
+    return (total - experts) / sharded + experts / spread
+
+
+def format_rank_share(counts, world: int, parallel: str, expert_parallel: int) -> str:
+    n = rank_parameters(counts, world, parallel, expert_parallel)
+    return (f"one rank of {world} (train.parallel={parallel}, train.expert_parallel={expert_parallel}): "
+            f"{n / 1e9:,.2f}B parameters, {n * BYTES_PER_PARAM / 1e9:,.1f} GB of training state "
+            f"({BYTES_PER_PARAM} bytes each: fp32 weights, gradients, optimizer state; activations not counted)")
+
+
 def format_counts(counts: dict[str, dict[str, int]]) -> str:
     def human(n):
         return f"{n / 1e9:,.2f}B" if n >= 1e9 else f"{n / 1e6:,.2f}M"

@@ -129,3 +129,17 @@ def test_the_memory_check_counts_one_ranks_experts(monkeypatch):
         args.check_model_fits(model, "ddp", "train", expert_parallel=256)
     with pytest.raises(ConfigError, match=r"need about 11,902\.6 GB"):  # DDP alone: all of it on every rank
         args.check_model_fits(model, "ddp", "train")
+
+
+def test_model_info_prints_one_ranks_share(capsys):
+    """The figures of the memory check above, as `orthon model-info --ranks` prints them to plan a job."""
+    from orthon.launch.cli import main
+
+    glm5 = str(ROOT / "configs/glm5.yaml")
+    assert main(["model-info", "-c", glm5, "--ranks", "1024", "train.expert_parallel=256"]) == 0
+    assert ("one rank of 1024 (train.parallel=fsdp, train.expert_parallel=256): 0.73B parameters, 11.6 GB of "
+            "training state") in capsys.readouterr().out
+    assert main(["model-info", "-c", glm5, "--ranks", "1024", "train.parallel=ddp", "train.expert_parallel=256"]) == 0
+    assert "(train.parallel=ddp, train.expert_parallel=256): 21.97B parameters, 351.5 GB" in capsys.readouterr().out
+    assert main(["model-info", "-c", glm5, "--ranks", "1000", "train.expert_parallel=256"]) == 2
+    assert "train.expert_parallel = 256 does not divide the 1000 ranks of this run" in capsys.readouterr().err
