@@ -3,7 +3,6 @@ on the whole stacks in one process (outputs and every gradient), the expert grad
 the degree checks. The whole training path (losses, gradient norms, held-out losses and exported
 weights equal to one process's) is in test_pretrain_parallel.py."""
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import torch.multiprocessing as mp
 from orthon.core.errors import ConfigError
 from orthon.pretrain.expert_parallel import check_degree
 from orthon.pretrain.moe import EXPERT_MESH_DIMS, exchanged_experts, grouped_experts
+from pretrain_support import free_port
 
 E, H, I, N, K = 4, 8, 6, 10, 2  # experts, hidden, expert width, tokens a rank, experts a token
 WORLD = 2
@@ -71,12 +71,6 @@ def worker(rank, port, out_dir, routing):
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("routing", ["random", "all to rank 0"])
