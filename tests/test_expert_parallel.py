@@ -137,3 +137,23 @@ def test_model_info_prints_one_ranks_share(capsys):
     assert "(train.parallel=ddp, train.expert_parallel=256): 21.97B parameters, 351.5 GB" in capsys.readouterr().out
     assert main(["model-info", "-c", glm5, "--ranks", "1000", "train.expert_parallel=256"]) == 2
     assert "train.expert_parallel = 256 does not divide the 1000 ranks of this run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 100.0])
+def test_clip_grads_is_torchs_clipping(max_norm):
+    """parallel.clip_grads (the expert-parallel runs' clipping, which sums DTensors over their meshes) on
+    plain tensors: torch's clip_grad_norm_ to round-off, scaled (0.5) or left alone (100)."""
+    from orthon.pretrain.parallel import clip_grads
+
+    g = torch.Generator().manual_seed(3)
+    ours = [torch.nn.Parameter(torch.randn(5, 7, generator=g)) for _ in range(3)]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    for a, b in zip(ours, theirs):
+        a.grad = torch.randn(a.shape, generator=g)
+        b.grad = a.grad.clone()
+    norm = clip_grads(ours, max_norm)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+    assert norm == pytest.approx(float(expected), rel=1e-6) and norm > 1  # the gradients' own norm
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+    assert (float(torch.cat([p.grad.flatten() for p in ours]).norm()) < norm) == (max_norm < norm)
