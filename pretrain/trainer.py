@@ -259,9 +259,9 @@ class Trainer:
         if not skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        imbalance = None
+        balance = {}
         if self.step_fn.update_moe_bias and not skipped:
-            imbalance = self._update_moe_bias()
+            balance = self._update_moe_bias()
         elif skipped:
             self._discard_moe_load()
         self.step += 1
@@ -271,8 +271,7 @@ class Trainer:
                    "micro_batches": len(micros)}
         if tokens:
             metrics.update(batch_tokens=tokens, tokens=self.tokens, tokens_per_s=tokens / elapsed)
-        if imbalance is not None:
-            metrics["moe_load_max_over_mean"] = imbalance
+        metrics.update(balance)
         if self.guard.total:
             metrics["skipped_steps"] = self.guard.total
         return metrics
@@ -290,17 +289,24 @@ class Trainer:
         return float(norm)
 
     @torch.no_grad()
-    def _update_moe_bias(self) -> float | None:
-        """Aux-loss-free balancing: every router's bias moves by rate * sign(mean load - load)."""
-        ratios = []
+    def _update_moe_bias(self) -> dict[str, float]:
+        """Aux-loss-free balancing: every router's bias moves by rate * sign(mean load - load). Returns the
+        loads' metrics, means over the MoE layers: moe_load_max_over_mean (the busiest expert against the
+        mean) and, under expert parallelism, moe_rank_load_max_over_mean (the rows a rank's experts take:
+        what every rank of the exchange waits for)."""
+        ratios, rank_ratios = [], []
         for router in self.model.moe_routers():
             load = distributed.all_reduce_sum(router.expert_load.clone())
             if load.sum() > 0:
                 ratios.append(float(load.max() / load.mean()))
+                if self.expert_parallel > 1:
+                    per_rank = load.view(self.expert_parallel, -1).sum(1)
+                    rank_ratios.append(float(per_rank.max() / per_rank.mean()))
                 router.e_score_correction_bias.copy_(
                     update_expert_bias(router.e_score_correction_bias, load, self.cfg.moe_bias_rate))
             router.expert_load.zero_()
-        return sum(ratios) / len(ratios) if ratios else None
+        names = ("moe_load_max_over_mean", "moe_rank_load_max_over_mean")
+        return {name: sum(r) / len(r) for name, r in zip(names, (ratios, rank_ratios)) if r}
 
     @torch.no_grad()
     def _discard_moe_load(self) -> None:

@@ -76,6 +76,15 @@ def test_two_processes_match_one(mode, experts, single, tmp_path):
     _close(eval_losses(run), eval_losses(reference_run), [5])
     # Muon's update is blind to a gradient's scale: the gradient norms show the expert gradients' own.
     _close(grad_norms(run), grad_norms(reference_run), range(1, STEPS + 1))
+    # The busiest expert-parallel rank's rows against the mean: between 1 and the busiest expert's ratio
+    # (a rank's share sums its experts'), the latter as in one process.
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    reference_records = {r["step"]: r for r in map(json.loads, (reference_run / "metrics.jsonl").read_text().splitlines())}
+    for r in records:
+        assert r["moe_load_max_over_mean"] == pytest.approx(reference_records[r["step"]]["moe_load_max_over_mean"])
+        assert ("moe_rank_load_max_over_mean" in r) == (experts > 1)
+        if experts > 1:
+            assert 1 <= r["moe_rank_load_max_over_mean"] <= r["moe_load_max_over_mean"] + 1e-9
     # The last checkpoint (two ranks' files; FSDP2's shards of every tensor) exported on its own is the
     # final/ the run gathered.
     orthon("export", run, "--step", "latest", "--out", tmp_path / "exported")
