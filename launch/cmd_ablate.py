@@ -45,7 +45,7 @@ def run(args, name):
 
     require_recipe(args, name)
     base = load_recipe(args.config, args.overrides)
-    check_model_fits(base.model, base.train.parallel, "train")
+    check_model_fits(base.model, base.train, "train")
     ab = base.ablation
     out = Path(ab.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -22,5 +22,5 @@ def run(args, name):
         from orthon.pretrain.expert_parallel import check_degree
 
         check_degree(recipe.train.expert_parallel, args.ranks, recipe.model.n_routed_experts)
-        print(format_rank_share(counts, args.ranks, recipe.train.parallel, recipe.train.expert_parallel))
+        print(format_rank_share(counts, args.ranks, recipe.train))
     return 0

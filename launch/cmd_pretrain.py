@@ -90,11 +90,11 @@ def run(args, name):
         recipe = load_recipe(run_dir / CONFIG_NAME, args.overrides)
         if recipe.backend == "mindspore" and (args.step is not None or args.skip_batches):
             raise ConfigError("--step and --skip-batches: the torch backend's (the MindSpore backend resumes from its newest checkpoint)")
-        check_model_fits(recipe.model, recipe.train.parallel, "train", recipe.train.expert_parallel)
+        check_model_fits(recipe.model, recipe.train, "train")
     else:
         require_recipe(args, name)
         recipe = load_recipe(args.config, args.overrides)
-        check_model_fits(recipe.model, recipe.train.parallel, "train", recipe.train.expert_parallel)  # before the corpus, before any weights
+        check_model_fits(recipe.model, recipe.train, "train")  # before the corpus, before any weights
         from orthon.core import distributed
 
         # Every rank of a torchrun job prepares (the first builds, the others wait and reuse); rank 0 speaks.

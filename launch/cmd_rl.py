@@ -53,7 +53,7 @@ def run(args, name):
     # The tokenizer is recorded in the run's config, so this run can be the --from of the next.
     recipe = replace(recipe, model=load_config(policy), runtime=load_runtime(policy),
                      data=replace(recipe.data, tokenizer=tokenizer), train=replace(recipe.train, init_from=str(policy)))
-    check_model_fits(recipe.model, recipe.train.parallel, "train with RL")
+    check_model_fits(recipe.model, recipe.train, "train with RL")
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "source.txt", str(source.resolve()) + "\n")
     write_run_config(run_dir, recipe)

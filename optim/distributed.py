@@ -68,15 +68,32 @@ class _Shards:
         return math.prod(self.shapes[rank])
 
 
+def _is_hybrid(param: Tensor) -> bool:
+    """A DTensor of HSDP's (replicas, shards) mesh: copies along the first dim, sharded along the second."""
+    return (isinstance(param, DTensor) and param.device_mesh.ndim == 2 and param.placements[0].is_replicate()
+            and param.placements[1].is_shard())
+
+
+def hybrid_shard_group(params) -> dist.ProcessGroup | None:
+    """The shard group of HSDP parameters among ``params`` (None: none are): the orthogonaliser's group,
+    within which the owners gather and return the matrices; each replica group does the same work."""
+    for param in params:
+        if _is_hybrid(param):
+            return param.device_mesh.get_group(1)
+    return None
+
+
 def _shard_layout(item: MatrixWork, world: int, name: str) -> _Shards:
     param = item.param
     assert isinstance(param, DTensor)
-    if param.device_mesh.ndim != 1 or param.device_mesh.size() != world:
+    mesh = param.device_mesh
+    hybrid = _is_hybrid(param)
+    if (mesh.ndim != 1 and not hybrid) or mesh.size(mesh.ndim - 1) != world:
         raise RuntimeError(
-            f"distributed Muon: {name} is sharded over a {tuple(param.device_mesh.shape)} mesh; "
-            f"only a 1-D mesh over the data-parallel group ({world} ranks) is supported"
+            f"distributed Muon: {name} is sharded over a {tuple(mesh.shape)} mesh; only a 1-D mesh over the "
+            f"data-parallel group ({world} ranks) or HSDP's (replicas, {world}) mesh is supported"
         )
-    placement = param.placements[0]
+    placement = param.placements[-1]
     if not placement.is_shard():
         raise RuntimeError(f"distributed Muon: {name} has placement {placement}, expected Shard(dim)")
     dim = placement.dim % len(item.global_shape)
@@ -85,7 +102,7 @@ def _shard_layout(item: MatrixWork, world: int, name: str) -> _Shards:
         shape = list(item.global_shape)
         shape[dim] = size
         shapes.append(tuple(shape))
-    mesh_rank = param.device_mesh.get_local_rank()
+    mesh_rank = mesh.get_local_rank(mesh.ndim - 1)
     if tuple(item.update.shape) != shapes[mesh_rank]:
         raise RuntimeError(
             f"distributed Muon: {name} has local shard {tuple(item.update.shape)}, "
@@ -95,7 +112,8 @@ def _shard_layout(item: MatrixWork, world: int, name: str) -> _Shards:
 
 
 class DistributedOrthogonaliser:
-    """Muon's ``orthogonaliser`` for data parallelism over ``group`` (default: the world)."""
+    """Muon's ``orthogonaliser`` for data parallelism over ``group`` (default: the world; under HSDP the
+    shard group, ``hybrid_shard_group``)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None):
         self.group = group

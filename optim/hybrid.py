@@ -120,7 +120,7 @@ def build_optimizer(
     muon = None
     if muon_groups:
         if orthogonaliser is None:
-            orthogonaliser = _default_orthogonaliser(cfg)
+            orthogonaliser = _default_orthogonaliser(cfg, [p for g in muon_groups.values() for p in g["params"]])
         muon = Muon(
             list(muon_groups.values()),
             lr=muon_lr,
@@ -165,11 +165,11 @@ def route_by_config(named_parameters, specs, cfg: OptimConfig) -> RoutingPlan:
                             extra_splits=cfg.extra_splits, adamw_only=cfg.algorithm == "adamw")
 
 
-def _default_orthogonaliser(cfg: OptimConfig) -> Callable | None:
+def _default_orthogonaliser(cfg: OptimConfig, params) -> Callable | None:
     import torch.distributed as dist
 
     if cfg.distributed_muon and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        from orthon.optim.distributed import DistributedOrthogonaliser
+        from orthon.optim.distributed import DistributedOrthogonaliser, hybrid_shard_group
 
-        return DistributedOrthogonaliser()
+        return DistributedOrthogonaliser(hybrid_shard_group(params))
     return None

@@ -17,6 +17,8 @@ expert where it lies (a stack split by expert holds whole matrices), no gatherin
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -42,6 +44,9 @@ def shard_experts(model: nn.Module, ep: int, device: torch.device) -> DeviceMesh
     (world / ep, ep) mesh, which it returns. Each rank keeps its slice of the stacks (the same values on
     every rank: the same seed or the same loaded weights; a meta model stays meta), no communication."""
     mesh = init_device_mesh(device.type, (dist.get_world_size() // ep, ep), mesh_dim_names=EXPERT_MESH_DIMS)
+    # Gathering a stack FSDP2 shards over its column (final/'s full state dict) takes two all-gathers in
+    # a row, which DTensor warns of on every rank; an all-gather is exact, so nothing can differ.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     for module in experts_modules(model):
         for name in ("gate_up_proj", "down_proj"):
             param = getattr(module, name)

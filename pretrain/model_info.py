@@ -55,22 +55,27 @@ def parameter_counts(config: ModelConfig) -> dict[str, dict[str, int]]:
 BYTES_PER_PARAM = 16  # training state: fp32 weights + gradients + two optimizer moments (AdamW; Muon keeps one)
 
 
-def rank_parameters(counts: dict[str, dict[str, int]], world: int, parallel: str = "ddp",
-                    expert_parallel: int = 1) -> float:
-    """Parameters one of ``world`` ranks holds to train: FSDP2 shards all of them over the ranks (with
-    expert parallelism too: it shards each rank's experts over the ranks holding the same ones); under
-    DDP every rank holds everything but the routed experts, which expert parallelism spreads over its
-    ranks."""
+def rank_parameters(counts: dict[str, dict[str, int]], world: int, train=None) -> float:
+    """Parameters one of ``world`` ranks holds to train under ``train`` (a TrainConfig; None: DDP). FSDP2
+    shards all of them over the ranks, or over groups of ``fsdp_shard_ranks`` (HSDP), expert parallelism
+    included (it shards each rank's experts over the ranks holding the same ones); under DDP every rank
+    holds everything but the routed experts, which expert parallelism spreads over its ranks."""
+    parallel = getattr(train, "parallel", "ddp")
+    ep = getattr(train, "expert_parallel", 1)
+    shard_ranks = getattr(train, "fsdp_shard_ranks", 0)
     total = sum(c["total"] for c in counts.values())
     experts = counts.get("routed_experts", {"total": 0})["total"]
-    sharded = world if parallel == "fsdp" and world > 1 else 1
-    spread = expert_parallel if sharded == 1 and world > 1 and expert_parallel > 1 else sharded
-    return (total - experts) / sharded + experts / spread
+    if world == 1:
+        return total
+    if parallel == "fsdp":  # expert parallelism shards the experts over the world whatever the groups
+        return (total - experts) / (shard_ranks or world) + experts / (world if ep > 1 else shard_ranks or world)
+    return total - experts + experts / ep
 
 
-def format_rank_share(counts, world: int, parallel: str, expert_parallel: int) -> str:
-    n = rank_parameters(counts, world, parallel, expert_parallel)
-    return (f"one rank of {world} (train.parallel={parallel}, train.expert_parallel={expert_parallel}): "
+def format_rank_share(counts, world: int, train) -> str:
+    n = rank_parameters(counts, world, train)
+    hsdp = f", train.fsdp_shard_ranks={train.fsdp_shard_ranks}" if train.parallel == "fsdp" and train.fsdp_shard_ranks else ""
+    return (f"one rank of {world} (train.parallel={train.parallel}{hsdp}, train.expert_parallel={train.expert_parallel}): "
             f"{n / 1e9:,.2f}B parameters, {n * BYTES_PER_PARAM / 1e9:,.1f} GB of training state "
             f"({BYTES_PER_PARAM} bytes each: fp32 weights, gradients, optimizer state; activations not counted)")
 

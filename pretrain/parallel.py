@@ -14,10 +14,14 @@ from orthon.core.distributed import is_distributed
 from orthon.pretrain.expert_parallel import shard_over_replicas
 
 
-def wrap(model: nn.Module, mode: str, expert_mesh=None) -> nn.Module:
+HSDP_MESH_DIMS = ("fsdp_replicas", "fsdp_shards")
+
+
+def wrap(model: nn.Module, mode: str, expert_mesh=None, shard_ranks: int = 0) -> nn.Module:
     """DDP, or FSDP2 (fully_shard each decoder layer, then the root); the model itself when alone.
     ``expert_mesh``: the model is expert-parallel (orthon.pretrain.expert_parallel): DDP leaves the expert
-    stacks alone, FSDP2 shards each Experts module over its mesh column first."""
+    stacks alone, FSDP2 shards each Experts module over its mesh column first. ``shard_ranks``: FSDP2 as
+    HSDP, sharded within groups of that many consecutive ranks, replicated across them (0: all ranks)."""
     if not is_distributed():
         return model
     if mode == "ddp":
@@ -38,9 +42,16 @@ def wrap(model: nn.Module, mode: str, expert_mesh=None) -> nn.Module:
 
     if expert_mesh is not None:
         shard_over_replicas(model, expert_mesh)  # the layers' fully_shard then leaves the experts to it
+    mesh = None
+    world = dist.get_world_size()
+    if 0 < shard_ranks < world:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        mesh = init_device_mesh(device, (world // shard_ranks, shard_ranks), mesh_dim_names=HSDP_MESH_DIMS)
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 

@@ -40,6 +40,10 @@ class TrainConfig:
     moe_bias_rate: float = 1e-3  # aux-loss-free balancing: bias step per optimizer step
     seed: int = 0
     parallel: Literal["ddp", "fsdp"] = "ddp"  # how to shard when launched on more than one rank
+    # FSDP2 as HSDP: shard within groups of this many consecutive ranks (a node's GPUs, say) and keep a copy
+    # per group, so the all-gathers stay inside a group and only the gradients' all-reduce crosses them.
+    # 0: shard over all ranks. It divides the world size.
+    fsdp_shard_ranks: int = 0
     # > 1: each MoE layer's routed experts spread over this many ranks (it divides the world size and
     # model.n_routed_experts), tokens sent to their experts' ranks and back (all-to-all); the rest stays
     # data-parallel by `parallel`. Pretraining's step only (generation needs every expert on one rank).
@@ -66,7 +70,7 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
         for name in ("total_tokens", "max_steps", "eval_interval", "checkpoint_interval", "eval_samples", "loss_chunk",
-                     "max_nonfinite_skips", "profile_from_step"):
+                     "max_nonfinite_skips", "profile_from_step", "fsdp_shard_ranks"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         check_stop_signals(self.stop_signals)

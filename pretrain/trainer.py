@@ -122,6 +122,9 @@ class Trainer:
         self.model.set_indexers_trainable(False)  # the LM loss never reaches them; mid-training trains them
         self.model.track_max_logit(self.cfg.track_max_logit)
         self.step_fn = step or NextTokenStep(self.cfg.loss_chunk, recipe.data.document_mask, self.cfg.track_max_logit)
+        if self.cfg.fsdp_shard_ranks and self.world % self.cfg.fsdp_shard_ranks:
+            raise ConfigError(f"train.fsdp_shard_ranks = {self.cfg.fsdp_shard_ranks} does not divide the {self.world} "
+                              f"ranks of this run")
         self.expert_parallel = self.cfg.expert_parallel if self.world > 1 else 1
         self.expert_mesh = self._shard_experts() if self.expert_parallel > 1 else None
         self._wrap()  # before the optimizer: FSDP2 replaces the parameters it shards
@@ -132,7 +135,9 @@ class Trainer:
             else:
                 self.model.draw_as_built()
                 self.model.reset_parameters()
-            self.log(f"model built sharded (FSDP2 over {self.world} ranks): no rank held all of it")
+            groups = self.cfg.fsdp_shard_ranks
+            hsdp = f", sharded within groups of {groups}" if 0 < groups < self.world else ""
+            self.log(f"model built sharded (FSDP2 over {self.world} ranks{hsdp}): no rank held all of it")
         self.optimizer = (build_optimizer or _hybrid_optimizer)(self.model, recipe)
         self.data, self.valid = (open_training_data(recipe.data, recipe.model.vocab_size, recipe.train.eval_samples, self.rank, self.world)
                                  if with_data else (None, None))
@@ -201,7 +206,7 @@ class Trainer:
 
     def _wrap(self) -> None:
         self.wrapped = None  # an old DDP wrapper's reducer (and its gradient hooks) goes first
-        self.wrapped = parallel.wrap(self.model, self.cfg.parallel, self.expert_mesh)
+        self.wrapped = parallel.wrap(self.model, self.cfg.parallel, self.expert_mesh, self.cfg.fsdp_shard_ranks)
         self._wrapped_for = self._trainable_names()
 
     def set_trainable(self, trainable) -> None:

@@ -110,19 +110,28 @@ def test_the_memory_check_counts_one_ranks_experts(monkeypatch):
     1024 = 11.6 GB a rank. Expert parallelism over 256 ranks under DDP holds the other 19.14B whole and
     1/256 of the 724.78B routed-expert parameters: (19.14B + 2.83B) x 16 bytes = 351.5 GB."""
     import orthon.launch.args as args
+    from orthon.pretrain.model_info import parameter_counts, rank_parameters
     from orthon.pretrain.recipe import load_recipe
+    from orthon.pretrain.train_config import TrainConfig
 
     model = load_recipe(ROOT / "configs/glm5.yaml").model
     monkeypatch.setattr(args, "machine_memory", lambda: (40e9, "memory"))
     monkeypatch.setenv("WORLD_SIZE", "1024")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     monkeypatch.delenv("ORTHON_NO_MEMORY_CHECK", raising=False)
-    args.check_model_fits(model, "fsdp", "train")
-    args.check_model_fits(model, "fsdp", "train", expert_parallel=256)
+    args.check_model_fits(model, TrainConfig(parallel="fsdp"), "train")
+    args.check_model_fits(model, TrainConfig(parallel="fsdp", expert_parallel=256), "train")
     with pytest.raises(ConfigError, match=r"743\.91B parameters need about 351\.5 GB"):
-        args.check_model_fits(model, "ddp", "train", expert_parallel=256)
+        args.check_model_fits(model, TrainConfig(parallel="ddp", expert_parallel=256), "train")
     with pytest.raises(ConfigError, match=r"need about 11,902\.6 GB"):  # DDP alone: all of it on every rank
-        args.check_model_fits(model, "ddp", "train")
+        args.check_model_fits(model, TrainConfig(parallel="ddp"), "train")
+    # HSDP within groups of 64 ranks: 743.91B / 64 x 16 bytes = 186.0 GB; with expert parallelism the
+    # experts stay spread over all 1,024 ranks: (19.14B / 64 + 724.78B / 1024) x 16 = 16.1 GB.
+    with pytest.raises(ConfigError, match=r"need about 186\.0 GB"):
+        args.check_model_fits(model, TrainConfig(parallel="fsdp", fsdp_shard_ranks=64), "train")
+    args.check_model_fits(model, TrainConfig(parallel="fsdp", fsdp_shard_ranks=64, expert_parallel=256), "train")
+    assert rank_parameters(parameter_counts(model), 1024, TrainConfig(parallel="fsdp", fsdp_shard_ranks=64,
+                                                                      expert_parallel=256)) * 16 / 1e9 == pytest.approx(16.1, abs=0.05)
 
 
 def test_model_info_prints_one_ranks_share(capsys):

@@ -92,18 +92,21 @@ def test_two_processes_match_one(mode, experts, single, tmp_path):
     assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_four_ranks_with_two_expert_replicas_match_one(mode, single, tmp_path):
+@pytest.mark.parametrize("mode,shard_ranks", [("ddp", 0), ("fsdp", 0), ("fsdp", 2)], ids=["ddp", "fsdp", "hsdp"])
+def test_four_ranks_with_two_expert_replicas_match_one(mode, shard_ranks, single, tmp_path):
     """A 2 x 2 mesh: ranks 0-1 and 2-3 each hold all 4 experts between them (2 each), ranks 0 and 2 the
     same two: their gradients are summed over that column (DDP) or reduce-scattered over it (FSDP2, which
-    then holds 1 of the 4 experts' shards a rank, built sharded). Each rank takes 1 sequence of a
-    micro-batch, so the global batch is the 1-process run's."""
+    then holds 1 of the 4 experts' shards a rank, built sharded). HSDP: the rest of the model sharded
+    within ranks 0-1 and 2-3 and replicated across them (Muon's owners gather within a pair). Each rank
+    takes 1 sequence of a micro-batch, so the global batch is the 1-process run's."""
     stores, reference, reference_run = single
     run = tmp_path / mode
     recipe = write_recipe(tmp_path / "r.yaml", stores, run, train={"max_steps": 4, "parallel": mode, "micro_batch_size": 1,
                                                                      "checkpoint_interval": 0, "expert_parallel": 2,
-                                                                     "eval_interval": 4, "eval_samples": 5})
+                                                                     "eval_interval": 4, "eval_samples": 5,
+                                                                     "fsdp_shard_ranks": shard_ranks})
     out = orthon("pretrain", "-c", recipe, nproc=4)
+    assert ("FSDP2 over 4 ranks, sharded within groups of 2" in out.stdout) == (shard_ranks == 2)
     shared = ", FSDP2-sharded among them)" if mode == "fsdp" else ")"
     assert f"expert parallelism: 2 of the 4 experts of each MoE layer on each rank (2 ranks hold the same ones{shared}" in out.stdout
     _close(losses(run), reference, range(1, 5))
