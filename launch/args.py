@@ -35,8 +35,8 @@ def machine_memory() -> tuple[int, str]:
 def check_model_fits(model_config, train=None, command: str = "train") -> None:
     """Refuse, before anything is allocated, a model whose training state cannot fit: one rank's parameters
     (counted on the meta device; model_info.rank_parameters under ``train``'s parallelism, a TrainConfig;
-    None: every rank holds the whole model) x 16 bytes against one GPU's memory or this machine's RAM (shared by the processes
-    torchrun starts here). ORTHON_NO_MEMORY_CHECK=1 skips the check."""
+    None: every rank holds the whole model) x 16 bytes against one GPU's memory or this machine's RAM
+    (shared by the processes torchrun starts here). ORTHON_NO_MEMORY_CHECK=1 skips the check."""
     if os.environ.get("ORTHON_NO_MEMORY_CHECK", "0") not in ("", "0"):
         return
     import torch

@@ -1,6 +1,6 @@
 """`orthon model-info -c recipe.yaml [--ranks N]`: parameter counts without allocating weights, and with
-``--ranks`` one rank's share of the training state under the recipe's train.parallel and
-train.expert_parallel (what the memory check weighs against a GPU's memory)."""
+``--ranks`` one rank's share of the training state under the recipe's train.parallel,
+train.fsdp_shard_ranks and train.expert_parallel (what the memory check weighs against a GPU's memory)."""
 from __future__ import annotations
 
 from orthon.launch.args import add_recipe_args
