@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,20 +25,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import cpu_kind, report  # noqa: E402
 
+from orthon.core.net import free_port  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def step_times(experts: int, ep: int, steps: int, run_dir: Path) -> list[float]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", "-m", "orthon.launch.cli", "pretrain", "-c", "configs/tiny.yaml",
-           f"model.n_routed_experts={experts}", "train.parallel=fsdp", f"train.expert_parallel={ep}",
-           f"train.max_steps={steps}", f"train.run_dir={run_dir}", "train.checkpoint_interval=0",
-           "train.eval_interval=0", "train.progress=false", "train.eval_samples=0"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "-m", "orthon.launch.cli", "pretrain", "-c", "configs/tiny.yaml", f"model.n_routed_experts={experts}",
+           "train.parallel=fsdp", f"train.expert_parallel={ep}", f"train.max_steps={steps}", f"train.run_dir={run_dir}",
+           "train.checkpoint_interval=0", "train.eval_interval=0", "train.progress=false", "train.eval_samples=0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two ranks on two cores
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode:

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from orthon.core.net import free_port  # noqa: F401 (the tests' one import of it, beside the helpers)
 from test_data_support import make_store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,14 +55,6 @@ def write_recipe(path: Path, stores: dict, run_dir: Path, **sections) -> Path:
         recipe.setdefault(section, {}).update(values)
     path.write_text(yaml.safe_dump(recipe))
     return path
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env() -> dict:

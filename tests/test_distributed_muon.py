@@ -1,6 +1,5 @@
 """Distributed Muon over 2 gloo processes equals a 1-process run with the same global batch (DDP and FSDP2)."""
 import os
-import socket
 
 import pytest
 import torch
@@ -8,6 +7,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from orthon.core.net import free_port
 from orthon.optim import OptimConfig, ScheduleConfig, build_for_model
 from orthon.optim.distributed import assign_owners, chunk_sizes
 from orthon.optim.param_spec import ParamSpec
@@ -112,12 +112,6 @@ def worker(rank, world, port, out_dir):
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

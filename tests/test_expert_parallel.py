@@ -11,9 +11,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from orthon.core.errors import ConfigError
+from orthon.core.net import free_port
 from orthon.pretrain.expert_parallel import check_degree
 from orthon.pretrain.moe import EXPERT_MESH_DIMS, exchanged_experts, grouped_experts
-from pretrain_support import free_port
 
 E, H, I, N, K = 4, 8, 6, 10, 2  # experts, hidden, expert width, tokens a rank, experts a token
 WORLD = 2
