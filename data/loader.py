@@ -114,6 +114,10 @@ class ValidData:
     def __len__(self) -> int:
         return len(self.items)
 
+    def num_batches(self, batch_size: int, rank: int = 0, world: int = 1) -> int:
+        """How many ``batches`` yields."""
+        return -(-len(self.items[rank::world]) // batch_size)
+
     def batches(self, batch_size: int, rank: int = 0, world: int = 1) -> Iterator[Batch]:
         """This rank's share (every ``world``-th sample from ``rank``) in batches of ``batch_size``."""
         mine = self.items[rank::world]

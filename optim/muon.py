@@ -96,21 +96,24 @@ class MatrixWork:
         return math.prod(self.global_shape[:-2]) * self.split_rows
 
 
-def _shard_dims(t: Tensor) -> list[int]:
-    # Every placement with a dim: FSDP2's shards of an already sharded tensor (expert parallelism) are
-    # _StridedShard, for which is_shard() is False.
-    return [pl.dim % t.ndim for pl in t.placements if hasattr(pl, "dim")] if isinstance(t, DTensor) else []
+def shard_placements(t: Tensor) -> list[tuple[int, int]]:
+    """(mesh dim, tensor dim) of each placement that splits the DTensor ``t`` (none for a plain tensor).
+    Read by their dim: FSDP2's shards of an already sharded tensor (expert parallelism) are
+    _StridedShard, for which is_shard() is False."""
+    if not isinstance(t, DTensor):
+        return []
+    return [(mesh_dim, pl.dim % t.ndim) for mesh_dim, pl in enumerate(t.placements) if hasattr(pl, "dim")]
 
 
 def is_sharded(t: Tensor) -> bool:
     """Whether ``t`` is a DTensor sharded through its matrices (FSDP2 parameters' row shards)."""
-    return any(dim >= t.ndim - 2 for dim in _shard_dims(t))
+    return any(dim >= t.ndim - 2 for _, dim in shard_placements(t))
 
 
 def holds_whole_matrices(t: Tensor) -> bool:
     """Whether ``t`` is a DTensor sharded only along its stack dimensions: each rank's piece is whole
     matrices (an expert stack split by expert)."""
-    dims = _shard_dims(t)
+    dims = [dim for _, dim in shard_placements(t)]
     return bool(dims) and all(dim < t.ndim - 2 for dim in dims)
 
 

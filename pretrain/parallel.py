@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from orthon.core.distributed import is_distributed
+from orthon.optim.muon import shard_placements
 from orthon.pretrain.expert_parallel import shard_over_replicas
 
 
@@ -64,8 +65,7 @@ def grad_norm(params) -> torch.Tensor:
     for p in params:
         grad, groups = p.grad, ()
         if isinstance(grad, DTensor):
-            # Not is_shard(): FSDP2's shards of an already sharded tensor are _StridedShard, which says False.
-            groups = tuple(grad.device_mesh.get_group(d) for d, pl in enumerate(grad.placements) if not pl.is_replicate())
+            groups = tuple(grad.device_mesh.get_group(mesh_dim) for mesh_dim, _ in shard_placements(grad))
             grad = grad.to_local()
         square = grad.detach().float().pow(2).sum()
         sums[groups] = sums[groups] + square if groups in sums else square

@@ -345,16 +345,13 @@ class Trainer:
         under FSDP2 each forward gathers shards from all ranks, under expert parallelism each joins every
         MoE layer's exchange, so a rank whose share has fewer batches (held-out samples that do not split
         evenly) runs the first held-out batch again, not counted, until all are done."""
-        mine = self.valid.batches(self.cfg.micro_batch_size, self.rank, self.world)
-        if self.world == 1:
-            yield from ((batch, True) for batch in mine)
-            return
-        mine = list(mine)
-        most = int(distributed.all_reduce_max(torch.tensor([len(mine)], device=self.device)).item())
-        yield from ((batch, True) for batch in mine)
-        if len(mine) < most:
-            filler = next(self.valid.batches(self.cfg.micro_batch_size, 0, 1))
-            yield from ((filler, False) for _ in range(most - len(mine)))
+        size = self.cfg.micro_batch_size
+        mine = self.valid.num_batches(size, self.rank, self.world)
+        most = int(distributed.all_reduce_max(torch.tensor([mine], device=self.device)).item())
+        yield from ((batch, True) for batch in self.valid.batches(size, self.rank, self.world))
+        if mine < most:
+            filler = next(self.valid.batches(size, 0, 1))
+            yield from ((filler, False) for _ in range(most - mine))
 
     # ------------------------------------------------------------ the loop
     def done(self) -> bool:
