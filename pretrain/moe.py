@@ -223,8 +223,8 @@ def exchanged_experts(
     order, token, counts = sort_by_expert(indices, ep * per_rank)
     received = torch.empty_like(counts)  # (source rank, my expert): the pairs each rank sends each of mine
     dist.all_to_all_single(received, counts, group=group)
-    send = counts.view(ep, per_rank).sum(1).tolist()
-    receive = received.view(ep, per_rank).sum(1).tolist()
+    # Rows to each rank and from each rank, read to the host in one sync (the all-to-alls take lists).
+    send, receive = torch.stack((counts, received)).view(2, ep, per_rank).sum(2).tolist()
     rows = collectives.all_to_all_single_autograd(x.index_select(0, token), receive, send, group)
     # Rows arrive by source rank, each source's sorted by expert: the local expert of each.
     mine = torch.arange(per_rank, device=x.device).repeat(ep).repeat_interleave(received)
