@@ -130,10 +130,11 @@ def _mindspore_recipe(command: list[str]):
     if recipe.backend != "mindspore":
         raise ConfigError("backend: msrun's workers run the MindSpore backend; add backend=mindspore to the command "
                           "(and mindspore.device_target=Ascend on 910B nodes), or launch torch with orthon launch torchrun")
-    if recipe.train.expert_parallel > 1:
-        raise ConfigError(f"train.expert_parallel = {recipe.train.expert_parallel}: the MindSpore backend's workers are "
-                          f"data parallel only; add train.expert_parallel=1 (expert parallelism runs on torch: "
-                          f"orthon launch torchrun)")
+    for key in ("expert_parallel", "context_parallel"):
+        if getattr(recipe.train, key) > 1:
+            raise ConfigError(f"train.{key} = {getattr(recipe.train, key)}: the MindSpore backend's workers are data "
+                              f"parallel only; add train.{key}=1 ({key.replace('_', ' ')}ism runs on torch: orthon "
+                              f"launch torchrun)")
     return recipe
 
 

@@ -51,6 +51,9 @@ class StageConfig:
     lr_mode: Literal["decay", "hold"] = "decay"
     batch_tokens: int = 0  # global batch per step in tokens (0: the plan's)
     micro_batch_size: int = 0  # sequences per micro-batch (0: the plan's)
+    # Ranks each sequence is split over (train.context_parallel for this stage; 0: the plan's). The long
+    # stages need it where one device cannot hold a sequence's activations.
+    context_parallel: int = 0
 
     def __post_init__(self):
         if not self.name or "/" in self.name:
@@ -63,6 +66,9 @@ class StageConfig:
             raise ConfigError(f"rope_theta: must be positive, got {self.rope_theta}")
         if not self.attention_scale > 0:
             raise ConfigError(f"attention_scale: must be positive, got {self.attention_scale}")
+        if self.context_parallel < 0:
+            raise ConfigError(f"context_parallel: must be >= 0 (0: the plan's train.context_parallel), got "
+                              f"{self.context_parallel}")
         if self.indexer_only_steps < 0:
             raise ConfigError(f"indexer_only_steps: must be >= 0, got {self.indexer_only_steps}")
         if self.dsa == "indexer_warmup" and self.indexer_only_steps == 0:

@@ -41,6 +41,15 @@ class LayerInput:
     q_slots: torch.Tensor
     doc_ids: torch.Tensor | None
     topk: torch.Tensor | None  # (B, T, k) keys the layer attended to; None: dense
+    context: object = None  # the layer's ContextShard under context parallelism: x holds q_slots' positions
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every position's rows of the per-token t (this rank's alone without context parallelism)."""
+        return t if self.context is None else self.context.gather(t)
+
+    @property
+    def key_docs(self) -> torch.Tensor | None:
+        return self.doc_ids if self.context is None else self.context.key_docs
 
 
 class AttentionInputs:
@@ -63,7 +72,8 @@ class AttentionInputs:
         a = bound.arguments
         if a["cache"] is not None:
             raise RuntimeError("AttentionInputs: recording a KV-cached forward is not supported")
-        record = LayerInput(module.layer, a["x"].detach(), a["cos"], a["sin"], a["q_slots"], a["doc_ids"], output[1])
+        record = LayerInput(module.layer, a["x"].detach(), a["cos"], a["sin"], a["q_slots"], a["doc_ids"], output[1],
+                            a["context"])
         if self.on_record is not None:
             self.on_record(record)
         else:
@@ -146,9 +156,14 @@ def layer_terms(attn: MLAttention, rec: LayerInput, mode: str, chunk: int,
     x = rec.x
     with torch.no_grad():
         q_abs, latent, q_resid = attn.absorbed_queries(x, rec.cos, rec.sin)
-        group = [(q_abs, latent)] + [a.absorbed_queries(r.x, r.cos, r.sin)[:2] for a, r in sharers]
+        group = [(q_abs, rec.gather(latent))]  # keys: every position's, under context parallelism
+        for a, r in sharers:
+            q, lat, _ = a.absorbed_queries(r.x, r.cos, r.sin)
+            group.append((q, r.gather(lat)))
+        latent = group[0][1]
     q_idx, w_idx = attn.indexer.queries(x, q_resid, rec.cos, rec.sin)
-    k_idx = attn.indexer.keys(x, rec.cos, rec.sin)
+    k_idx = rec.gather(attn.indexer.keys(x, rec.cos, rec.sin))  # differentiable: the gather's backward sums
+    k_docs = rec.key_docs
     B, T = x.shape[:2]
     S, k = latent.shape[1], attn.config.index_topk
     kl = x.new_zeros((), dtype=torch.float32)
@@ -161,13 +176,13 @@ def layer_terms(attn: MLAttention, rec: LayerInput, mode: str, chunk: int,
         if use_sparse:
             idx = rec.topk[:, c]
             sel_visible = idx <= slots[None, :, None]
-            if rec.doc_ids is not None:
-                sel_visible = sel_visible & (rec.doc_ids.gather(1, idx.reshape(B, -1)).view_as(idx) == q_docs[..., None])
+            if k_docs is not None:
+                sel_visible = sel_visible & (k_docs.gather(1, idx.reshape(B, -1)).view_as(idx) == q_docs[..., None])
             kl = kl + torch.utils.checkpoint.checkpoint(
                 _sparse_chunk, tuple(q[:, c] for q, _ in group), tuple(lat for _, lat in group), q_idx[:, c],
                 w_idx[:, c], k_idx, idx, sel_visible, attn.scale, attn.indexer.scale, use_reentrant=False)
         else:
-            visible = _visible(slots, S, q_docs, rec.doc_ids)
+            visible = _visible(slots, S, q_docs, k_docs)
             part, r_sum, o_sum, r_count = torch.utils.checkpoint.checkpoint(
                 _dense_chunk, tuple(q[:, c] for q, _ in group), tuple(lat for _, lat in group), q_idx[:, c],
                 w_idx[:, c], k_idx, visible, attn.scale, attn.indexer.scale, k, use_reentrant=False)

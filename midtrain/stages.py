@@ -65,7 +65,8 @@ def stage_recipe(source: Recipe, plan: MidtrainPlan, index: int, run_dir) -> Rec
         # DDP only: the indexer KL runs outside the model's forward, on parameters FSDP2 reshards after it.
         "parallel": "ddp",
         "init_from": "",  # a stage starts from the previous stage's weights and optimizer, loaded by the stage
-        **({"micro_batch_size": stage.micro_batch_size} if stage.micro_batch_size else {})}, "train")
+        **({"micro_batch_size": stage.micro_batch_size} if stage.micro_batch_size else {}),
+        **({"context_parallel": stage.context_parallel} if stage.context_parallel else {})}, "train")
     # The plan's data overrides; a different shuffle per stage, reproducible from the source seed.
     data = config_io.build(DataConfig, {**config_io.to_dict(source.data), **plan.data, "seq_len": stage.seq_len,
                                         "seed": source.data.seed + 1000 * (index + 1)}, "data")

@@ -48,7 +48,8 @@ class StageStep(NextTokenStep):
         if self.phase == "indexer_only" and self.stage.indexer_lr is not None:
             trainer.optimizer.set_indexer_lr(self.stage.indexer_lr)
         super().begin(trainer, batch)
-        queries = torch.tensor(float(batch.input_ids.numel() * self.n_full), device=trainer.device)
+        ids = batch.input_ids if self.context is None else self.context.local(batch.input_ids)  # this rank's queries
+        queries = torch.tensor(float(ids.numel() * self.n_full), device=trainer.device)
         self.query_total = float(distributed.all_reduce_sum(queries))
 
     def loss(self, model, micro):

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
+from torch.nn.attention.bias import causal_lower_right
 
 import orthon.pretrain.sparse_kernels as sparse_kernels
 from orthon.pretrain.config import ModelConfig, RuntimeOptions
@@ -275,16 +276,33 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     return out.transpose(1, 2)[..., :dv]
 
 
+def sdpa_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[tuple[int, int]],
+              mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """``sdpa`` of queries that are runs of consecutive positions [a, b) of a longer sequence (a
+    context-parallel rank's part, orthon.pretrain.context_parallel) over all its S keys: each run sees keys
+    [0, b), causally aligned at the bottom right (no mask built where the kernel takes the bias: CUDA's
+    fused kernels), or as ``mask`` (B or 1, 1, T, S) says where documents are masked."""
+    outs, row = [], 0
+    for a, b in runs:
+        n = b - a
+        run_mask = causal_lower_right(n, b) if mask is None else mask[..., row : row + n, :b]
+        outs.append(sdpa(q[:, row : row + n], k[:, :b], v[:, :b], run_mask, False, scale))
+        row += n
+    return torch.cat(outs, dim=1)
+
+
 def _chunks(n: int, size: int):
     return [(a, min(a + size, n)) for a in range(0, n, size)]
 
 
 @torch.no_grad()
-def _max_logit(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """max over attended (query, key, head) of q.k * scale; q: (B, T, H, D), k: (B, S, H, D)."""
+def _max_logit(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float,
+               q_slots: torch.Tensor) -> torch.Tensor:
+    """max over attended (query, key, head) of q.k * scale; q: (B, T, H, D), k: (B, S, H, D); without a
+    mask, causal by the queries' positions ``q_slots``."""
     logits = torch.einsum("bthd,bshd->bhts", q, k) * scale
     if mask is None:
-        mask = causal_mask(torch.arange(q.shape[1], device=q.device), k.shape[1])
+        mask = causal_mask(q_slots, k.shape[1])
     if mask.dtype != torch.bool:  # additive
         return (logits + mask).amax()
     return logits.masked_fill(~mask, float("-inf")).amax()
@@ -406,7 +424,9 @@ class MLAttention(nn.Module):
             picks.append(select_topk(scores, slots, k, visible, ordered))
         return torch.cat(picks, dim=1)
 
-    def _expanded(self, q_nope, q_rope, latent, mask, causal=True):
+    def _expanded(self, q_nope, q_rope, latent, mask, q_slots=None, runs=None):
+        """Attention through per-head keys and values; ``runs``: the queries are these position runs of the
+        sequence (context parallelism), else the whole sequence."""
         B, T, H, _ = q_nope.shape
         S = latent.shape[1]
         kv = self.kv_b_proj(latent[..., : self.rank]).view(B, S, H, self.nope + self.v_dim)
@@ -414,8 +434,11 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, latent[..., None, self.rank :].expand(B, S, H, self.rope)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         if self.track_max_logit:
-            self.max_logit = _max_logit(q, k, mask, self.scale)
-        return sdpa(q, k, v, mask, causal, self.scale)
+            slots = torch.arange(T, device=q.device) if q_slots is None else q_slots
+            self.max_logit = _max_logit(q, k, mask, self.scale, slots)
+        if runs is not None:
+            return sdpa_runs(q, k, v, runs, mask, self.scale)
+        return sdpa(q, k, v, mask, True, self.scale)
 
     def kv_b_halves(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK (H, nope, R), W_UV (H, v, R)): the key and value halves of kv_b_proj, per head (views)."""
@@ -435,10 +458,12 @@ class MLAttention(nn.Module):
         return expand_values(o, w_uv)
 
     # -- the layer
-    def forward(self, x, cos, sin, q_slots, cache=None, prev_topk=None, want_index_scores=False, doc_ids=None):
+    def forward(self, x, cos, sin, q_slots, cache=None, prev_topk=None, want_index_scores=False, doc_ids=None,
+                context=None):
         """x: (B, T, hidden); q_slots: (T,) cache slots of the new tokens; doc_ids: (B, T) document of each
-        new token (packed sequences, left padding), attention stays inside documents. Returns
-        (out, topk, index_scores)."""
+        new token (packed sequences, left padding), attention stays inside documents. context: this rank's
+        ContextShard of the sequence (context parallelism): x holds its positions (q_slots), and the
+        keys are every rank's, gathered. Returns (out, topk, index_scores)."""
         B, T, _ = x.shape
         q_resid, q_nope, q_rope, latent = self.project(x, cos, sin)
         index_keys = None
@@ -446,6 +471,10 @@ class MLAttention(nn.Module):
             with torch.set_grad_enabled(torch.is_grad_enabled() and want_index_scores):  # else selection only
                 index_keys = self.indexer.keys(x, cos, sin)
         k_docs = doc_ids
+        if context is not None:
+            latent = context.gather(latent)
+            index_keys = None if index_keys is None else context.gather(index_keys)
+            k_docs = context.key_docs
         if cache is not None:
             latent, index_keys = cache.append(self.layer, latent, index_keys)
             k_docs = cache.docs_until(q_slots[-1] + 1) if doc_ids is not None else None
@@ -460,7 +489,10 @@ class MLAttention(nn.Module):
         if cache is not None or (topk is not None and self._use_gather(T, x)):
             out = self._absorbed(q_nope, q_rope, latent, q_slots, topk, doc_ids, k_docs)
         else:
-            out = self._expanded(q_nope, q_rope, latent, attention_mask(topk, q_slots, S, doc_ids, k_docs, q_nope.dtype))
+            mask = attention_mask(topk, q_slots, S, doc_ids, k_docs, q_nope.dtype)
+            # A top-k mask already holds each query's own keys; causal attention needs the runs.
+            runs = context.runs if context is not None and topk is None else None
+            out = self._expanded(q_nope, q_rope, latent, mask, q_slots, runs)
         return self.o_proj(out.reshape(B, T, -1)), topk, scores
 
     def _use_gather(self, T: int, x: torch.Tensor) -> bool:

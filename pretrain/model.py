@@ -39,9 +39,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, q_slots, cache, prev_topk, want_index_scores, doc_ids=None):
+    def forward(self, x, cos, sin, q_slots, cache, prev_topk, want_index_scores, doc_ids=None, context=None):
         attn, topk, scores = self.self_attn(
-            self.input_layernorm(x), cos, sin, q_slots, cache, prev_topk, want_index_scores, doc_ids
+            self.input_layernorm(x), cos, sin, q_slots, cache, prev_topk, want_index_scores, doc_ids, context
         )
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
@@ -156,6 +156,7 @@ class GLMForCausalLM(nn.Module):
         loss_reduction: str = "mean",
         loss_chunk: int = 0,
         logits_at: torch.Tensor | None = None,
+        context=None,
     ) -> CausalLMOutput:
         """input_ids: (B, T). labels: (B, T) next-token targets aligned with input_ids (already shifted;
         -100 = ignore); with labels the output carries the cross-entropy ("mean" over counted tokens,
@@ -167,8 +168,12 @@ class GLMForCausalLM(nn.Module):
         never materialised whole: the same value and gradient in a fraction of the memory and time; 0
         picks a cache-sized chunk).
         logits_at (B, R) positions: logits only there, (B, R, V) (scoring responses without the prompt's
-        logits; through forward, so a data-parallel wrapper sees the call)."""
-        hidden, index_scores = self.hidden_states(input_ids, cache, position_ids, want_index_scores, doc_ids)
+        logits; through forward, so a data-parallel wrapper sees the call).
+        context: a ContextParallel group (orthon.pretrain.context_parallel): every rank of it passes the same
+        whole sequences, and each computes its own positions' hidden states, logits and loss."""
+        hidden, index_scores = self.hidden_states(input_ids, cache, position_ids, want_index_scores, doc_ids, context)
+        if context is not None and labels is not None:
+            labels = context.local(labels)
         if logits_at is not None:
             hidden = hidden.gather(1, logits_at[..., None].expand(*logits_at.shape, hidden.shape[-1]))
         if labels is None:
@@ -183,12 +188,25 @@ class GLMForCausalLM(nn.Module):
         loss = cross_entropy(logits, labels, loss_reduction)
         return CausalLMOutput(logits=logits if return_logits else None, loss=loss, index_scores=index_scores)
 
-    def hidden_states(self, input_ids, cache=None, position_ids=None, want_index_scores=False, doc_ids=None):
-        """Final-norm hidden states (B, T, hidden) and the index scores when asked for."""
+    def hidden_states(self, input_ids, cache=None, position_ids=None, want_index_scores=False, doc_ids=None,
+                      context=None):
+        """Final-norm hidden states (B, T, hidden) and the index scores when asked for; with a
+        ContextParallel ``context``, of this rank's positions of the sequences (B, T_local, hidden)."""
         self._check_ids(input_ids)
-        B, T = input_ids.shape
         device = input_ids.device
-        q_slots = cache.slots(T, device) if cache is not None else torch.arange(T, device=device)
+        shard = None
+        if context is not None:
+            if cache is not None or position_ids is not None:
+                raise ValueError("context parallelism: the sequences must be whole, from position 0 (no cache, "
+                                 "no position_ids)")
+            shard = context.shard(input_ids.shape[1], device, doc_ids)
+            input_ids = shard.local(input_ids)
+            doc_ids = None if doc_ids is None else shard.local(doc_ids)
+        B, T = input_ids.shape
+        if shard is not None:
+            q_slots = shard.positions
+        else:
+            q_slots = cache.slots(T, device) if cache is not None else torch.arange(T, device=device)
         positions = q_slots if position_ids is None else position_ids
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.config.qk_rope_head_dim, self.config.rope_theta, x.dtype)
@@ -198,10 +216,10 @@ class GLMForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             if self.runtime.activation_checkpointing and self.training and torch.is_grad_enabled() and cache is None:
                 x, topk, scores = torch.utils.checkpoint.checkpoint(
-                    layer, x, cos, sin, q_slots, None, topk, want_index_scores, doc_ids, use_reentrant=False
+                    layer, x, cos, sin, q_slots, None, topk, want_index_scores, doc_ids, shard, use_reentrant=False
                 )
             else:
-                x, topk, scores = layer(x, cos, sin, q_slots, cache, topk, want_index_scores, doc_ids)
+                x, topk, scores = layer(x, cos, sin, q_slots, cache, topk, want_index_scores, doc_ids, shard)
             if scores is not None:
                 all_scores[i] = scores
         if cache is not None:

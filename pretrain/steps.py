@@ -13,6 +13,8 @@ plug-in owns the loss:
 - ``end(trainer, sums)``: the step's metrics from the sums (already added over micro-batches and ranks).
 - ``finish(trainer, records)``: at the end of ``fit``, on rank 0: plots of the plug-in's own metrics.
 - ``update_moe_bias``: False for a step that must leave the routers' balancing biases alone.
+- ``runs_context_parallel``: True for a step whose forwards pass the Trainer's ``context`` to the model
+  (each rank of a context-parallel group then computes its part of the same sequences).
 
 NextTokenStep is pretraining's; mid-training adds the indexer KL (orthon.midtrain.steps) and RL the
 policy loss (orthon.rl.steps).
@@ -35,6 +37,7 @@ class TrainStep:
         pass
 
     update_moe_bias = True
+    runs_context_parallel = False
 
     def micro_batches(self, batch, size: int, device) -> list:
         n = batch.input_ids.shape[0]
@@ -57,23 +60,28 @@ class NextTokenStep(TrainStep):
     DDP / FSDP2 average gradients over ranks: the result is the gradient of the global mean.
     ``loss_chunk`` > 0 runs the chunked cross-entropy (no full logits)."""
 
+    runs_context_parallel = True
+
     def __init__(self, loss_chunk: int = 0, document_mask: bool = True, track_max_logit: bool = False):
         self.loss_chunk, self.document_mask, self.track_max_logit = loss_chunk, document_mask, track_max_logit
         self.count = 1.0
         self.world = 1
+        self.context = None
         self.max_logit = -math.inf
 
     def begin(self, trainer, batch) -> None:
-        local = (batch.labels != IGNORE_INDEX).sum().to(trainer.device).float()
-        self.count = float(distributed.all_reduce_sum(local))
+        self.context = trainer.context
+        labels = batch.labels if self.context is None else self.context.local(batch.labels)  # this rank's targets
+        self.count = float(distributed.all_reduce_sum((labels != IGNORE_INDEX).sum().to(trainer.device).float()))
         self.world = trainer.world
         self.max_logit = -math.inf
 
     def lm_loss(self, model, micro) -> torch.Tensor:
-        """Summed LM loss of a micro-batch through ``model`` (the wrapper)."""
+        """Summed LM loss of a micro-batch (of this rank's positions, under context parallelism) through
+        ``model`` (the wrapper)."""
         docs = micro.doc_ids if self.document_mask else None
         out = model(micro.input_ids, labels=micro.labels, doc_ids=docs, return_logits=False,
-                    loss_reduction="sum", loss_chunk=self.loss_chunk)
+                    loss_reduction="sum", loss_chunk=self.loss_chunk, context=self.context)
         return out.loss
 
     def loss(self, model, micro):
@@ -84,6 +92,8 @@ class NextTokenStep(TrainStep):
 
     def end(self, trainer, sums):
         metrics = {"loss": sums["loss"] / self.count}
-        if self.track_max_logit and math.isfinite(self.max_logit):
-            metrics["max_attn_logit"] = self.max_logit
+        if self.track_max_logit:  # over every rank's sequences (a rank sees its own, or its positions' part)
+            largest = distributed.all_reduce_max(torch.tensor([self.max_logit], device=trainer.device)).item()
+            if math.isfinite(largest):
+                metrics["max_attn_logit"] = largest
         return metrics

@@ -48,6 +48,10 @@ class TrainConfig:
     # model.n_routed_experts), tokens sent to their experts' ranks and back (all-to-all); the rest stays
     # data-parallel by `parallel`. Pretraining's step only (generation needs every expert on one rank).
     expert_parallel: int = 1
+    # > 1: each sequence split over this many consecutive ranks (context parallelism, for contexts one
+    # device cannot hold: orthon.pretrain.context_parallel); it divides the world size, and the sequence
+    # length is a multiple of twice it. Data parallelism then runs over world / context_parallel groups.
+    context_parallel: int = 1
     track_max_logit: bool = True  # log the largest attention logit (the Muon Split claim)
     log_sample_ids: bool = False  # write every consumed sample id to samples.jsonl
     progress: bool = True
@@ -66,7 +70,8 @@ class TrainConfig:
     stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
 
     def __post_init__(self):
-        for name in ("micro_batch_size", "log_interval", "keep_last", "profile_steps", "spike_window", "expert_parallel"):
+        for name in ("micro_batch_size", "log_interval", "keep_last", "profile_steps", "spike_window", "expert_parallel",
+                     "context_parallel"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
         for name in ("total_tokens", "max_steps", "eval_interval", "checkpoint_interval", "eval_samples", "loss_chunk",

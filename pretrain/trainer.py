@@ -34,7 +34,7 @@ from orthon.core.step_loop import run_steps
 from orthon.data.loader import IGNORE_INDEX, open_training_data
 from orthon.optim import batch_size_at, build_for_model, lr_at
 from orthon.optim.newton_schulz import bf16_gemm_is_native
-from orthon.pretrain import expert_parallel, parallel
+from orthon.pretrain import context_parallel, expert_parallel, parallel
 from orthon.pretrain.checkpoint import Checkpointer
 from orthon.pretrain.config import TOKEN_ID_FIELDS
 from orthon.pretrain.model import GLMForCausalLM
@@ -127,6 +127,11 @@ class Trainer:
                               f"ranks of this run")
         self.expert_parallel = self.cfg.expert_parallel if self.world > 1 else 1
         self.expert_mesh = self._shard_experts() if self.expert_parallel > 1 else None
+        # Context parallelism: the ranks of a group take the same sequences, so the data is split over the
+        # groups (data ranks), each rank running its part of every sequence.
+        cp = self.cfg.context_parallel if self.world > 1 else 1
+        self.context = self._context_group(cp) if cp > 1 else None
+        self.data_rank, self.data_world = self.rank // cp, self.world // cp
         self._wrap()  # before the optimizer: FSDP2 replaces the parameters it shards
         if sharded_build:
             self.model.to_empty(device=self.device)
@@ -139,7 +144,8 @@ class Trainer:
             hsdp = f", sharded within groups of {groups}" if 0 < groups < self.world else ""
             self.log(f"model built sharded (FSDP2 over {self.world} ranks{hsdp}): no rank held all of it")
         self.optimizer = (build_optimizer or _hybrid_optimizer)(self.model, recipe)
-        self.data, self.valid = (open_training_data(recipe.data, recipe.model.vocab_size, recipe.train.eval_samples, self.rank, self.world)
+        self.data, self.valid = (open_training_data(recipe.data, recipe.model.vocab_size, recipe.train.eval_samples,
+                                                    self.data_rank, self.data_world)
                                  if with_data else (None, None))
         self.checkpointer = Checkpointer(self.run_dir, self.cfg.keep_last, log=self.log)
         self._background_saves = False  # train.async_checkpoint, inside fit (whose end completes the last save)
@@ -201,6 +207,16 @@ class Trainer:
                  f"ranks hold the same ones{', FSDP2-sharded among them' if self.cfg.parallel == 'fsdp' else ''})")
         return mesh
 
+    def _context_group(self, cp: int):
+        context_parallel.check_degree(cp, self.world, self.recipe.data.seq_len)
+        if not self.step_fn.runs_context_parallel:
+            raise ConfigError(f"train.context_parallel = {cp}: {type(self.step_fn).__name__} does not split its "
+                              f"sequences over ranks (pretraining's and mid-training's steps do); set "
+                              f"train.context_parallel=1")
+        self.log(f"context parallelism: each sequence of {self.recipe.data.seq_len} tokens split over {cp} ranks "
+                 f"({self.recipe.data.seq_len // cp} positions each), {self.world // cp} data-parallel groups")
+        return context_parallel.ContextParallel(cp, self.device)
+
     def _trainable_names(self) -> frozenset[str]:
         return frozenset(n for n, p in self.model.named_parameters() if p.requires_grad)
 
@@ -221,7 +237,7 @@ class Trainer:
     def batch_sequences(self) -> int:
         """Global batch of this step in sequences, from the token-based ramp."""
         micro_tokens = self.cfg.micro_batch_size * self.seq_len
-        return batch_size_at(self.recipe.batch, self.tokens, micro_tokens, self.world) // self.seq_len
+        return batch_size_at(self.recipe.batch, self.tokens, micro_tokens, self.data_world) // self.seq_len
 
     def set_lr(self) -> float:
         """Both optimizers' LRs from the schedule (by tokens consumed, or by steps when the schedule
@@ -331,10 +347,11 @@ class Trainer:
             batch = batch.to(self.device)
             docs = batch.doc_ids if self.recipe.data.document_mask else None
             loss = self.wrapped(batch.input_ids, labels=batch.labels, doc_ids=docs, return_logits=False,
-                                loss_reduction="sum", loss_chunk=self.cfg.loss_chunk).loss.double()
+                                loss_reduction="sum", loss_chunk=self.cfg.loss_chunk, context=self.context).loss.double()
             if counted:
                 total += loss
-                count += (batch.labels != IGNORE_INDEX).sum()
+                labels = batch.labels if self.context is None else self.context.local(batch.labels)
+                count += (labels != IGNORE_INDEX).sum()
         self.wrapped.train()
         distributed.all_reduce_sum(total)
         distributed.all_reduce_sum(count)
@@ -346,9 +363,9 @@ class Trainer:
         MoE layer's exchange, so a rank whose share has fewer batches (held-out samples that do not split
         evenly) runs the first held-out batch again, not counted, until all are done."""
         size = self.cfg.micro_batch_size
-        mine = self.valid.num_batches(size, self.rank, self.world)
+        mine = self.valid.num_batches(size, self.data_rank, self.data_world)
         most = int(distributed.all_reduce_max(torch.tensor([mine], device=self.device)).item())
-        yield from ((batch, True) for batch in self.valid.batches(size, self.rank, self.world))
+        yield from ((batch, True) for batch in self.valid.batches(size, self.data_rank, self.data_world))
         if mine < most:
             filler = next(self.valid.batches(size, 0, 1))
             yield from ((filler, False) for _ in range(most - mine))
