@@ -37,7 +37,7 @@ def check_degree(cp: int, world: int, seq_len: int, key: str = "train.context_pa
         raise ConfigError(f"{key}: must be at least 1, got {cp}")
     if world % cp:
         raise ConfigError(f"{key} = {cp} does not divide the {world} ranks of this run")
-    if seq_len % (2 * cp):
+    if cp > 1 and seq_len % (2 * cp):
         raise ConfigError(f"{key} = {cp}: the sequence length {seq_len} must be a multiple of 2 x {cp} "
                           f"(each rank holds two of {2 * cp} equal chunks)")
 

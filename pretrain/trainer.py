@@ -129,7 +129,12 @@ class Trainer:
         self.expert_mesh = self._shard_experts() if self.expert_parallel > 1 else None
         # Context parallelism: the ranks of a group take the same sequences, so the data is split over the
         # groups (data ranks), each rank running its part of every sequence.
-        cp = self.cfg.context_parallel if self.world > 1 else 1
+        cp = self.cfg.context_parallel
+        if cp > 1 and not self.step_fn.runs_context_parallel:
+            raise ConfigError(f"train.context_parallel = {cp}: {type(self.step_fn).__name__} does not split its "
+                              f"sequences over ranks (pretraining's and mid-training's steps do); set "
+                              f"train.context_parallel=1")
+        cp = cp if self.world > 1 else 1
         self.context = self._context_group(cp) if cp > 1 else None
         self.data_rank, self.data_world = self.rank // cp, self.world // cp
         self._wrap()  # before the optimizer: FSDP2 replaces the parameters it shards
@@ -209,10 +214,6 @@ class Trainer:
 
     def _context_group(self, cp: int):
         context_parallel.check_degree(cp, self.world, self.recipe.data.seq_len)
-        if not self.step_fn.runs_context_parallel:
-            raise ConfigError(f"train.context_parallel = {cp}: {type(self.step_fn).__name__} does not split its "
-                              f"sequences over ranks (pretraining's and mid-training's steps do); set "
-                              f"train.context_parallel=1")
         self.log(f"context parallelism: each sequence of {self.recipe.data.seq_len} tokens split over {cp} ranks "
                  f"({self.recipe.data.seq_len // cp} positions each), {self.world // cp} data-parallel groups")
         return context_parallel.ContextParallel(cp, self.device)

@@ -70,6 +70,9 @@ def test_msrun_refuses_what_its_workers_cannot_run(tmp_path, capsys):
     assert main(["launch", "msrun", "--worker-num", "2", "--", "pretrain", "-c", "configs/tiny.yaml", "backend=mindspore",
                  "train.expert_parallel=2"]) == 2
     assert "train.expert_parallel = 2: the MindSpore backend's workers are data parallel only" in capsys.readouterr().err
+    assert main(["launch", "msrun", "--worker-num", "2", "--", "pretrain", "-c", "configs/tiny.yaml", "backend=mindspore",
+                 "train.context_parallel=2"]) == 2
+    assert "train.context_parallel = 2: the MindSpore backend's workers are data parallel only" in capsys.readouterr().err
     assert main(["launch", "msrun", "--hosts", str(hosts), "--rank-table", str(table), "--", "pretrain", "-c",
                  "configs/tiny.yaml", "backend=mindspore", "mindspore.device_target=Ascend"]) == 0
     assert table.is_file()

@@ -44,19 +44,25 @@ def _close(a: dict, b: dict, steps):
         assert a[step] == pytest.approx(b[step], rel=2e-5, abs=2e-5), (step, a[step], b[step])
 
 
-@pytest.mark.parametrize("mode,experts", [("ddp", 1), ("fsdp", 1), ("ddp", 2), ("fsdp", 2)],
-                         ids=["ddp", "fsdp", "ddp-expert-parallel", "fsdp-expert-parallel"])
-def test_two_processes_match_one(mode, experts, single, tmp_path):
+@pytest.mark.parametrize("mode,experts,context", [("ddp", 1, 1), ("fsdp", 1, 1), ("ddp", 2, 1), ("fsdp", 2, 1),
+                                                  ("fsdp", 1, 2), ("ddp", 2, 2)],
+                         ids=["ddp", "fsdp", "ddp-expert-parallel", "fsdp-expert-parallel", "fsdp-context-parallel",
+                              "ddp-expert-and-context-parallel"])
+def test_two_processes_match_one(mode, experts, context, single, tmp_path):
     """The FSDP2 run also writes its checkpoints in the background (FSDP2's shards staged, every third
     step, written while the ranks train on). Expert parallelism: each rank holds 2 of the 4 experts and
     the tokens travel to them and back; the losses (and the held-out one at step 5) and the final weights are the 1-process run's only if the exchange, the expert gradients' reduction, Muon on the
-    experts where they lie and the MoE bias update are all right."""
+    experts where they lie and the MoE bias update are all right. Context parallelism: both ranks take
+    the 1-process run's sequences (its micro-batch of 4), each half of every sequence's positions, the
+    attention's keys gathered from both; with expert parallelism too, each rank's tokens (its positions)
+    go to the experts' ranks."""
     stores, reference, reference_run = single
     run = tmp_path / mode
     recipe = write_recipe(tmp_path / "r.yaml", stores, run, train={"max_steps": STEPS, "parallel": mode,
-                                                                     "micro_batch_size": 2, "checkpoint_interval": 3,
+                                                                     "micro_batch_size": 2 * context, "checkpoint_interval": 3,
                                                                      "async_checkpoint": mode == "fsdp",
-                                                                     "expert_parallel": experts, **EVAL},
+                                                                     "expert_parallel": experts,
+                                                                     "context_parallel": context, **EVAL},
                           # ... and under activation checkpointing, each layer's exchange runs again in backward
                           runtime={"activation_checkpointing": mode == "ddp" and experts > 1})
     out = orthon("pretrain", "-c", recipe, nproc=2)
@@ -64,10 +70,13 @@ def test_two_processes_match_one(mode, experts, single, tmp_path):
     # match the 1-process run's only if those are the values a direct build draws.
     assert ("model built sharded (FSDP2 over 2 ranks)" in out.stdout + out.stderr) == (mode == "fsdp")
     assert ("expert parallelism: 2 of the 4 experts" in out.stdout + out.stderr) == (experts == 2)
+    assert ("each sequence of 32 tokens split over 2 ranks (16 positions each)" in out.stdout) == (context == 2)
     _close(losses(run), reference, range(1, STEPS + 1))
     _close(metric(run, "eval_loss"), metric(reference_run, "eval_loss"), [5])
     # Muon's update is blind to a gradient's scale: the gradient norms show the expert gradients' own.
     _close(metric(run, "grad_norm"), metric(reference_run, "grad_norm"), range(1, STEPS + 1))
+    # The largest attention logit over every rank's queries (each rank sees its own sequences or positions).
+    _close(metric(run, "max_attn_logit"), metric(reference_run, "max_attn_logit"), range(1, STEPS + 1))
     # The busiest expert-parallel rank's rows against the mean: between 1 and the busiest expert's ratio
     # (a rank's share sums its experts'), the latter as in one process.
     experts_load, ranks_load = metric(run, "moe_load_max_over_mean"), metric(run, "moe_rank_load_max_over_mean")
@@ -81,16 +90,19 @@ def test_two_processes_match_one(mode, experts, single, tmp_path):
     assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
 
 
-@pytest.mark.parametrize("mode,shard_ranks", [("ddp", 0), ("fsdp", 0), ("fsdp", 2)], ids=["ddp", "fsdp", "hsdp"])
-def test_four_ranks_with_two_expert_replicas_match_one(mode, shard_ranks, single, tmp_path):
+@pytest.mark.parametrize("mode,shard_ranks,context", [("ddp", 0, 1), ("fsdp", 0, 1), ("fsdp", 2, 1), ("fsdp", 2, 2)],
+                         ids=["ddp", "fsdp", "hsdp", "hsdp-context-parallel"])
+def test_four_ranks_with_two_expert_replicas_match_one(mode, shard_ranks, context, single, tmp_path):
     """A 2 x 2 mesh: ranks 0-1 and 2-3 each hold all 4 experts between them (2 each), ranks 0 and 2 the
     same two: their gradients are summed over that column (DDP) or reduce-scattered over it (FSDP2, which
     then holds 1 of the 4 experts' shards a rank, built sharded). HSDP: the rest of the model sharded
     within ranks 0-1 and 2-3 and replicated across them (Muon's owners gather within a pair). Each rank
-    takes 1 sequence of a micro-batch, so the global batch is the 1-process run's."""
+    takes 1 sequence of a micro-batch, so the global batch is the 1-process run's; with context
+    parallelism ranks 0-1 and 2-3 each take 2 sequences, each rank half of their positions."""
     stores, reference, reference_run = single
     run = tmp_path / mode
-    recipe = write_recipe(tmp_path / "r.yaml", stores, run, train={"max_steps": 4, "parallel": mode, "micro_batch_size": 1,
+    recipe = write_recipe(tmp_path / "r.yaml", stores, run, train={"max_steps": 4, "parallel": mode,
+                                                                     "micro_batch_size": context, "context_parallel": context,
                                                                      "checkpoint_interval": 0, "expert_parallel": 2,
                                                                      "eval_interval": 4, "eval_samples": 5,
                                                                      "fsdp_shard_ranks": shard_ranks})
