@@ -32,6 +32,7 @@ from orthon.midtrain.optimizer import StageOptimizer, copy_training_state
 from orthon.midtrain.steps import StageStep
 from orthon.optim import build_for_model
 from orthon.optim.config import BatchRampConfig, ScheduleConfig
+from orthon.pretrain import context_parallel
 from orthon.pretrain.checkpoint import Checkpointer
 from orthon.pretrain.config import RuntimeOptions
 from orthon.pretrain.model import GLMForCausalLM
@@ -163,8 +164,12 @@ def prepare(plan: MidtrainPlan) -> Recipe:
         raise ConfigError(f"source: {source_dir} is not a pretraining run directory (no {CONFIG_NAME})")
     source = load_recipe(source_dir / CONFIG_NAME)
     plan.check_against_model(source.model)
-    for i in range(len(plan.stages)):  # every stage's derived config must build (e.g. IndexShare types)
-        stage_recipe(source, plan, i, stage_dir(plan.run_dir, plan, i))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    for i, stage in enumerate(plan.stages):  # every stage's derived config must build (e.g. IndexShare types)
+        train = stage_recipe(source, plan, i, stage_dir(plan.run_dir, plan, i)).train
+        if world > 1:  # a later stage's degree that does not fit this world fails now, not hours into the run
+            context_parallel.check_degree(train.context_parallel, world, stage.seq_len,
+                                          f"stages[{i}] ({stage.name}): train.context_parallel")
     return source
 
 

@@ -280,15 +280,72 @@ def sdpa_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[tupl
               mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """``sdpa`` of queries that are runs of consecutive positions [a, b) of a longer sequence (a
     context-parallel rank's part, orthon.pretrain.context_parallel) over all its S keys: each run sees keys
-    [0, b), causally aligned at the bottom right (no mask built where the kernel takes the bias: CUDA's
-    fused kernels), or as ``mask`` (B or 1, 1, T, S) says where documents are masked."""
+    [0, b), causally aligned at the bottom right, without a mask (CUDA's fused kernels take the bias; on
+    CPU ``_RunAttention``), or as ``mask`` (B or 1, 1, T, S) says where documents are masked."""
     outs, row = [], 0
     for a, b in runs:
         n = b - a
-        run_mask = causal_lower_right(n, b) if mask is None else mask[..., row : row + n, :b]
-        outs.append(sdpa(q[:, row : row + n], k[:, :b], v[:, :b], run_mask, False, scale))
+        rows = slice(row, row + n)
+        if mask is None and q.device.type == "cpu":
+            outs.append(_run_attention(q[:, rows], k[:, :b], v[:, :b], scale))
+        else:
+            run_mask = causal_lower_right(n, b) if mask is None else mask[..., rows, :b]
+            outs.append(sdpa(q[:, rows], k[:, :b], v[:, :b], run_mask, False, scale))
         row += n
     return torch.cat(outs, dim=1)
+
+
+def _run_attention(q, k, v, scale):
+    """(B, n, H, D) queries, the last n of (B, b, H, D) keys and values (values zero-padded to D: the CPU
+    kernel needs it), bottom-right causal -> (B, n, H, Dv)."""
+    dv = v.shape[-1]
+    if dv < q.shape[-1]:
+        v = torch.cat([v, v.new_zeros(()).expand(*v.shape[:-1], q.shape[-1] - dv)], dim=-1)
+    dtype = compute_dtype(q)
+    out = _RunAttention.apply(*(t.transpose(1, 2).to(dtype) for t in (q, k, v)), scale)
+    return out.transpose(1, 2)[..., :dv]
+
+
+_cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_cpu_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _RunAttention(torch.autograd.Function):
+    """Causal attention of n queries at the last n of b positions over keys [0, b), bottom-right aligned,
+    on CPU without a mask: torch's fused CPU kernel over the prefix [0, b - n) (every key visible) and
+    over the run's own keys (causal), the two merged by their log-sum-exps; backward runs the kernel's
+    backward on each part with the merged output and log-sum-exp (those of the softmax over all b keys,
+    so each part's gradients are its share of the whole's). A materialised (n, b) mask would be kept for
+    backward and at long lengths outweigh the layer's activations. (B, H, L, D) tensors of one dtype."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        with torch.autocast("cpu", enabled=False):
+            a = k.shape[2] - q.shape[2]
+            out, lse = _cpu_flash(q, k[:, :, a:], v[:, :, a:], 0.0, True, scale=scale)
+            if a:
+                out_prefix, lse_prefix = _cpu_flash(q, k[:, :, :a], v[:, :, :a], 0.0, False, scale=scale)
+                total = torch.logaddexp(lse_prefix, lse)
+                out = (out_prefix.float() * (lse_prefix - total).exp()[..., None]
+                       + out.float() * (lse - total).exp()[..., None]).to(q.dtype)
+                lse = total
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        a = k.shape[2] - q.shape[2]
+        with torch.autocast("cpu", enabled=False):
+            grad = grad.to(q.dtype).contiguous()
+            dq, dk, dv = _cpu_flash_backward(grad, q, k[:, :, a:], v[:, :, a:], out, lse, 0.0, True, scale=ctx.scale)
+            if a:
+                dq_prefix, dk_prefix, dv_prefix = _cpu_flash_backward(grad, q, k[:, :, :a], v[:, :, :a], out, lse, 0.0,
+                                                                      False, scale=ctx.scale)
+                dq, dk, dv = dq + dq_prefix, torch.cat([dk_prefix, dk], 2), torch.cat([dv_prefix, dv], 2)
+        return dq, dk, dv, None
 
 
 def _chunks(n: int, size: int):
@@ -299,13 +356,15 @@ def _chunks(n: int, size: int):
 def _max_logit(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float,
                q_slots: torch.Tensor) -> torch.Tensor:
     """max over attended (query, key, head) of q.k * scale; q: (B, T, H, D), k: (B, S, H, D); without a
-    mask, causal by the queries' positions ``q_slots``."""
-    logits = torch.einsum("bthd,bshd->bhts", q, k) * scale
-    if mask is None:
-        mask = causal_mask(q_slots, k.shape[1])
-    if mask.dtype != torch.bool:  # additive
-        return (logits + mask).amax()
-    return logits.masked_fill(~mask, float("-inf")).amax()
+    mask, causal by the queries' positions ``q_slots``. By query chunks: the whole (B, H, T, S) logits
+    would be the largest tensor of the step at long lengths (2 GB at T = 8192 for the tiny model)."""
+    best = q.new_full((), float("-inf"), dtype=torch.float32)
+    for a, b in _chunks(q.shape[1], CAUSAL_QUERY_CHUNK):
+        logits = torch.einsum("bthd,bshd->bhts", q[:, a:b], k).float().mul_(scale)
+        seen = causal_mask(q_slots[a:b], k.shape[1]) if mask is None else mask[..., a:b, :]
+        logits = logits.add_(seen) if seen.dtype != torch.bool else logits.masked_fill_(~seen, float("-inf"))
+        best = torch.maximum(best, logits.amax())
+    return best
 
 
 # ---------------------------------------------------------------- modules

@@ -215,7 +215,7 @@ class Trainer:
     def _context_group(self, cp: int):
         context_parallel.check_degree(cp, self.world, self.recipe.data.seq_len)
         self.log(f"context parallelism: each sequence of {self.recipe.data.seq_len} tokens split over {cp} ranks "
-                 f"({self.recipe.data.seq_len // cp} positions each), {self.world // cp} data-parallel groups")
+                 f"({self.recipe.data.seq_len // cp} positions each); data parallelism over {self.world // cp} such groups")
         return context_parallel.ContextParallel(cp, self.device)
 
     def _trainable_names(self) -> frozenset[str]:

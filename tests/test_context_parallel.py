@@ -48,6 +48,31 @@ def test_degree_must_divide_the_ranks_and_split_the_sequence():
         check_degree(0, 8, 8)
 
 
+@pytest.mark.parametrize("n,b", [(5, 12), (7, 7)], ids=["after-a-prefix", "from-the-start"])
+def test_run_attention_equals_bottom_right_causal_attention(n, b):
+    """The queries at the last n of b positions, over keys [0, b): the prefix and the run's own keys by two
+    calls of the fused CPU kernel, merged by log-sum-exp, against one masked attention; values narrower
+    than the keys (MLA's v_head_dim) as the model has them."""
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
+    from orthon.pretrain.attention import _run_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, n, 3, 8, generator=g), torch.randn(2, b, 3, 8, generator=g)
+    v, probe = torch.randn(2, b, 3, 6, generator=g), torch.randn(2, n, 3, 6, generator=g)
+    mine = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = _run_attention(*mine, 0.3)
+    (out * probe).sum().backward()
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in ref), attn_mask=causal_lower_right(n, b),
+                                          scale=0.3).transpose(1, 2)
+    (want * probe).sum().backward()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    for got, expected in zip(mine, ref):
+        torch.testing.assert_close(got.grad, expected.grad, rtol=1e-5, atol=1e-6)
+
+
 def _model(sparse: bool) -> GLMForCausalLM:
     torch.manual_seed(0)
     model = GLMForCausalLM(ModelConfig(**MODEL), runtime=RuntimeOptions(sparse_attention=sparse, query_chunk=24))

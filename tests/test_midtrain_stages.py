@@ -168,7 +168,7 @@ def test_finished_plan_reruns_nothing(reference, source):
                 f"held-out loss {held_out:.4f}") in out.stdout, out.stdout
 
 
-def test_bad_plans_fail_before_training(source, tmp_path):
+def test_bad_plans_fail_before_training(source, tmp_path, monkeypatch):
     from orthon.core.errors import ConfigError
     from orthon.midtrain.stages import load_plan, prepare
 
@@ -188,6 +188,16 @@ def test_bad_plans_fail_before_training(source, tmp_path):
         change(data)
         with pytest.raises(ConfigError, match=path.replace("[", r"\[").replace("]", r"\]")):
             prepare(load_plan(write_plan(tmp_path / f"{key}.yaml", data)))
+    # A later stage's context-parallel degree that the world (4 ranks here) cannot take: refused at the
+    # start, not when that stage begins.
+    data = plan(tmp_path / "context", source=str(source))
+    data["stages"][2]["context_parallel"] = 3
+    with monkeypatch.context() as patch:
+        patch.setenv("WORLD_SIZE", "4")
+        with pytest.raises(ConfigError, match=r"stages\[2\] \(share\): train.context_parallel = 3 does not divide the 4"):
+            prepare(load_plan(write_plan(tmp_path / "context.yaml", data)))
+        data["stages"][2]["context_parallel"] = 4  # 128 tokens in 8 chunks: fits
+        prepare(load_plan(write_plan(tmp_path / "context.yaml", data)))
     # Through the CLI: exit status 2, the message, and nothing written.
     data = plan(tmp_path / "cli")
     data["stages"][2]["seq_len"] = 32
