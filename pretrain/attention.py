@@ -354,10 +354,12 @@ def _chunks(n: int, size: int):
 
 @torch.no_grad()
 def _max_logit(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float,
-               q_slots: torch.Tensor) -> torch.Tensor:
+               q_slots: torch.Tensor | None = None) -> torch.Tensor:
     """max over attended (query, key, head) of q.k * scale; q: (B, T, H, D), k: (B, S, H, D); without a
-    mask, causal by the queries' positions ``q_slots``. By query chunks: the whole (B, H, T, S) logits
+    mask, causal by the queries' positions ``q_slots`` (default 0 .. T - 1). By query chunks: the whole (B, H, T, S) logits
     would be the largest tensor of the step at long lengths (2 GB at T = 8192 for the tiny model)."""
+    if q_slots is None:
+        q_slots = torch.arange(q.shape[1], device=q.device)
     best = q.new_full((), float("-inf"), dtype=torch.float32)
     for a, b in _chunks(q.shape[1], CAUSAL_QUERY_CHUNK):
         logits = torch.einsum("bthd,bshd->bhts", q[:, a:b], k).float().mul_(scale)
@@ -493,8 +495,7 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, latent[..., None, self.rank :].expand(B, S, H, self.rope)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         if self.track_max_logit:
-            slots = torch.arange(T, device=q.device) if q_slots is None else q_slots
-            self.max_logit = _max_logit(q, k, mask, self.scale, slots)
+            self.max_logit = _max_logit(q, k, mask, self.scale, q_slots)
         if runs is not None:
             return sdpa_runs(q, k, v, runs, mask, self.scale)
         return sdpa(q, k, v, mask, True, self.scale)
