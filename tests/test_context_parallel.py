@@ -119,7 +119,7 @@ def _worker(rank, port, out_dir, sparse, docs):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("sparse,docs", [(False, False), (False, True), (True, True)],
+@pytest.mark.parametrize("sparse,docs", [pytest.param(False, False, marks=pytest.mark.slow), (False, True), (True, True)],
                          ids=["dense", "dense-documents", "sparse-documents"])
 def test_two_ranks_equal_one_process(sparse, docs, tmp_path):
     mp.spawn(_worker, args=(free_port(), str(tmp_path), sparse, docs), nprocs=WORLD, join=True)

@@ -44,8 +44,11 @@ def _close(a: dict, b: dict, steps):
         assert a[step] == pytest.approx(b[step], rel=2e-5, abs=2e-5), (step, a[step], b[step])
 
 
-@pytest.mark.parametrize("mode,experts,context", [("ddp", 1, 1), ("fsdp", 1, 1), ("ddp", 2, 1), ("fsdp", 2, 1),
-                                                  ("fsdp", 1, 2), ("ddp", 2, 2)],
+# Two cases (about 15 s each) run with -m slow: the 4-rank HSDP case below covers FSDP2 with expert and
+# context parallelism together.
+@pytest.mark.parametrize("mode,experts,context", [("ddp", 1, 1), ("fsdp", 1, 1), ("ddp", 2, 1),
+                                                  pytest.param("fsdp", 2, 1, marks=pytest.mark.slow),
+                                                  ("fsdp", 1, 2), pytest.param("ddp", 2, 2, marks=pytest.mark.slow)],
                          ids=["ddp", "fsdp", "ddp-expert-parallel", "fsdp-expert-parallel", "fsdp-context-parallel",
                               "ddp-expert-and-context-parallel"])
 def test_two_processes_match_one(mode, experts, context, single, tmp_path):
@@ -90,9 +93,10 @@ def test_two_processes_match_one(mode, experts, context, single, tmp_path):
     assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
 
 
-# The plain FSDP2 case (about 16 s) runs with -m slow: HSDP on the same mesh covers FSDP2 over expert replicas.
+# The plain FSDP2 and HSDP cases (about 17 s each) run with -m slow: HSDP with context parallelism on the same
+# mesh covers FSDP2 over expert replicas.
 @pytest.mark.parametrize("mode,shard_ranks,context", [("ddp", 0, 1), pytest.param("fsdp", 0, 1, marks=pytest.mark.slow),
-                                                      ("fsdp", 2, 1), ("fsdp", 2, 2)],
+                                                      pytest.param("fsdp", 2, 1, marks=pytest.mark.slow), ("fsdp", 2, 2)],
                          ids=["ddp", "fsdp", "hsdp", "hsdp-context-parallel"])
 def test_four_ranks_with_two_expert_replicas_match_one(mode, shard_ranks, context, single, tmp_path):
     """A 2 x 2 mesh: ranks 0-1 and 2-3 each hold all 4 experts between them (2 each), ranks 0 and 2 the
