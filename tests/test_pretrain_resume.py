@@ -84,6 +84,7 @@ def _ids_by_step(run_dir):
     return {r["step"]: r["ids"] for r in map(json.loads, (run_dir / "samples.jsonl").read_text().splitlines())}
 
 
+@pytest.mark.slow  # about 37 s: three runs of the CLI
 def test_resume_from_an_earlier_step_and_past_some_data(tmp_path):
     """`--resume RUN --step N` goes back to step N's checkpoint (the later ones set aside, not deleted) and
     retraces the run exactly; `--skip-batches K` then moves the data past the next K batches, as one

@@ -126,7 +126,7 @@ def test_killed_run_resumes_with_nothing_lost_or_repeated(tmp_path):
 
 
 @pytest.mark.parametrize("path,delta", [
-    pytest.param("disk", False, marks=pytest.mark.slow), ("disk", True),
+    pytest.param("disk", False, marks=pytest.mark.slow), pytest.param("disk", True, marks=pytest.mark.slow),
     pytest.param("distributed", False, marks=pytest.mark.slow), ("distributed", True), pytest.param("shared", True, marks=pytest.mark.slow)])
 def test_every_sync_path_leaves_the_engines_with_the_trainers_bytes(tmp_path, path, delta):
     from orthon.rl.cluster import run

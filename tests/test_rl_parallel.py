@@ -69,7 +69,7 @@ def setup(tmp_path_factory):
     return tmp, pre, _run(tmp, pre, "one", 1)
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])  # fsdp: -m slow (12 s)
 def test_two_ranks_train_what_one_does(setup, parallel):
     tmp, pre, (out1, one, w1) = setup
     out2, two, w2 = _run(tmp, pre, f"two_{parallel}", 2, parallel=parallel)
