@@ -52,6 +52,19 @@ class LayerInput:
         return self.doc_ids if self.context is None else self.context.key_docs
 
 
+def layer_input(module: MLAttention, args, kwargs, output) -> tuple[LayerInput, torch.Tensor]:
+    """The record of an MLAttention forward (from a forward hook's arguments), and its input x as the
+    forward had it (not detached)."""
+    bound = _FORWARD.bind(module, *args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    if a["cache"] is not None:
+        raise RuntimeError("recording a KV-cached attention forward is not supported")
+    record = LayerInput(module.layer, a["x"].detach(), a["cos"], a["sin"], a["q_slots"], a["doc_ids"], output[1],
+                        a["context"])
+    return record, a["x"]
+
+
 class AttentionInputs:
     """Records every attention layer's input while ``recording()`` is active (not during the recompute
     of activation checkpointing, which runs the layers again in backward). With ``on_record`` each
@@ -67,13 +80,7 @@ class AttentionInputs:
     def _hook(self, module, args, kwargs, output):
         if not self.active:
             return
-        bound = _FORWARD.bind(module, *args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        if a["cache"] is not None:
-            raise RuntimeError("AttentionInputs: recording a KV-cached forward is not supported")
-        record = LayerInput(module.layer, a["x"].detach(), a["cos"], a["sin"], a["q_slots"], a["doc_ids"], output[1],
-                            a["context"])
+        record, _ = layer_input(module, args, kwargs, output)
         if self.on_record is not None:
             self.on_record(record)
         else:
@@ -148,47 +155,75 @@ def _sparse_chunk(q_abs: tuple, latent: tuple, q_idx, w_idx, k_idx, idx, sel_vis
     return indexer_kl(target, scores, sel_visible).sum()
 
 
-def layer_terms(attn: MLAttention, rec: LayerInput, mode: str, chunk: int,
-                sharers: list[tuple[MLAttention, LayerInput]] = ()) -> IndexerTerms:
-    """The indexer objective of one full-indexer layer. mode "dense": KL over all visible keys (phase 1,
-    with recall); "sparse": KL over the keys the layer selected (phase 2). ``sharers``: the IndexShare
-    layers that reuse its top-k (with their recorded inputs), whose attention joins the target."""
-    x = rec.x
+def layer_target(attn: MLAttention, rec: LayerInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_abs, latent, q_resid) of a recorded layer, no gradient: its absorbed queries (this rank's
+    positions), the latent of every position (gathered under context parallelism) and the normed q_a
+    output the indexer's queries start from."""
     with torch.no_grad():
-        q_abs, latent, q_resid = attn.absorbed_queries(x, rec.cos, rec.sin)
-        group = [(q_abs, rec.gather(latent))]  # keys: every position's, under context parallelism
-        for a, r in sharers:
-            q, lat, _ = a.absorbed_queries(r.x, r.cos, r.sin)
-            group.append((q, r.gather(lat)))
-        latent = group[0][1]
-    q_idx, w_idx = attn.indexer.queries(x, q_resid, rec.cos, rec.sin)
-    k_idx = rec.gather(attn.indexer.keys(x, rec.cos, rec.sin))  # differentiable: the gather's backward sums
-    k_docs = rec.key_docs
-    B, T = x.shape[:2]
-    S, k = latent.shape[1], attn.config.index_topk
-    kl = x.new_zeros((), dtype=torch.float32)
-    recall_sum, oracle_sum, recall_count = x.new_zeros(()), x.new_zeros(()), x.new_zeros((), dtype=torch.long)
+        q_abs, latent, q_resid = attn.absorbed_queries(rec.x, rec.cos, rec.sin)
+        return q_abs, rec.gather(latent), q_resid
+
+
+def indexer_outputs(attn: MLAttention, x, q_resid, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_idx, w_idx, k_idx) of this rank's positions, differentiable in the indexer's parameters."""
+    q_idx, w_idx = attn.indexer.queries(x, q_resid, cos, sin)
+    return q_idx, w_idx, attn.indexer.keys(x, cos, sin)
+
+
+def group_terms(rec: LayerInput, targets: list, q_idx, w_idx, k_idx, mode: str, chunk: int, topk: int,
+                scale: float, idx_scale: float) -> IndexerTerms:
+    """The indexer objective of one full-indexer layer from its pieces (no parameter read here): ``targets``
+    the (q_abs, latent) of the layers that use its top-k (its own first, then IndexShare's sharers), the
+    indexer's queries, head weights and keys (every position's), query chunk by query chunk. mode
+    "dense": KL over all visible keys (phase 1, with recall); "sparse": KL over the keys the layer
+    selected (phase 2)."""
+    B, T = q_idx.shape[:2]
+    latent, k_docs = targets[0][1], rec.key_docs
+    S = latent.shape[1]
+    kl = q_idx.new_zeros((), dtype=torch.float32)
+    recall_sum, oracle_sum = q_idx.new_zeros((), dtype=torch.float32), q_idx.new_zeros((), dtype=torch.float32)
+    recall_count = q_idx.new_zeros((), dtype=torch.long)
     use_sparse = mode == "sparse" and rec.topk is not None
     for start in range(0, T, chunk):
         c = slice(start, start + chunk)
         slots = rec.q_slots[c]
         q_docs = None if rec.doc_ids is None else rec.doc_ids[:, c]
+        queries, latents = tuple(q[:, c] for q, _ in targets), tuple(lat for _, lat in targets)
         if use_sparse:
             idx = rec.topk[:, c]
             sel_visible = idx <= slots[None, :, None]
             if k_docs is not None:
                 sel_visible = sel_visible & (k_docs.gather(1, idx.reshape(B, -1)).view_as(idx) == q_docs[..., None])
             kl = kl + torch.utils.checkpoint.checkpoint(
-                _sparse_chunk, tuple(q[:, c] for q, _ in group), tuple(lat for _, lat in group), q_idx[:, c],
-                w_idx[:, c], k_idx, idx, sel_visible, attn.scale, attn.indexer.scale, use_reentrant=False)
+                _sparse_chunk, queries, latents, q_idx[:, c], w_idx[:, c], k_idx, idx, sel_visible, scale, idx_scale,
+                use_reentrant=False)
         else:
             visible = _visible(slots, S, q_docs, k_docs)
             part, r_sum, o_sum, r_count = torch.utils.checkpoint.checkpoint(
-                _dense_chunk, tuple(q[:, c] for q, _ in group), tuple(lat for _, lat in group), q_idx[:, c],
-                w_idx[:, c], k_idx, visible, attn.scale, attn.indexer.scale, k, use_reentrant=False)
+                _dense_chunk, queries, latents, q_idx[:, c], w_idx[:, c], k_idx, visible, scale, idx_scale, topk,
+                use_reentrant=False)
             kl = kl + part
             recall_sum, oracle_sum, recall_count = recall_sum + r_sum, oracle_sum + o_sum, recall_count + r_count
     return IndexerTerms(kl, B * T, float(recall_sum), int(recall_count), float(oracle_sum))
+
+
+def layer_terms(attn: MLAttention, rec: LayerInput, mode: str, chunk: int,
+                sharers: list[tuple[MLAttention, LayerInput]] = ()) -> IndexerTerms:
+    """The indexer objective of one full-indexer layer from recorded inputs (``group_terms``), its
+    indexer run on the detached input so the KL never reaches the main model. ``sharers``: the
+    IndexShare layers that reuse its top-k (with their recorded inputs), whose attention joins the target."""
+    q_abs, latent, q_resid = layer_target(attn, rec)
+    targets = [(q_abs, latent)] + [layer_target(a, r)[:2] for a, r in sharers]
+    q_idx, w_idx, k_idx = indexer_outputs(attn, rec.x, q_resid, rec.cos, rec.sin)
+    return group_terms(rec, targets, q_idx, w_idx, rec.gather(k_idx), mode, chunk, attn.config.index_topk,
+                       attn.scale, attn.indexer.scale)
+
+
+def add_terms(a: IndexerTerms | None, b: IndexerTerms) -> IndexerTerms:
+    if a is None:
+        return b
+    return IndexerTerms(a.kl_sum + b.kl_sum, a.queries + b.queries, a.recall_sum + b.recall_sum,
+                        a.recall_count + b.recall_count, a.oracle_sum + b.oracle_sum)
 
 
 def indexer_terms(model, records: list[LayerInput], mode: str) -> IndexerTerms:
@@ -205,13 +240,7 @@ def indexer_terms(model, records: list[LayerInput], mode: str) -> IndexerTerms:
             groups[-1][2].append((attn, rec))
     total = None
     for attn, rec, sharers in groups:
-        terms = layer_terms(attn, rec, mode, chunk, sharers)
-        if total is None:
-            total = terms
-        else:
-            total = IndexerTerms(total.kl_sum + terms.kl_sum, total.queries + terms.queries,
-                                 total.recall_sum + terms.recall_sum, total.recall_count + terms.recall_count,
-                                 total.oracle_sum + terms.oracle_sum)
+        total = add_terms(total, layer_terms(attn, rec, mode, chunk, sharers))
     if total is None:
         raise RuntimeError("indexer_terms: no layer with an indexer was recorded")
     return total

@@ -28,14 +28,13 @@ from orthon.core.errors import CheckpointError, ConfigError
 from orthon.data.config import DataConfig
 from orthon.core.files import atomic_write_text
 from orthon.midtrain.config import MidtrainPlan
-from orthon.midtrain.optimizer import StageOptimizer, copy_training_state
+from orthon.midtrain.optimizer import StageOptimizer
 from orthon.midtrain.steps import StageStep
-from orthon.optim import build_for_model
 from orthon.optim.config import BatchRampConfig, ScheduleConfig
 from orthon.pretrain import context_parallel
+from orthon.pretrain import checkpoint
 from orthon.pretrain.checkpoint import Checkpointer
 from orthon.pretrain.config import RuntimeOptions
-from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.recipe import Recipe, load_recipe
 from orthon.pretrain.train_config import TrainConfig
 from orthon.pretrain.trainer import CONFIG_NAME, Trainer, write_run_config
@@ -63,8 +62,6 @@ def stage_recipe(source: Recipe, plan: MidtrainPlan, index: int, run_dir) -> Rec
     train = config_io.build(TrainConfig, {
         **config_io.to_dict(source.train), **plan.train, "run_dir": str(run_dir), "total_tokens": stage.tokens,
         "max_steps": 0, "progress_label": f"stage {stage.name}",
-        # DDP only: the indexer KL runs outside the model's forward, on parameters FSDP2 reshards after it.
-        "parallel": "ddp",
         "init_from": "",  # a stage starts from the previous stage's weights and optimizer, loaded by the stage
         **({"micro_batch_size": stage.micro_batch_size} if stage.micro_batch_size else {}),
         **({"context_parallel": stage.context_parallel} if stage.context_parallel else {})}, "train")
@@ -102,40 +99,29 @@ def scale_attention_logits(model, factor: float) -> None:
         layer.self_attn.q_b_proj.weight.mul_(factor)
 
 
-def _load_source_run(source_dir: Path, recipe: Recipe, log):
-    """The pretraining run's newest good checkpoint in a model + optimizer built as its Trainer built them."""
-    path = Checkpointer(source_dir, log=log).latest_good()
-    if path is None:
-        # Mid-training continues the optimizer state too, so a weights directory alone (final/) is not enough.
-        raise CheckpointError(f"{source_dir}: no checkpoint to continue from (mid-training needs the source "
-                              f"run's checkpoints/, with its optimizer state, not only final/)")
-    model = GLMForCausalLM(recipe.model)
-    # Frozen indexers (as pretraining has them) have no optimizer state in the checkpoint; loading asks
-    # for state exactly for the parameters that require grad.
-    model.set_indexers_trainable(_has_indexer_state(path))
-    optimizer = build_for_model(model, recipe.optim, recipe.schedule)
-    Checkpointer(source_dir, log=log).load(path, model, optimizer.optimizers)
-    log(f"continuing {source_dir} from {path.name}")
-    return model, optimizer.optimizers
-
-
-def _has_indexer_state(checkpoint: Path) -> bool:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    keys = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    return any(k.startswith("optim.state.") and ".indexer." in k for k in keys)
-
-
-def _load_stage_run(directory: Path, log):
-    recipe = load_recipe(directory / CONFIG_NAME)
+def _previous_checkpoint(plan: MidtrainPlan, index: int, run_dir: Path, log) -> Path:
+    """The checkpoint stage ``index`` starts from: the previous stage's newest good one, the first stage's
+    the source run's."""
+    directory = Path(plan.source) if index == 0 else stage_dir(run_dir, plan, index - 1)
     path = Checkpointer(directory, log=log).latest_good()
     if path is None:
-        raise FileNotFoundError(f"{directory}: the previous stage has no usable checkpoint")
-    model = GLMForCausalLM(recipe.model)
-    optimizer = StageOptimizer(model, recipe.optim, recipe.schedule)
-    Checkpointer(directory, log=log).load(path, model, optimizer.optimizers)
-    log(f"continuing stage {directory.name} from {path.name}")
-    return model, optimizer.optimizers
+        # Mid-training continues the optimizer state too, so a weights directory alone (final/) is not enough.
+        raise CheckpointError(f"{directory}: no checkpoint to continue from (mid-training needs "
+                              f"{'the source run' if index == 0 else 'the previous stage'}'s checkpoints/, with its "
+                              f"optimizer state, not only final/)")
+    return path
+
+
+def carry_training_state(path: Path, trainer: Trainer, log) -> None:
+    """The previous run's weights and optimizer state into the stage's (maybe sharded) model, by name."""
+    report = checkpoint.carry(path, trainer.model, trainer.optimizer.optimizers)
+    log(f"continuing {path.parent.parent} from {path.name}")
+    if report["dropped"]:
+        log(f"dropping {len(report['dropped'])} tensors the new stage's model does not have "
+            f"(e.g. {report['dropped'][0]})")
+    fresh = report["fresh"]
+    log(f"carried optimizer state for {report['carried']} of {report['carried'] + len(fresh)} parameters"
+        + (f"; fresh state for {len(fresh)} without state there (e.g. {fresh[0]})" if fresh else ""))
 
 
 def _clear_partial(directory: Path) -> None:
@@ -197,12 +183,7 @@ def run_plan(plan: MidtrainPlan, log=print) -> list[dict]:
             if rank == 0:
                 _clear_partial(directory)  # a start killed before its first checkpoint left these behind
             distributed.barrier()
-            if i == 0:
-                src_model, src_opts = _load_source_run(Path(plan.source), source, log)
-            else:
-                src_model, src_opts = _load_stage_run(stage_dir(run_dir, plan, i - 1), log)
-            copy_training_state(src_model, src_opts, trainer.model, trainer.optimizer.optimizers, log)
-            del src_model, src_opts
+            carry_training_state(_previous_checkpoint(plan, i, run_dir, log), trainer, log)
             if stage.attention_scale != 1.0:  # once, at the start: a resumed stage's weights hold it already
                 scale_attention_logits(trainer.model, stage.attention_scale)
                 log(f"attention logits scaled by {stage.attention_scale:g} (q_b_proj)")

@@ -6,9 +6,9 @@ A stage step is one of three phases (StageConfig.step_phase):
 - sparse: the LM loss through top-k sparse attention, and the indexers' KL over the selected keys
   (their input detached, so the KL never reaches the main model).
 The phase sets what requires grad (the Trainer re-wraps DDP when that set changes), whether the model
-attends sparsely, and which optimizer part steps (StageOptimizer). The layers' inputs are recorded by
-forward hooks during the LM forward (which runs through the data-parallel wrapper), and the KL is
-computed from them after it; one backward of LM + KL reduces every gradient over the ranks.
+attends sparsely, and which optimizer part steps (StageOptimizer). The KL is computed inside the LM
+forward (which runs through the data-parallel wrapper: DDP or FSDP2), layer by layer
+(orthon.midtrain.indexer_objective); one backward reduces every gradient over the ranks.
 """
 from __future__ import annotations
 
@@ -18,9 +18,8 @@ import torch
 
 from orthon.core import distributed
 from orthon.core.metrics import plot_curves
-from orthon.midtrain.indexer_fit import AttentionInputs, indexer_terms
+from orthon.midtrain.indexer_objective import IndexerObjective
 from orthon.midtrain.optimizer import is_indexer_param
-from orthon.pretrain.parallel import unwrap
 from orthon.pretrain.steps import NextTokenStep
 
 _TRAINABLE = {"dense": lambda n: not is_indexer_param(n), "indexer_only": is_indexer_param, "sparse": lambda n: True}
@@ -30,7 +29,7 @@ class StageStep(NextTokenStep):
     def __init__(self, stage, loss_chunk: int, document_mask: bool):
         super().__init__(loss_chunk, document_mask)
         self.stage = stage
-        self.probe: AttentionInputs | None = None  # hooks on the trainer's model, at the first step
+        self.objective: IndexerObjective | None = None  # hooks on the trainer's model, at the first step
         self.phase = "dense"
 
     @property
@@ -38,8 +37,10 @@ class StageStep(NextTokenStep):
         return self.phase != "indexer_only"  # a frozen model's routers keep their biases
 
     def begin(self, trainer, batch) -> None:
-        if self.probe is None:
-            self.probe = AttentionInputs(trainer.model)
+        if self.objective is None:
+            self.objective = IndexerObjective(trainer.model)
+            # FSDP2 frees a layer's parameters after its forward: the indexers' gradients go through the layers.
+            self.through_layers = trainer.cfg.parallel == "fsdp" and trainer.world > 1
             self.n_full = sum(1 for layer in trainer.model.model.layers if layer.self_attn.indexer is not None)
         self.phase = self.stage.step_phase(trainer.step)
         trainer.set_trainable(_TRAINABLE[self.phase])
@@ -54,10 +55,14 @@ class StageStep(NextTokenStep):
 
     def loss(self, model, micro):
         record = self.phase != "dense"
-        with self.probe.recording() if record else nullcontext():
+        mode = "dense" if self.phase == "indexer_only" else "sparse"
+        # Summed over ranks by the wrapper's average: the KL is scaled by the world size as the LM term.
+        fit = (self.objective.recording(mode, self.world / self.query_total, self.through_layers) if record
+               else nullcontext())
+        with fit:
             if self.phase == "indexer_only":
                 # Frozen main model: no MoE load counted, nothing to recompute; with no parameter of the
-                # main path requiring grad, its forward builds no graph.
+                # main path requiring grad, its forward builds no graph (but through FSDP2's layers).
                 model.eval()
                 try:
                     lm = self.lm_loss(model, micro)
@@ -68,11 +73,9 @@ class StageStep(NextTokenStep):
         sums = {"loss": float(lm.detach())}
         objective = lm * (self.world / self.count) if lm.requires_grad else None
         if record:
-            terms = indexer_terms(unwrap(model), self.probe.take(),
-                                  "dense" if self.phase == "indexer_only" else "sparse")
-            # Summed over ranks by DDP's average: scale by the world size as the LM term.
-            kl = terms.kl_sum * (self.world / self.query_total)
-            objective = kl if objective is None else objective + kl
+            terms, surrogate = self.objective.terms, self.objective.surrogate
+            if surrogate is not None:
+                objective = surrogate if objective is None else objective + surrogate
             sums.update(indexer_kl=float(terms.kl_sum.detach()), recall=terms.recall_sum,
                         oracle=terms.oracle_sum, recall_count=float(terms.recall_count))
         return objective, sums
@@ -88,8 +91,8 @@ class StageStep(NextTokenStep):
         return metrics
 
     def close(self) -> None:
-        if self.probe is not None:
-            self.probe.remove()
+        if self.objective is not None:
+            self.objective.remove()
 
     def finish(self, trainer, records) -> None:
         if any("indexer_recall" in r for r in records):

@@ -283,6 +283,31 @@ class Checkpointer:
         return json.loads((path / TRAINER_STATE).read_text())
 
 
+def carry(path: Path, model: torch.nn.Module, optimizers: list) -> dict:
+    """Weights and per-parameter optimizer state from a checkpoint of a related run (mid-training's
+    hand-over between stages, whose models may differ: IndexShare drops the shared layers' indexers),
+    loaded straight into this already-built (and already-sharded) model: no rank holds it whole. Every
+    weight of ``model`` must be in the checkpoint (a CheckpointError names the first missing); a
+    parameter whose optimizer state the checkpoint lacks (never trained there, or by another optimizer)
+    keeps the state it has; the param-group settings stay this run's. Returns {"dropped": the
+    checkpoint's weights the model lacks, "fresh": parameters that kept their state, "carried": count}."""
+    model_state, optim_state = get_state_dict(model, optimizers)
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    weights = flatten_state_dict({"model": model_state})[0]
+    missing = [key for key in weights if key not in stored]
+    if missing:
+        raise CheckpointError(f"{path} has no {missing[0].removeprefix('model.')!r} (and {len(missing) - 1} "
+                              f"more weights this model needs)")
+    carried = {name: entries for name, entries in optim_state["state"].items()
+               if all(f"optim.state.{name}.{key}" in stored for key in entries)}
+    dcp.load({"model": model_state, "optim": {"state": carried}}, checkpoint_id=str(path))
+    set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optim_state,
+                   options=StateDictOptions(strict=True))
+    return {"dropped": sorted(key.removeprefix("model.") for key in stored
+                              if key.startswith("model.") and key not in weights),
+            "fresh": [name for name in optim_state["state"] if name not in carried], "carried": len(carried)}
+
+
 _GROUP_SETTING = re.compile(r"optim\.param_groups\.\d+\.(?!params$)\w+")
 
 

@@ -15,6 +15,8 @@ plug-in owns the loss:
 - ``update_moe_bias``: False for a step that must leave the routers' balancing biases alone.
 - ``runs_context_parallel``: True for a step whose forwards pass the Trainer's ``context`` to the model
   (each rank of a context-parallel group then computes its part of the same sequences).
+- ``runs_expert_parallel``: True for a step whose every forward runs on every rank of the expert
+  exchange (each MoE layer's all-to-all waits for all of them).
 
 NextTokenStep is pretraining's; mid-training adds the indexer KL (orthon.midtrain.steps) and RL the
 policy loss (orthon.rl.steps).
@@ -38,6 +40,7 @@ class TrainStep:
 
     update_moe_bias = True
     runs_context_parallel = False
+    runs_expert_parallel = False
 
     def micro_batches(self, batch, size: int, device) -> list:
         n = batch.input_ids.shape[0]
@@ -61,6 +64,7 @@ class NextTokenStep(TrainStep):
     ``loss_chunk`` > 0 runs the chunked cross-entropy (no full logits)."""
 
     runs_context_parallel = True
+    runs_expert_parallel = True
 
     def __init__(self, loss_chunk: int = 0, document_mask: bool = True, track_max_logit: bool = False):
         self.loss_chunk, self.document_mask, self.track_max_logit = loss_chunk, document_mask, track_max_logit

@@ -203,9 +203,9 @@ class Trainer:
     def _shard_experts(self):
         ep = self.expert_parallel
         expert_parallel.check_degree(ep, self.world, self.recipe.model.n_routed_experts)
-        if type(self.step_fn) is not NextTokenStep:
-            raise ConfigError(f"train.expert_parallel = {ep}: only pretraining's step runs expert-parallel "
-                              f"({type(self.step_fn).__name__} does not); set train.expert_parallel=1")
+        if not self.step_fn.runs_expert_parallel:
+            raise ConfigError(f"train.expert_parallel = {ep}: {type(self.step_fn).__name__} does not run "
+                              f"expert-parallel (pretraining's and mid-training's steps do); set train.expert_parallel=1")
         mesh = expert_parallel.shard_experts(self.model, ep, self.device)
         n = self.recipe.model.n_routed_experts
         self.log(f"expert parallelism: {n // ep} of the {n} experts of each MoE layer on each rank ({self.world // ep} "

@@ -169,3 +169,42 @@ def test_resuming_ranks_split_the_checksums(tmp_path, monkeypatch):
     verify(path, (0, 3)), verify(path, (2, 3))
     with pytest.raises(CheckpointError, match=f"file {victim} fails its checksum"):
         verify(path, (1, 3))
+
+
+def test_carry_into_a_related_model(tmp_path):
+    """Mid-training's hand-over: the weights and the optimizer state of every parameter the source
+    trained are carried by name; a parameter the source never trained keeps its (fresh) state; the
+    source's weights the new model lacks are reported dropped; a weight the source lacks is refused."""
+    from hf_reference import small_model
+    from orthon.midtrain.optimizer import fill_state
+    from orthon.pretrain.checkpoint import carry
+
+    torch.manual_seed(0)
+    source = small_model("dsa")  # 3 layers, each its own indexer
+    trained = [p for n, p in source.named_parameters() if ".indexer." not in n]  # pretraining's indexers are frozen
+    opt = torch.optim.AdamW(trained, lr=0.1)
+    source(torch.randint(0, 257, (2, 9)), labels=torch.randint(0, 257, (2, 9))).loss.backward()
+    opt.step()
+    path = Checkpointer(tmp_path, log=lambda *_: None).save(1, source, [opt], {"step": 1})
+
+    model = small_model("dsa", indexer_types=["full", "shared", "full"])  # IndexShare: layer 1 has none
+    target = torch.optim.AdamW(model.parameters(), lr=0.1)
+    fill_state(target)
+    report = carry(path, model, [target])
+    names = dict(model.named_parameters())
+    src = dict(source.named_parameters())
+    assert report["dropped"] == sorted(n for n in src if n.startswith("model.layers.1.self_attn.indexer."))
+    assert sorted(report["fresh"]) == sorted(n for n in names if ".indexer." in n)
+    assert report["carried"] == len(trained)
+    for name, p in names.items():
+        assert torch.equal(p, src[name]), name
+        state = target.state[p]
+        if ".indexer." in name:
+            assert float(state["step"]) == 0 and not state["exp_avg"].any()
+        else:
+            want = opt.state[src[name]]
+            assert float(state["step"]) == 1 and torch.equal(state["exp_avg_sq"], want["exp_avg_sq"]), name
+
+    deeper = small_model("dsa", num_hidden_layers=4)
+    with pytest.raises(CheckpointError, match=r"has no 'model.layers.3.[\w.]+' \(and \d+ more weights"):
+        carry(path, deeper, [torch.optim.AdamW(deeper.parameters())])

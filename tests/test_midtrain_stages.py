@@ -92,8 +92,8 @@ def test_stages_run_with_their_settings(reference):
     # Pretraining never trains the indexers: their state is the only one the first stage starts without.
     import re
 
-    carried = re.search(r"carried optimizer state for (\d+) of (\d+) parameters; fresh state for (\d+) the "
-                        r"source never trained \(e\.g\. (\S+)\)", log)
+    carried = re.search(r"carried optimizer state for (\d+) of (\d+) parameters; fresh state for (\d+) without "
+                        r"state there \(e\.g\. (\S+)\)", log)
     assert carried and int(carried[1]) + int(carried[3]) == int(carried[2]) and ".indexer." in carried[4]
     assert log.count("attention logits scaled by 2 (q_b_proj)") == 1  # the DSA stage's hand-over only
     from orthon.pretrain.recipe import load_recipe
