@@ -82,6 +82,7 @@ class IndexerObjective:
         # The last layer of each full layer's group: the layer before the next full one, or the last.
         self.last = {i: (full[n + 1] if n + 1 < len(full) else len(layers)) - 1 for n, i in enumerate(full)}
         self.handles = [a.register_forward_hook(self._hook, with_kwargs=True) for a in layers]
+        self.handles.append(model.model.embed_tokens.register_forward_hook(self._embedding_hook))
         self.active = False
 
     @contextmanager
@@ -94,6 +95,14 @@ class IndexerObjective:
             yield self
         finally:
             self.active, self.group = False, None
+
+    def _embedding_hook(self, module, args, output):
+        # Through the layers with a frozen main model (phase 1), the ports make the layers' activations
+        # require grad from the first full layer on, but activation checkpointing's recompute runs without
+        # them: it would save other tensors than the forward did. Every layer's input requires grad instead.
+        if self.active and self.through_layers and not output.requires_grad:
+            return output.detach().requires_grad_()
+        return None
 
     def _hook(self, module, args, kwargs, output):
         if not self.active:

@@ -60,16 +60,10 @@ class StageStep(NextTokenStep):
         fit = (self.objective.recording(mode, self.world / self.query_total, self.through_layers) if record
                else nullcontext())
         with fit:
-            if self.phase == "indexer_only":
-                # Frozen main model: no MoE load counted, nothing to recompute; with no parameter of the
-                # main path requiring grad, its forward builds no graph (but through FSDP2's layers).
-                model.eval()
-                try:
-                    lm = self.lm_loss(model, micro)
-                finally:
-                    model.train()
-            else:
-                lm = self.lm_loss(model, micro)
+            # Phase 1's frozen main model builds no graph (no parameter of it requires grad), but through
+            # the ports under FSDP2 (orthon.midtrain.indexer_objective), recomputed by activation
+            # checkpointing as any step's.
+            lm = self.lm_loss(model, micro)
         sums = {"loss": float(lm.detach())}
         objective = lm * (self.world / self.count) if lm.requires_grad else None
         if record:

@@ -284,7 +284,7 @@ class Trainer:
         balance = {}
         if self.step_fn.update_moe_bias and not skipped:
             balance = self._update_moe_bias()
-        elif skipped:
+        else:
             self._discard_moe_load()
         self.step += 1
         self.tokens += int(tokens or 0)
@@ -332,7 +332,8 @@ class Trainer:
 
     @torch.no_grad()
     def _discard_moe_load(self) -> None:
-        """A skipped step's routing counts: dropped, so the next bias update sees its own step's alone."""
+        """The routing counts of a step that moves no bias (skipped, or a step plug-in that leaves the
+        biases alone): dropped, so the next bias update sees its own step's alone."""
         for router in self.model.moe_routers():
             router.expert_load.zero_()
 

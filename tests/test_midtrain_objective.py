@@ -72,12 +72,13 @@ def test_in_forward_kl_equals_the_post_forward_one(mode, checkpointing, through_
         torch.testing.assert_close(got_main[name], want, rtol=1e-4, atol=1e-7, msg=name)
 
 
-def test_through_layers_with_a_frozen_main_model_trains_the_indexers_alone():
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_through_layers_with_a_frozen_main_model_trains_the_indexers_alone(checkpointing):
     """Phase 1 under FSDP2: the main model frozen, the LM loss's backward runs only to carry the KL's
-    gradients into the indexers."""
+    gradients into the indexers (with activation checkpointing, whose recompute runs without the ports)."""
     ids = torch.randint(0, 128, (2, 30), generator=torch.Generator().manual_seed(2))
     _, _, want, _ = _reference("dense", ids, torch.roll(ids, -1, 1))
-    model = _model("dense", False).eval()
+    model = _model("dense", checkpointing)
     for name, p in model.named_parameters():
         p.requires_grad_(is_indexer_param(name))
     objective = IndexerObjective(model)
