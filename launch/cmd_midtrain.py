@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from orthon.core.errors import ConfigError
-from orthon.launch.args import held_out
+from orthon.launch.args import check_model_fits, held_out
 
 
 def register(parser, name):
@@ -58,7 +58,7 @@ def resume_command(args, name) -> str | None:
 
 def run(args, name):
     from orthon.midtrain.config import LongEvalConfig
-    from orthon.midtrain.stages import PLAN_NAME, load_plan, run_plan
+    from orthon.midtrain.stages import PLAN_NAME, load_plan, prepare, run_plan, stage_dir, stage_recipe
 
     if args.eval:
         cfg = load_plan(args.config, args.overrides).eval if args.config else LongEvalConfig()
@@ -85,12 +85,10 @@ def run(args, name):
         if stages.is_dir() and any(stages.iterdir()):
             raise SystemExit(f"orthon midtrain: {plan.run_dir} already holds stages; use --resume {plan.run_dir} "
                              f"or another run_dir")
-    source_config = Path(plan.source) / "config.yaml"
-    if source_config.is_file():  # a missing source is reported, with the plan's other checks, by run_plan
-        from orthon.launch.args import check_model_fits
-        from orthon.pretrain.recipe import load_recipe
-
-        check_model_fits(load_recipe(source_config).model, command="mid-train")
+    source = prepare(plan)  # the source run and the plan against its model, before anything is allocated
+    # Under the stages' parallelism (the source run's train section with the plan's overrides).
+    train = stage_recipe(source, plan, 0, stage_dir(plan.run_dir, plan, 0)).train
+    check_model_fits(source.model, train, command="mid-train")
     start = time.perf_counter()
     args.started_run_dir = str(plan.run_dir)
     summaries = run_plan(plan)

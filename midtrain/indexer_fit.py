@@ -14,6 +14,10 @@ before an induction layer, say) without the keys it reads.
 
 Memory: everything goes query chunk by query chunk, each chunk checkpointed: phase 1 holds
 chunk x S logits at a time (per layer of the group), phase 2 chunk x k.
+
+Training computes the same terms inside the forward, from the same pieces (``layer_target``,
+``indexer_outputs``, ``group_terms``): orthon.midtrain.indexer_objective. The recorded path here serves
+the evaluation (``indexer_recall``), the head probes and the tests.
 """
 from __future__ import annotations
 

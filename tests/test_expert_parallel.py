@@ -166,3 +166,34 @@ def test_clip_grads_is_torchs_clipping(max_norm):
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
     assert (float(torch.cat([p.grad.flatten() for p in ours]).norm()) < norm) == (max_norm < norm)
+
+
+def test_glm5_mid_training_is_checked_under_the_stages_parallelism(tmp_path, monkeypatch, capsys):
+    """The mid-training plan's stages run under the source run's parallelism (GLM-5's: FSDP2), so its
+    memory check weighs one rank's share, not the whole model on every rank; a plan that asks for DDP is
+    refused before anything is allocated."""
+    import orthon.launch.args as args
+    import orthon.midtrain.stages as stages
+    from orthon.launch.cli import main
+    from orthon.pretrain.recipe import load_recipe
+    from orthon.pretrain.trainer import write_run_config
+
+    write_run_config(tmp_path / "glm5", load_recipe(ROOT / "configs/glm5.yaml"))
+    monkeypatch.setattr(args, "machine_memory", lambda: (40e9, "memory"))
+    monkeypatch.setenv("WORLD_SIZE", "1024")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.delenv("ORTHON_NO_MEMORY_CHECK", raising=False)
+
+    class Checked(Exception):
+        pass
+
+    def reached(plan, log=print):
+        raise Checked
+
+    monkeypatch.setattr(stages, "run_plan", reached)
+    command = ["midtrain", "-c", str(ROOT / "configs/midtrain_glm5.yaml"), "--from", str(tmp_path / "glm5"),
+               f"run_dir={tmp_path / 'mid'}"]
+    with pytest.raises(Checked):
+        main(command)  # 743.91B x 16 bytes / 1024 = 11.6 GB a rank
+    assert main(command + ["train.parallel=ddp"]) == 2
+    assert "743.91B parameters need about 11,902.6 GB to mid-train" in capsys.readouterr().err

@@ -1,6 +1,7 @@
-"""Mid-training on 2 gloo processes equals 1 process, data-parallel (each rank its sequences) and
-context-parallel (each rank half of every sequence's positions): the stages' losses, indexer KL and
-recall agree, and the final weights match."""
+"""Mid-training on 2 gloo processes equals 1 process: data-parallel under DDP with expert parallelism (each
+rank its sequences and half of every MoE layer's experts), and context-parallel under FSDP2 (each rank half
+of every sequence's positions, and half of every parameter): the stages' losses, indexer KL and recall
+agree, and the final weights match."""
 import json
 
 import torch
@@ -23,21 +24,21 @@ def test_two_processes_match_one(tmp_path):
                                           optim={"algorithm": "muon", "ns_dtype": "fp32"}))
     # One sequence per micro-batch, so every stage's batch splits evenly over 2 data ranks; under context
     # parallelism both ranks take the same two (the dense, indexer-only, sparse and IndexShare phases).
-    layouts = {"one": (1, {"micro_batch_size": 1}), "data": (2, {"micro_batch_size": 1}),
-               "context": (2, {"micro_batch_size": 2, "context_parallel": 2}),
-               "fsdp-expert": (2, {"micro_batch_size": 1, "parallel": "fsdp", "expert_parallel": 2})}
+    layouts = {"one": (1, {"micro_batch_size": 1}),
+               "ddp-expert": (2, {"micro_batch_size": 1, "parallel": "ddp", "expert_parallel": 2}),
+               "fsdp-context": (2, {"micro_batch_size": 2, "parallel": "fsdp", "context_parallel": 2})}
     runs = {}
     for name, (n, train) in layouts.items():
         runs[name] = tmp_path / name
         out = orthon("midtrain", "-c", write_plan(tmp_path / f"{name}.yaml", plan(runs[name], train=train)), "--from",
                      source, "--no-eval", nproc=n)
-        assert ("split over 2 ranks" in out.stdout) == (name == "context")
-        assert ("model built sharded" in out.stdout) == ("expert parallelism" in out.stdout) == (name == "fsdp-expert")
+        assert ("split over 2 ranks" in out.stdout) == ("model built sharded" in out.stdout) == (name == "fsdp-context")
+        assert ("expert parallelism" in out.stdout) == (name == "ddp-expert")
     # Records per stage, as the plan implies: one loss a step (512, 1024, 512 tokens at 256 a step), the
     # indexer KL on every step with an indexer objective (DSA stage, sparse IndexShare stage), the recall
     # on the DSA stage's 2 indexer-only steps.
     counts = {"00_long": (2, 0, 0), "01_dsa": (4, 4, 2), "02_share": (2, 2, 0)}
-    for layout in ("data", "context", "fsdp-expert"):
+    for layout in ("ddp-expert", "fsdp-context"):
         for stage in STAGES:
             for key, count in zip(("loss", "indexer_kl", "indexer_recall"), counts[stage]):
                 one, two = _records(runs["one"], stage, key), _records(runs[layout], stage, key)
