@@ -5,6 +5,7 @@ from collections import defaultdict
 
 import torch
 
+from orthon.core.errors import ConfigError
 from orthon.pretrain.config import ModelConfig, RuntimeOptions
 from orthon.pretrain.model import GLMForCausalLM
 
@@ -67,6 +68,8 @@ def rank_parameters(counts: dict[str, dict[str, int]], world: int, train=None) -
     experts = counts.get("routed_experts", {"total": 0})["total"]
     if world == 1:
         return total
+    if shard_ranks and world % shard_ranks:
+        raise ConfigError(f"train.fsdp_shard_ranks = {shard_ranks} does not divide the {world} ranks")
     if parallel == "fsdp":  # expert parallelism shards the experts over the world whatever the groups
         return (total - experts) / (shard_ranks or world) + experts / (world if ep > 1 else shard_ranks or world)
     return total - experts + experts / ep

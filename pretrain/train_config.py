@@ -46,7 +46,8 @@ class TrainConfig:
     fsdp_shard_ranks: int = 0
     # > 1: each MoE layer's routed experts spread over this many ranks (it divides the world size and
     # model.n_routed_experts), tokens sent to their experts' ranks and back (all-to-all); the rest stays
-    # data-parallel by `parallel`. Pretraining's step only (generation needs every expert on one rank).
+    # data-parallel by `parallel`. Pretraining's and mid-training's steps (RL and SFT generate with every
+    # expert on one rank).
     expert_parallel: int = 1
     # > 1: each sequence split over this many consecutive ranks (context parallelism, for contexts one
     # device cannot hold: orthon.pretrain.context_parallel); it divides the world size, and the sequence
@@ -78,6 +79,9 @@ class TrainConfig:
                      "max_nonfinite_skips", "profile_from_step", "fsdp_shard_ranks"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.fsdp_shard_ranks and self.parallel != "fsdp":
+            raise ConfigError(f"fsdp_shard_ranks: HSDP groups are an FSDP2 setting (parallel: fsdp); got parallel: "
+                              f"{self.parallel} with fsdp_shard_ranks: {self.fsdp_shard_ranks}")
         check_stop_signals(self.stop_signals)
         if self.spike_sigma < 0:
             raise ConfigError(f"spike_sigma: must be >= 0 (0 = off), got {self.spike_sigma}")

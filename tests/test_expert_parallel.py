@@ -197,3 +197,19 @@ def test_glm5_mid_training_is_checked_under_the_stages_parallelism(tmp_path, mon
         main(command)  # 743.91B x 16 bytes / 1024 = 11.6 GB a rank
     assert main(command + ["train.parallel=ddp"]) == 2
     assert "743.91B parameters need about 11,902.6 GB to mid-train" in capsys.readouterr().err
+
+
+def test_hsdp_groups_divide_the_ranks_and_need_fsdp():
+    """model-info --ranks and the memory check weigh a layout the Trainer would run, or refuse it."""
+    from orthon.pretrain.model_info import parameter_counts, rank_parameters
+    from orthon.pretrain.recipe import load_recipe
+    from orthon.pretrain.train_config import TrainConfig
+
+    counts = parameter_counts(load_recipe(ROOT / "configs/tiny.yaml").model)
+    with pytest.raises(ConfigError, match=r"train.fsdp_shard_ranks = 3 does not divide the 8 ranks"):
+        rank_parameters(counts, 8, TrainConfig(parallel="fsdp", fsdp_shard_ranks=3))
+    total = sum(c["total"] for c in counts.values())
+    assert rank_parameters(counts, 8, TrainConfig(parallel="fsdp", fsdp_shard_ranks=4)) == total / 4
+    with pytest.raises(ConfigError, match=r"fsdp_shard_ranks: HSDP groups are an FSDP2 setting \(parallel: fsdp\); "
+                                          r"got parallel: ddp with fsdp_shard_ranks: 2"):
+        TrainConfig(fsdp_shard_ranks=2)

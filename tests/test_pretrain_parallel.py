@@ -93,9 +93,11 @@ def test_two_processes_match_one(mode, experts, context, single, tmp_path):
     assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
 
 
-# The plain FSDP2 and HSDP cases (about 17 s each) run with -m slow: HSDP with context parallelism on the same
-# mesh covers FSDP2 over expert replicas.
-@pytest.mark.parametrize("mode,shard_ranks,context", [("ddp", 0, 1), pytest.param("fsdp", 0, 1, marks=pytest.mark.slow),
+# The DDP, plain FSDP2 and HSDP cases (about 17-23 s each) run with -m slow: HSDP with context parallelism on
+# the same mesh covers FSDP2 over expert replicas, and the 2-rank DDP + expert parallelism cases (pretraining's
+# and mid-training's) DDP's exchange.
+@pytest.mark.parametrize("mode,shard_ranks,context", [pytest.param("ddp", 0, 1, marks=pytest.mark.slow),
+                                                      pytest.param("fsdp", 0, 1, marks=pytest.mark.slow),
                                                       pytest.param("fsdp", 2, 1, marks=pytest.mark.slow), ("fsdp", 2, 2)],
                          ids=["ddp", "fsdp", "hsdp", "hsdp-context-parallel"])
 def test_four_ranks_with_two_expert_replicas_match_one(mode, shard_ranks, context, single, tmp_path):
