@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
-from torch.nn.attention.bias import causal_lower_right
 
 import orthon.pretrain.sparse_kernels as sparse_kernels
 from orthon.pretrain.config import ModelConfig, RuntimeOptions
@@ -289,7 +288,13 @@ def sdpa_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[tupl
         if mask is None and q.device.type == "cpu":
             outs.append(_run_attention(q[:, rows], k[:, :b], v[:, :b], scale))
         else:
-            run_mask = causal_lower_right(n, b) if mask is None else mask[..., rows, :b]
+            if mask is None:
+                # Here, not at the top: the module imports torch._dynamo (a second per process start).
+                from torch.nn.attention.bias import causal_lower_right
+
+                run_mask = causal_lower_right(n, b)
+            else:
+                run_mask = mask[..., rows, :b]
             outs.append(sdpa(q[:, rows], k[:, :b], v[:, :b], run_mask, False, scale))
         row += n
     return torch.cat(outs, dim=1)

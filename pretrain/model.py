@@ -6,12 +6,14 @@ Parameter names are those of transformers' ``GlmMoeDsaForCausalLM`` (``model.lay
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
 
 from orthon.pretrain.attention import Indexer, MLAttention
 from orthon.pretrain.cache import KVCache
@@ -21,6 +23,31 @@ from orthon.pretrain.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entr
 from orthon.pretrain.moe import MoE, Experts, Router
 from orthon.pretrain.parallel import fill_shard
 from orthon.optim.param_spec import ParamSpec
+
+
+class _NoInitOnMeta(TorchFunctionMode):
+    """Skips the in-place initialisation of meta tensors: they hold no values, and drawing them runs
+    torch's Python decompositions, whose first use imports torch._dynamo (a second of every start)."""
+
+    INIT = {torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.zero_, torch.Tensor.fill_,
+            *(getattr(nn.init, name) for name in ("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_",
+                                                  "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+                                                  "constant_", "ones_", "zeros_"))}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.INIT:
+            tensor = args[0] if args else kwargs.get("tensor")  # nn.init passes it by keyword
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def on_meta_device():
+    """Modules built inside hold their parameters on the meta device (shapes, no memory, no values)."""
+    with torch.device("meta"), _NoInitOnMeta():
+        yield
 
 
 @dataclass

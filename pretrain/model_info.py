@@ -7,7 +7,7 @@ import torch
 
 from orthon.core.errors import ConfigError
 from orthon.pretrain.config import ModelConfig, RuntimeOptions
-from orthon.pretrain.model import GLMForCausalLM
+from orthon.pretrain.model import GLMForCausalLM, on_meta_device
 
 COMPONENTS = ("embedding", "attention", "indexer", "dense_mlp", "router", "routed_experts", "shared_experts",
               "norms", "output_head")
@@ -35,7 +35,7 @@ def component_of(name: str) -> str:
 
 def meta_model(config: ModelConfig, runtime: RuntimeOptions | None = None) -> GLMForCausalLM:
     """The torch model of ``config`` on the meta device: names, shapes and ParamSpecs, no memory."""
-    with torch.device("meta"):
+    with on_meta_device():
         return GLMForCausalLM(config, init=False, runtime=runtime)
 
 

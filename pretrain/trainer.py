@@ -37,7 +37,7 @@ from orthon.optim.newton_schulz import bf16_gemm_is_native
 from orthon.pretrain import context_parallel, expert_parallel, parallel
 from orthon.pretrain.checkpoint import Checkpointer
 from orthon.pretrain.config import TOKEN_ID_FIELDS
-from orthon.pretrain.model import GLMForCausalLM
+from orthon.pretrain.model import GLMForCausalLM, on_meta_device
 from orthon.pretrain.moe import update_expert_bias
 from orthon.pretrain.steps import NextTokenStep, TrainStep
 from orthon.pretrain.weights import load_config, load_into, load_weights, save_weights
@@ -110,7 +110,7 @@ class Trainer:
         # holds the whole model (GLM-5's 744B parameters would not fit); the same values as a direct build.
         sharded_build = self.cfg.parallel == "fsdp" and self.world > 1 and not recipe.model.tie_word_embeddings
         source = init_source(self.cfg.init_from, recipe.model) if self.cfg.init_from else None
-        with torch.device("meta") if sharded_build else nullcontext():
+        with on_meta_device() if sharded_build else nullcontext():
             self.model = GLMForCausalLM(recipe.model, runtime=dataclasses.replace(recipe.runtime))  # a copy: phases change it
         if not sharded_build:
             if source is not None:

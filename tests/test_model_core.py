@@ -11,6 +11,7 @@ from orthon.core.errors import ConfigError
 from orthon.pretrain import GLMForCausalLM, ModelConfig, from_hf
 from orthon.core.errors import CheckpointError
 from orthon.pretrain.moe import route, update_expert_bias
+from orthon.pretrain.model import on_meta_device
 
 
 @pytest.mark.parametrize(
@@ -137,8 +138,11 @@ def test_a_model_built_on_meta_then_drawn_equals_a_direct_build():
     direct = GLMForCausalLM(config).state_dict()
     after_direct = torch.rand(3)
     torch.manual_seed(11)
-    with torch.device("meta"):
+    with on_meta_device():  # as the Trainer builds it for FSDP2: no initialisation on the meta device
         model = GLMForCausalLM(config)
+        cpu = torch.empty(4, device="cpu")
+        torch.nn.init.ones_(cpu)  # what is not on the meta device is initialised as ever
+    assert torch.equal(cpu, torch.ones(4)) and all(p.is_meta for p in model.parameters())
     model.to_empty(device="cpu")
     model.draw_as_built()
     model.reset_parameters()
