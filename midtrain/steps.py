@@ -30,6 +30,7 @@ class StageStep(NextTokenStep):
         super().__init__(loss_chunk, document_mask)
         self.stage = stage
         self.objective: IndexerObjective | None = None  # hooks on the trainer's model, at the first step
+        self.through_layers = False  # the indexers' gradients through the layers' backward (FSDP2)
         self.phase = "dense"
 
     @property
@@ -39,7 +40,7 @@ class StageStep(NextTokenStep):
     def begin(self, trainer, batch) -> None:
         if self.objective is None:
             self.objective = IndexerObjective(trainer.model)
-            # FSDP2 frees a layer's parameters after its forward: the indexers' gradients go through the layers.
+            # FSDP2 frees a layer's parameters after its forward (orthon.midtrain.indexer_objective).
             self.through_layers = trainer.cfg.parallel == "fsdp" and trainer.world > 1
             self.n_full = sum(1 for layer in trainer.model.model.layers if layer.self_attn.indexer is not None)
         self.phase = self.stage.step_phase(trainer.step)
