@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import torch
 
 from orthon.core.errors import ConfigError
 from orthon.pretrain.config import ModelConfig, RuntimeOptions
