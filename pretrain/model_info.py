@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-
 from orthon.core.errors import ConfigError
 from orthon.pretrain.config import ModelConfig, RuntimeOptions
 from orthon.pretrain.model import GLMForCausalLM, on_meta_device
