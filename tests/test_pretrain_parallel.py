@@ -44,9 +44,11 @@ def _close(a: dict, b: dict, steps):
         assert a[step] == pytest.approx(b[step], rel=2e-5, abs=2e-5), (step, a[step], b[step])
 
 
-# Two cases (about 15 s each) run with -m slow: the 4-rank HSDP case below covers FSDP2 with expert and
-# context parallelism together.
-@pytest.mark.parametrize("mode,experts,context", [("ddp", 1, 1), ("fsdp", 1, 1), ("ddp", 2, 1),
+# Four cases (about 15-22 s each) run with -m slow: the 4-rank HSDP case below covers FSDP2 with expert and
+# context parallelism together; DDP + expert parallelism (here and in mid-training's test) and the launcher's
+# 2-rank run cover plain DDP, FSDP2 + context parallelism plain FSDP2.
+@pytest.mark.parametrize("mode,experts,context", [pytest.param("ddp", 1, 1, marks=pytest.mark.slow),
+                                                  pytest.param("fsdp", 1, 1, marks=pytest.mark.slow), ("ddp", 2, 1),
                                                   pytest.param("fsdp", 2, 1, marks=pytest.mark.slow),
                                                   ("fsdp", 1, 2), pytest.param("ddp", 2, 2, marks=pytest.mark.slow)],
                          ids=["ddp", "fsdp", "ddp-expert-parallel", "fsdp-expert-parallel", "fsdp-context-parallel",
