@@ -42,7 +42,7 @@ class StageStep(NextTokenStep):
             self.objective = IndexerObjective(trainer.model)
             # FSDP2 frees a layer's parameters after its forward (orthon.midtrain.indexer_objective).
             self.through_layers = trainer.cfg.parallel == "fsdp" and trainer.world > 1
-            self.n_full = sum(1 for layer in trainer.model.model.layers if layer.self_attn.indexer is not None)
+            self.n_full = len(self.objective.last)  # one group per layer with its own indexer
         self.phase = self.stage.step_phase(trainer.step)
         trainer.set_trainable(_TRAINABLE[self.phase])
         trainer.model.runtime.sparse_attention = self.phase == "sparse"
@@ -71,7 +71,7 @@ class StageStep(NextTokenStep):
             terms, surrogate = self.objective.terms, self.objective.surrogate
             if surrogate is not None:
                 objective = surrogate if objective is None else objective + surrogate
-            sums.update(indexer_kl=float(terms.kl_sum.detach()), recall=terms.recall_sum,
+            sums.update(indexer_kl=float(terms.kl_sum), recall=terms.recall_sum,
                         oracle=terms.oracle_sum, recall_count=float(terms.recall_count))
         return objective, sums
 

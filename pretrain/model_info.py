@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from orthon.core.errors import ConfigError
 from orthon.pretrain.config import ModelConfig, RuntimeOptions
 from orthon.pretrain.model import GLMForCausalLM, on_meta_device
+from orthon.pretrain.parallel import check_shard_ranks
 
 COMPONENTS = ("embedding", "attention", "indexer", "dense_mlp", "router", "routed_experts", "shared_experts",
               "norms", "output_head")
@@ -66,8 +66,7 @@ def rank_parameters(counts: dict[str, dict[str, int]], world: int, train=None) -
     experts = counts.get("routed_experts", {"total": 0})["total"]
     if world == 1:
         return total
-    if shard_ranks and world % shard_ranks:
-        raise ConfigError(f"train.fsdp_shard_ranks = {shard_ranks} does not divide the {world} ranks")
+    check_shard_ranks(shard_ranks, world)
     if parallel == "fsdp":  # expert parallelism shards the experts over the world whatever the groups
         return (total - experts) / (shard_ranks or world) + experts / (world if ep > 1 else shard_ranks or world)
     return total - experts + experts / ep

@@ -11,11 +11,18 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from orthon.core.distributed import is_distributed
+from orthon.core.errors import ConfigError
 from orthon.optim.muon import shard_placements
 from orthon.pretrain.expert_parallel import shard_over_replicas
 
 
 HSDP_MESH_DIMS = ("fsdp_replicas", "fsdp_shards")
+
+
+def check_shard_ranks(shard_ranks: int, world: int) -> None:
+    """HSDP's groups (train.fsdp_shard_ranks; 0: none) must divide the world size."""
+    if shard_ranks and world % shard_ranks:
+        raise ConfigError(f"train.fsdp_shard_ranks = {shard_ranks} does not divide the {world} ranks")
 
 
 def wrap(model: nn.Module, mode: str, expert_mesh=None, shard_ranks: int = 0) -> nn.Module:

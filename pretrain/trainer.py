@@ -122,9 +122,7 @@ class Trainer:
         self.model.set_indexers_trainable(False)  # the LM loss never reaches them; mid-training trains them
         self.model.track_max_logit(self.cfg.track_max_logit)
         self.step_fn = step or NextTokenStep(self.cfg.loss_chunk, recipe.data.document_mask, self.cfg.track_max_logit)
-        if self.cfg.fsdp_shard_ranks and self.world % self.cfg.fsdp_shard_ranks:
-            raise ConfigError(f"train.fsdp_shard_ranks = {self.cfg.fsdp_shard_ranks} does not divide the {self.world} "
-                              f"ranks of this run")
+        parallel.check_shard_ranks(self.cfg.fsdp_shard_ranks, self.world)
         self.expert_parallel = self.cfg.expert_parallel if self.world > 1 else 1
         self.expert_mesh = self._shard_experts() if self.expert_parallel > 1 else None
         # Context parallelism: the ranks of a group take the same sequences, so the data is split over the
