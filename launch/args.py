@@ -32,11 +32,12 @@ def machine_memory() -> tuple[int, str]:
     return physical_memory(), "memory"
 
 
-def check_model_fits(model_config, train=None, command: str = "train") -> None:
+def check_model_fits(model_config, train=None, command: str = "train", world: int | None = None) -> None:
     """Refuse, before anything is allocated, a model whose training state cannot fit: one rank's parameters
     (counted on the meta device; model_info.rank_parameters under ``train``'s parallelism, a TrainConfig;
     None: every rank holds the whole model) x 16 bytes against one GPU's memory or this machine's RAM
-    (shared by the processes torchrun starts here). ORTHON_NO_MEMORY_CHECK=1 skips the check."""
+    (shared by the processes torchrun starts here). ``world``: the ranks (default: torchrun's WORLD_SIZE;
+    Ray's trainer ranks are counted as all on this machine). ORTHON_NO_MEMORY_CHECK=1 skips the check."""
     if os.environ.get("ORTHON_NO_MEMORY_CHECK", "0") not in ("", "0"):
         return
     import torch
@@ -45,7 +46,7 @@ def check_model_fits(model_config, train=None, command: str = "train") -> None:
 
     counts = parameter_counts(model_config)
     n_params = sum(c["total"] for c in counts.values())
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world or int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     share = rank_parameters(counts, world, train) * BYTES_PER_PARAM  # one rank's part
     need = share if torch.cuda.is_available() else share * local

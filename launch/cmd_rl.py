@@ -38,7 +38,8 @@ def run(args, name):
     recipe = load_rl_recipe(args.config, args.overrides)
     if recipe.rl.cluster.enabled and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError("rl.cluster.enabled: the Ray cluster runs its own trainer and engines; start it as "
-                          "one process (orthon rl ...), not under torchrun")
+                          "one process (orthon rl ...), not under torchrun (several trainer ranks: "
+                          "rl.cluster.trainer_ranks)")
     if name == "distill" and (recipe.rl.opd is None or not recipe.rl.opd.teachers):
         raise ConfigError("rl.opd.teachers: orthon distill needs at least one teacher (name, weights, task)")
     run_dir = Path(recipe.train.run_dir)
@@ -53,15 +54,16 @@ def run(args, name):
     # The tokenizer is recorded in the run's config, so this run can be the --from of the next.
     recipe = replace(recipe, model=load_config(policy), runtime=load_runtime(policy),
                      data=replace(recipe.data, tokenizer=tokenizer), train=replace(recipe.train, init_from=str(policy)))
-    check_model_fits(recipe.model, recipe.train, "train with RL")
+    cluster = recipe.rl.cluster
+    check_model_fits(recipe.model, recipe.train, "train with RL", cluster.trainer_ranks if cluster.enabled else None)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "source.txt", str(source.resolve()) + "\n")
     write_run_config(run_dir, recipe)
     args.started = True
-    if recipe.rl.cluster.enabled:  # the same loop with its parts as Ray actors (orthon.rl.cluster)
-        from orthon.rl import cluster
+    if cluster.enabled:  # the same loop with its parts as Ray actors (orthon.rl.cluster)
+        from orthon.rl.cluster import run as run_on_ray
 
-        result = cluster.run(recipe, tokenizer, resume=args.resume)
+        result = run_on_ray(recipe, tokenizer, resume=args.resume)
     else:
         trainer = RLTrainer(recipe, load_tokenizer(tokenizer))
         if args.resume and not trainer.resume():

@@ -202,8 +202,9 @@ class Trainer:
         ep = self.expert_parallel
         expert_parallel.check_degree(ep, self.world, self.recipe.model.n_routed_experts)
         if not self.step_fn.runs_expert_parallel:
-            raise ConfigError(f"train.expert_parallel = {ep}: {type(self.step_fn).__name__} does not run "
-                              f"expert-parallel (pretraining's and mid-training's steps do); set train.expert_parallel=1")
+            raise ConfigError(f"train.expert_parallel = {ep}: {type(self.step_fn).__name__} does not run every "
+                              f"forward on every rank (pretraining's and mid-training's steps do, post-training's with "
+                              f"rl.dp_schedule.equal_micro_batches); set train.expert_parallel=1")
         mesh = expert_parallel.shard_experts(self.model, ep, self.device)
         n = self.recipe.model.n_routed_experts
         self.log(f"expert parallelism: {n // ep} of the {n} experts of each MoE layer on each rank ({self.world // ep} "
@@ -418,6 +419,18 @@ class Trainer:
         if not (self.cfg.log_sample_ids and self.rank == 0):
             return None
         return open_step_log(self.run_dir / "samples.jsonl", resume_step)  # cut back as the metrics are
+
+    @property
+    def holds_shards(self) -> bool:
+        """No rank holds the whole model: FSDP2 shards it, or expert parallelism spreads the experts."""
+        return self.world > 1 and (self.cfg.parallel == "fsdp" or self.expert_parallel > 1)
+
+    def whole_state(self) -> dict | None:
+        """The model's state dict gathered from the ranks' shards (a collective: every rank calls it; CPU
+        copies, on rank 0 only), or None where every rank holds the whole model (``self.model``'s own)."""
+        if not self.holds_shards:
+            return None
+        return get_model_state_dict(self.wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def _final_fits(self) -> bool:
         """Whether rank 0's machine can hold final/'s source: the whole model gathered in fp32 on one

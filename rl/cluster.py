@@ -1,7 +1,8 @@
 """RL on Ray: the same loop as ``orthon rl`` with its parts in different processes (slime's layout).
 
-Actors: the trainer (RLTrainer: the policy, its optimizer, checkpoints, and the engine fleet with its
-health monitor and weight sync), the rollout manager (the Data Buffer, the prompt stream, the
+Actors: the trainer (RLTrainer: the policy, its optimizer, checkpoints; ``rl.cluster.trainer_ranks``
+actors training data parallel in one process group, rank 0 with the engine fleet, its health monitor
+and weight sync), the rollout manager (the Data Buffer, the prompt stream, the
 rollout plug-in; it reaches the engines through the router), the engine servers (``orthon serve``
 under small supervising actors) and, optionally, reward workers. The driver only wires them up and
 waits; ``rl.mode`` chooses synchronous or asynchronous training exactly as in one process.
@@ -80,9 +81,12 @@ class _RolloutActor(RolloutManager):
 
 
 class TrainerActor:
-    """The policy's process: RLTrainer + the engine fleet."""
+    """One rank of the policy's trainer (RLTrainer). Rank 0 also runs the engine fleet and talks to the
+    rollout manager; with ``rl.cluster.trainer_ranks`` > 1 the ranks form one torch.distributed group
+    (gloo on CPU, NCCL on GPU; rank 0's node and a free port there) and train data parallel, as the
+    ranks torchrun starts do."""
 
-    def __init__(self, recipe, group=None):
+    def __init__(self, recipe, group=None, rank: int = 0):
         from dataclasses import replace
 
         from orthon.engine.client import HTTPEngine
@@ -92,37 +96,60 @@ class TrainerActor:
         # The driver draws the progress bar and prints the log lines (progress()): an actor's own output
         # goes to Ray's log files, not to the user's terminal.
         self.recipe = replace(recipe, train=replace(recipe.train, progress=False))
+        self.rank = rank
         # Appended by the engine monitor's thread and the loop's while progress() drains it: a deque's
         # append and popleft are atomic, so no line is lost between a drain and an append.
         self.messages: collections.deque[str] = collections.deque()
-        cluster = recipe.rl.cluster
-        run_dir = recipe.train.run_dir
-        self.fleet = EngineFleet(cluster, recipe.train.init_from, run_dir, WeightSync(cluster, run_dir),
-                                 lambda url: HTTPEngine(url, timeout_s=cluster.request_timeout_s),
-                                 placement=(lambda i: bundle(group, 2 + i)) if group is not None else None,
-                                 log=self.log)
-        self.engine_url = self.fleet.start()
-        self.trainer = None
+        self.fleet = self.trainer = None
+        self.engine_url = None
+        if rank == 0:
+            cluster = recipe.rl.cluster
+            first_engine = cluster.trainer_ranks + 1  # the bundles: trainer ranks, the rollout manager, engines
+            self.fleet = EngineFleet(cluster, recipe.train.init_from, recipe.train.run_dir,
+                                     WeightSync(cluster, recipe.train.run_dir),
+                                     lambda url: HTTPEngine(url, timeout_s=cluster.request_timeout_s),
+                                     placement=(lambda i: bundle(group, first_engine + i)) if group is not None else None,
+                                     log=self.log)
+            self.engine_url = self.fleet.start()
+
+    def master(self) -> tuple[str, int]:
+        """Where the trainer ranks meet (rank 0's): this node's address and a port free on it now."""
+        import ray
+
+        from orthon.core.net import free_port
+
+        host = ray.util.get_node_ip_address()
+        return host, free_port(host)
 
     def url(self) -> str:
         return self.engine_url
 
-    def attach(self, rollout_handle) -> None:
+    def attach(self, rollout_handle, master: tuple[str, int] | None = None) -> None:
+        """Build this rank's RLTrainer (rank 0 with the rollout manager's handle; every rank at once when
+        there are several: they meet at ``master``) and give the engines the policy's exact bytes."""
         from orthon.rl.trainer import RLTrainer
 
-        # A rollout call returns within its own timeouts (collect_timeout_s, the engines' request timeout):
-        # past those and a margin, the rollout actor is dead or hung.
-        timeout = self.recipe.rl.collect_timeout_s + 4 * self.recipe.rl.cluster.request_timeout_s
-        self.trainer = RLTrainer(self.recipe, None, rollout=ActorProxy(rollout_handle, timeout),
-                                 weight_sync=self.fleet.sync, log=self.log)
-        self.trainer.weight_sync(self.trainer.model, 0)  # every engine holds the policy's exact bytes
+        ranks = self.recipe.rl.cluster.trainer_ranks
+        if ranks > 1:  # torch.distributed's env:// rendezvous, as torchrun sets it (one GPU an actor: LOCAL_RANK 0)
+            os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
+                              WORLD_SIZE=str(ranks), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        rollout = None
+        if rollout_handle is not None:
+            # A rollout call returns within its own timeouts (collect_timeout_s, the engines' request
+            # timeout): past those and a margin, the rollout actor is dead or hung.
+            timeout = self.recipe.rl.collect_timeout_s + 4 * self.recipe.rl.cluster.request_timeout_s
+            rollout = ActorProxy(rollout_handle, timeout)
+        self.trainer = RLTrainer(self.recipe, None, rollout=rollout,
+                                 weight_sync=self.fleet.sync if self.fleet else None, log=self.log)
+        self.trainer.hand_over()  # weight version 0: every engine holds the policy's exact bytes
 
     def resume(self) -> bool:
         return self.trainer.resume()
 
     def fit(self) -> dict:
         result = self.trainer.fit()
-        result["fleet"] = dict(self.fleet.counters)
+        if self.fleet is not None:
+            result["fleet"] = dict(self.fleet.counters)
         return result
 
     def engine_pids(self) -> list[int]:
@@ -145,55 +172,66 @@ class TrainerActor:
         return self.trainer.iteration, stats, messages
 
     def stop(self) -> None:
-        self.fleet.stop()
+        if self.fleet is not None:
+            self.fleet.stop()
 
 
 class RLCluster:
     """The actors of one RL run: ``start()`` places them, ``fit()`` runs the loop, ``stop()`` ends all.
 
-    One placement group holds a bundle for the trainer, one for the rollout manager and one per engine
+    One placement group holds a bundle per trainer rank, one for the rollout manager and one per engine
     (PACK: on one node when it fits, spread otherwise)."""
 
     def __init__(self, recipe, tokenizer_path: str, log=print):
         self.recipe, self.tokenizer_path, self.log = recipe, tokenizer_path, log
-        self.trainer = self.rollout = self.group = None
+        self.trainers, self.rollout, self.group = [], None, None
         self.owns_ray = False
+
+    @property
+    def trainer(self):
+        """Rank 0's trainer actor: the engines' owner, and the one that reports progress."""
+        return self.trainers[0] if self.trainers else None
 
     def start(self, resume: bool = False) -> "RLCluster":
         import ray
         from ray.util.placement_group import placement_group
 
         cluster = self.recipe.rl.cluster
+        wanted = bundles(cluster)
         if not ray.is_initialized():
-            needed = cluster.engines * cluster.engine_threads + 2
+            needed = sum(b["CPU"] for b in wanted)
             kwargs = {} if cluster.address else {"num_cpus": max(needed, os.cpu_count() or 1), "include_dashboard": False}
             ray.init(address=cluster.address, log_to_driver=False, **kwargs)
             self.owns_ray = True
-        self.group = placement_group([{"CPU": 1}, {"CPU": 1}] + [{"CPU": cluster.engine_threads}] * cluster.engines,
-                                     strategy="PACK")
+        self.group = placement_group(wanted, strategy="PACK")
         ray.get(self.group.ready(), timeout=cluster.startup_timeout_s)
-        rl = self.recipe.rl
-        trainer = ray.remote(TrainerActor).options(num_cpus=1, max_concurrency=4, scheduling_strategy=bundle(self.group, 0))
-        self.trainer = trainer.remote(self.recipe, self.group)
+        rl, ranks = self.recipe.rl, cluster.trainer_ranks
+        self.trainers = [ray.remote(TrainerActor).options(
+            num_cpus=cluster.trainer_threads, num_gpus=1 if cluster.trainer_gpus else 0, max_concurrency=4,
+            scheduling_strategy=bundle(self.group, rank)).remote(self.recipe, self.group, rank) for rank in range(ranks)]
         url = ray.get(self.trainer.url.remote())
         # A reward call mostly waits (a sandbox, a judge): each worker takes reward.concurrency at once.
         concurrency = rl.reward.concurrency if rl.reward else 1
         workers = [ray.remote(RewardWorker).options(num_cpus=0, max_concurrency=concurrency).remote(rl.reward, rl.task)
                    for _ in range(cluster.reward_workers)]
-        rollout = ray.remote(_RolloutActor).options(num_cpus=1, max_concurrency=8, scheduling_strategy=bundle(self.group, 1))
+        rollout = ray.remote(_RolloutActor).options(num_cpus=1, max_concurrency=8,
+                                                    scheduling_strategy=bundle(self.group, ranks))
         self.rollout = rollout.remote(rl, self.tokenizer_path, url, self.recipe.train.seed, workers)
-        ray.get(self.trainer.attach.remote(self.rollout))
-        if resume and not ray.get(self.trainer.resume.remote()):
+        master = ray.get(self.trainer.master.remote()) if ranks > 1 else None
+        # Every rank at once: they meet in one process group, and the first weight sync is a collective.
+        ray.get([t.attach.remote(self.rollout if rank == 0 else None, master) for rank, t in enumerate(self.trainers)])
+        if resume and not ray.get([t.resume.remote() for t in self.trainers])[0]:
             self.log(f"no usable RL checkpoint in {self.recipe.train.run_dir}; starting at iteration 0")
         return self
 
     def fit(self, poll_s: float = 1.0) -> dict:
-        """Runs the loop in the trainer actor; meanwhile shows its progress and prints its log lines."""
+        """Runs the loop in the trainer actors; meanwhile shows rank 0's progress and prints its log lines.
+        A rank that fails ends the run at once with its error (the others would wait in a collective)."""
         import ray
 
         from orthon.rl.trainer import ProgressPostfix
 
-        done = self.trainer.fit.remote()
+        done = [t.fit.remote() for t in self.trainers]
         postfix = ProgressPostfix()
         bar = None
         if self.recipe.train.progress:
@@ -202,7 +240,7 @@ class RLCluster:
             bar = tqdm(total=self.recipe.rl.iterations, desc="rl", unit="it")
         try:
             while True:
-                finished, _ = ray.wait([done], timeout=poll_s)
+                finished, pending = ray.wait(done, num_returns=len(done), timeout=poll_s)
                 iteration, stats, messages = ray.get(self.trainer.progress.remote(),
                                                      timeout=self.recipe.rl.cluster.startup_timeout_s)
                 for message in messages:
@@ -210,8 +248,9 @@ class RLCluster:
                 if bar is not None and iteration > bar.n:
                     bar.update(iteration - bar.n)
                     bar.set_postfix(postfix(stats))
-                if finished:
-                    return ray.get(done)
+                ray.get(finished)  # raises a finished rank's error
+                if not pending:
+                    return ray.get(done[0])
         finally:
             if bar is not None:
                 bar.close()
@@ -230,7 +269,7 @@ class RLCluster:
                 ray.get(self.trainer.stop.remote(), timeout=60)
             except Exception as exc:  # already gone: its engines die with their supervisors
                 self.log(f"stopping the trainer: {exc}")
-        if self.group is not None:
+        if self.group is not None:  # ends every actor placed in it
             remove_placement_group(self.group)
         if self.owns_ray:
             ray.shutdown()
@@ -240,6 +279,14 @@ class RLCluster:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def bundles(cluster) -> list[dict]:
+    """The placement group's bundles: one per trainer rank (its CPUs, and a GPU with ``trainer_gpus``),
+    the rollout manager's, one per engine."""
+    trainer = {"CPU": cluster.trainer_threads, **({"GPU": 1} if cluster.trainer_gpus else {})}
+    return [dict(trainer) for _ in range(cluster.trainer_ranks)] + [{"CPU": 1}] + \
+        [{"CPU": cluster.engine_threads} for _ in range(cluster.engines)]
 
 
 def bundle(group, index: int):

@@ -154,6 +154,12 @@ class ClusterConfig:
     enabled: bool = False
     address: str | None = None  # None: start a local Ray cluster; "auto" or "ray://host:port": join one
     engines: int = 2  # `orthon serve` processes (SGLang servers on a GPU cluster)
+    # The policy's trainer as this many Ray actors in one torch.distributed group (slime's training
+    # actors), data parallel by train.parallel (ddp, or fsdp: FSDP2 shards); rank 0 holds the engine
+    # fleet and talks to the rollout manager.
+    trainer_ranks: int = 1
+    trainer_threads: int = 1  # CPUs (torch threads) of each trainer rank
+    trainer_gpus: bool = False  # each trainer rank on a GPU of its own (Ray sets CUDA_VISIBLE_DEVICES)
     engine_threads: int = 1  # torch threads of each engine server
     engine_max_batch_size: int = 64
     router: bool = True  # sglang-router in front of the engines (session affinity by routing key)
@@ -169,8 +175,8 @@ class ClusterConfig:
     startup_timeout_s: float = 180.0
 
     def __post_init__(self):
-        _positive(self, "engines", "engine_threads", "engine_max_batch_size", "health_interval_s",
-                  "health_failures", "request_timeout_s", "startup_timeout_s")
+        _positive(self, "engines", "engine_threads", "trainer_ranks", "trainer_threads", "engine_max_batch_size",
+                  "health_interval_s", "health_failures", "request_timeout_s", "startup_timeout_s")
         if self.reward_workers < 0:
             raise ConfigError(f"reward_workers: must be >= 0, got {self.reward_workers}")
 

@@ -156,7 +156,8 @@ class EngineFleet:
 
     # ------------------------------------------------------------ weights
     def sync(self, model, version: int) -> None:
-        """The weights to every engine; an engine that could not take them is restarted with them."""
+        """The weights (the model, or a state dict gathered from FSDP2's shards) to every engine; an engine
+        that could not take them is restarted with them."""
         with self._lock:
             self.version, self.model = version, model
             for url in self.sync_path.push(model, version, [self.client_factory(u) for u in self.urls]):

@@ -144,9 +144,10 @@ def fit_sft(recipe, tokenizer, conversations: list[list[Message]], log=print) ->
         if bar is not None:
             bar.close()
         metrics.close()
-    if trainer.rank != 0:  # under torchrun every rank has the same (DDP) weights; rank 0 writes them
+    state = trainer.whole_state()  # gathered from the shards (FSDP2, expert parallelism) on every rank
+    if trainer.rank != 0:  # rank 0 writes them
         return {"steps": trainer.step}
-    save_weights(trainer.model, run_dir / "final")
+    save_weights(trainer.model, run_dir / "final", state)
     records = read_metrics(run_dir / "metrics.jsonl")
     plot_curves(records, ["sft_loss"], run_dir / "loss.png", title="SFT: NLL of the assistant's tokens")
     losses = [r["sft_loss"] for r in records if "sft_loss" in r]

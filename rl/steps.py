@@ -45,6 +45,12 @@ class SampleStep(TrainStep):
 
     update_moe_bias = False  # post-training leaves the routers' balancing biases as pretraining left them
 
+    @property
+    def runs_expert_parallel(self) -> bool:
+        """Every rank runs as many micro-batches (a rank without samples one at weight 0), so each MoE
+        layer's expert exchange meets every rank, when the schedule gives each rank equally many."""
+        return self.dp.equal_micro_batches
+
     def __init__(self, dp_schedule=None):
         self.dp = dp_schedule or DPScheduleConfig()
         self.denominator, self.world, self.rank = 1.0, 1, 0

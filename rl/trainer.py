@@ -7,26 +7,27 @@ groups, compute GRPO advantages per group, take ``updates_per_iteration`` optimi
 weights to the engines under the next weight version. On a Ray cluster the same loop runs with the
 rollout manager, the engines and the trainer in different processes (orthon.rl.cluster).
 
-Under torchrun (data parallelism: DDP, or FSDP2 by ``train.parallel``) rank 0's rollout manager draws
-the prompts and collects each iteration's groups, hands them to every rank, and every rank trains its
-share of them (the policy step's DP schedule). With DDP in the synchronous mode every rank holds an
-engine and generates a share of each round (orthon.rl.rank_rollouts); otherwise rank 0's engine
-generates alone, and under FSDP2 its new weights are gathered from the shards on every rank first.
+Under torchrun, or as several trainer ranks on Ray (data parallelism: DDP, or FSDP2 by
+``train.parallel``; expert parallelism by ``train.expert_parallel``) rank 0's rollout manager draws the
+prompts and collects each iteration's groups, hands them to every rank, and every rank trains its share
+of them (the policy step's DP schedule). With DDP alone in the synchronous mode every rank holds an
+engine and generates a share of each round (orthon.rl.rank_rollouts); otherwise rank 0's engines
+generate alone, and where the ranks hold shards (FSDP2, expert parallelism) the new weights are
+gathered from them on every rank first.
 """
 from __future__ import annotations
 
 import json
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
 from orthon.core import distributed
-from orthon.core.errors import ConfigError, DataError
+from orthon.core.errors import DataError
 from orthon.core.files import atomic_write_text
 from orthon.core.interrupts import stop_signals_recorded
 from orthon.core.metrics import MetricsLogger, moving_average, plot_curves, read_metrics
@@ -47,8 +48,9 @@ class RLTrainer:
         """``recipe``: an RLRecipe whose ``train.init_from`` names the policy's starting weights.
         ``engine``: the Engine rollouts and evaluation run on (default: an in-process one on a copy of
         the policy). ``rollout``: the RolloutManager (default: one on ``engine``), or a proxy of one in
-        another process with the same methods. ``weight_sync(model, version)``: hands the new weights
-        to the engines (default: ``engine.update_weights(state_dict, version)``)."""
+        another process with the same methods (on rank 0; the other ranks follow rank 0's). ``weight_sync(
+        weights, version)``: hands the new weights, the model or (under FSDP2) the state dict gathered
+        from its shards, to the engines (default: ``engine.update_weights(state_dict, version)``)."""
         self.recipe, self.cfg, self.log = recipe, recipe.rl, log
         self.last_stats: dict = {}  # the latest iteration's statistics
         self.held_out: float | None = None  # the latest held-out reward (evaluations are every eval_interval)
@@ -66,21 +68,19 @@ class RLTrainer:
         step = PolicyStep(self.cfg.loss, reference, opd=opd, teachers=teachers, dp_schedule=self.cfg.dp_schedule)
         self.trainer = Trainer(recipe, self.run_dir, log, step=step, with_data=False)
         self.model, self.rank, self.log = self.trainer.model, self.trainer.rank, self.trainer.log
-        self.sharded = self.trainer.world > 1 and recipe.train.parallel == "fsdp"
-        if self.sharded and weight_sync is not None:
-            raise ConfigError("train.parallel: fsdp under torchrun hands the engine a gathered state dict; "
-                              "a custom weight_sync takes the model (use ddp)")
         if reference is not None:
             reference.to(self.trainer.device)
-        # Every rank generates a share of each synchronous round under DDP; else rank 0 alone (see the
-        # module docstring).
-        shared = (self.trainer.world > 1 and not self.sharded and self.cfg.mode == "sync"
-                  and engine is None and rollout is None)
+        own_engines = engine is None and rollout is None
+        # Every rank generates a share of each synchronous round where each holds the whole model; else
+        # rank 0 alone (see the module docstring).
+        shared = self.trainer.world > 1 and not self.trainer.holds_shards and self.cfg.mode == "sync" and own_engines
         # Synchronous rollouts on engines of our own sample with the weights the trainer holds at the next
         # update, so the engine's "rescore" (one more forward through the trainer's scoring) is the trainer's
         # own forward: the engine keeps its sampling log-probs and train_on replaces them (see there).
-        self.trainer_rescores = (engine is None and rollout is None and self.cfg.mode == "sync"
-                                 and self.cfg.debug == "none" and self.cfg.engine.logprobs == "rescore")
+        rescores = (own_engines and self.cfg.mode == "sync" and self.cfg.debug == "none"
+                    and self.cfg.engine.logprobs == "rescore")
+        # Rank 0's choices on every rank: on Ray only rank 0 is handed the rollout manager.
+        shared, self.trainer_rescores = self._from_rank_zero(lambda: (shared, rescores))
         if self.rank != 0 and not shared:
             engine = rollout = None
         elif rollout is None:
@@ -180,28 +180,17 @@ class RLTrainer:
                 for sample, row in zip(part, scored):
                     sample.rollout_log_probs = row[: sample.response_length].clone()
 
-    def _update_engine(self, model, version: int) -> None:
-        self.engine.update_weights(model.state_dict(), version=version)
+    def _update_engine(self, weights, version: int) -> None:
+        self.engine.update_weights(weights if isinstance(weights, Mapping) else weights.state_dict(), version=version)
 
-    def _full_state(self) -> dict | None:
-        """The policy's whole state dict gathered from FSDP2's shards (a collective: every rank calls
-        it; CPU copies), or None where the model is whole on every rank."""
-        if not self.sharded:
-            return None
-        return get_model_state_dict(self.trainer.wrapped, options=StateDictOptions(full_state_dict=True,
-                                                                                   cpu_offload=True))
-
-    def _hand_over(self) -> None:
+    def hand_over(self) -> None:
         """The current weights to the engines under ``weight_version`` (called on every rank)."""
-        state = self._full_state()
+        state = self.trainer.whole_state()
         if self.rank != 0:
             if self.engine is not None:  # a rank that generates too (DDP: its weights are whole)
                 self._update_engine(self.model, self.weight_version)
             return
-        if state is None:
-            self.weight_sync(self.model, self.weight_version)
-        else:
-            self.engine.update_weights(state, version=self.weight_version)
+        self.weight_sync(self.model if state is None else state, self.weight_version)
 
     def evaluate(self) -> dict:
         return self._from_rank_zero(lambda: self.rollout.evaluate())
@@ -246,7 +235,7 @@ class RLTrainer:
         self.weight_version = state["weight_version"]
         if self.rank == 0:
             self.rollout.load_state_dict(rollout_state(state))
-        self._hand_over()
+        self.hand_over()
         self.log(f"resumed RL at iteration {self.iteration} (weight version {self.weight_version})")
         return True
 
@@ -270,7 +259,7 @@ class RLTrainer:
         trained = time.perf_counter()
         if cfg.debug != "rollout_only":  # the new weights to the engines, under the next version
             self.weight_version += 1
-            self._hand_over()
+            self.hand_over()
         self.iteration += 1
         # trained_ids: the audit trail (every prompt trained on once, across restarts and resumes).
         stats.update(policy_version=self.weight_version, trained_samples=sum(map(len, groups)),
@@ -324,7 +313,7 @@ class RLTrainer:
             metrics.close()
         if not self.trainer.checkpointer.has(self.trainer.step):
             self.save_checkpoint()
-        state = self._full_state()
+        state = self.trainer.whole_state()
         return self._from_rank_zero(lambda: self._finish(state))
 
     def _finish(self, state: dict | None) -> dict:

@@ -10,10 +10,12 @@ path writes it as a file, the broadcast path sends its bytes over the group, the
 them in shared memory. An engine that holds anything but the base refuses it and changes nothing.
 
 The first sync, and the one that brings a restarted engine up to date, is a full copy through disk
-(an engine in any state can take it).
+(an engine in any state can take it). "model" below is what the trainer hands over: the model itself, or
+under FSDP2 the state dict gathered from its shards.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,9 +29,11 @@ from orthon.engine.weight_transfer import (SharedBuckets, TensorMeta, broadcast_
                                            open_update_group, write_delta, write_versioned)
 
 
-def _named(model) -> list[tuple[str, torch.Tensor]]:
-    """The model's tensors by the names engines take (its state_dict's)."""
-    return [(name, t.detach()) for name, t in model.state_dict().items()]
+def _named(weights) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of ``weights`` (the model, or a state dict gathered from FSDP2's shards) by the names
+    engines take (the model's state_dict's)."""
+    state = weights if isinstance(weights, Mapping) else weights.state_dict()
+    return [(name, t.detach()) for name, t in state.items()]
 
 
 def _each(clients, call) -> list:

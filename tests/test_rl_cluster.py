@@ -136,3 +136,43 @@ def test_every_sync_path_leaves_the_engines_with_the_trainers_bytes(tmp_path, pa
                                                              "check_weights": True, "router": False})
     result = run(recipe, _tokenizer(pre), log=lambda *a: None)  # check_weights raises on any difference
     assert result["iterations"] == 2
+
+
+@pytest.mark.parametrize("parallel,experts", [("fsdp", 2), pytest.param("ddp", 1, marks=pytest.mark.slow)])
+def test_trainer_ranks_train_what_one_process_does(tmp_path, parallel, experts):
+    """Two trainer ranks on Ray (one process group: FSDP2 shards with expert parallelism, or DDP) train on
+    saved rollouts to the weights one process reaches on them, and every sync leaves the engine holding
+    the trainer's bytes (check_weights raises otherwise: where the ranks hold shards, the state dict
+    gathered from them)."""
+    from dataclasses import replace
+
+    from orthon.data.tokenizer import load_tokenizer
+    from orthon.rl.cluster import run
+    from orthon.rl.trainer import RLTrainer
+    from test_rl_parallel import _trained_apart, _weights
+
+    pre = _pretrain_dir(tmp_path)
+    rollouts = str(tmp_path / "rollouts")
+
+    def recipe(name, debug, **rl):
+        loaded = _recipe(tmp_path, pre, 2, mode="sync", debug=debug, rollouts_dir=rollouts,
+                         dp_schedule={"micro_batch_tokens": 48}, **rl)
+        return replace(loaded, train=replace(loaded.train, run_dir=str(tmp_path / name), parallel=parallel,
+                                             expert_parallel=experts))
+
+    def in_process(name, debug, **rl):
+        RLTrainer(recipe(name, debug, cluster={"enabled": False}, **rl), load_tokenizer(_tokenizer(pre))).fit()
+
+    # Groups a random policy earns some reward on, so that the steps train (only this run scores them).
+    in_process("rollouts", "rollout_only", reward={"name": "test_rl_parallel.first_letter_reward"})
+    in_process("one", "train_only")
+    cluster = {"engines": 1, "router": False, "check_weights": True, "trainer_ranks": 2}
+    lines = []
+    result = run(recipe("two", "train_only", cluster=cluster), _tokenizer(pre), log=lines.append)
+    assert result["iterations"] == 2
+    text = "\n".join(lines)
+    assert parallel != "fsdp" or "model built sharded (FSDP2 over 2 ranks)" in text
+    assert experts == 1 or "expert parallelism: 2 of the 4 experts of each MoE layer on each rank" in text
+    start, one, two = _weights(pre / "final"), _weights(tmp_path / "one" / "final"), _weights(tmp_path / "two" / "final")
+    assert max((one[k].float() - start[k].float()).abs().max().item() for k in start) > 1e-4  # it trained
+    assert _trained_apart(one, two, start) == []

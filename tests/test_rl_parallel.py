@@ -23,13 +23,15 @@ def first_letter_reward(response: str, label) -> float:
     return float(bool(text) and text[0] < "n")
 
 
-def _run(tmp_path, pre, name, nproc, iterations=ITERATIONS, total_steps=0, resume=False, parallel="ddp", mode="sync"):
+def _run(tmp_path, pre, name, nproc, iterations=ITERATIONS, total_steps=0, resume=False, parallel="ddp", mode="sync",
+         experts=1):
     run = tmp_path / name
     path = _recipe(tmp_path, run, iterations, total_steps=total_steps, name=f"{name}.yaml")
     recipe = yaml.safe_load(path.read_text())
     # fp32 Newton-Schulz: a reduction-order round-off could flip a bf16 rounding between the world sizes.
     recipe["optim"] = {"ns_dtype": "fp32"}
     recipe["train"]["parallel"] = parallel
+    recipe["train"]["expert_parallel"] = experts
     recipe["rl"]["mode"] = mode
     recipe["rl"]["dp_schedule"] = {"micro_batch_tokens": 96}
     recipe["rl"]["reward"] = {"name": "test_rl_parallel.first_letter_reward"}
@@ -69,10 +71,13 @@ def setup(tmp_path_factory):
     return tmp, pre, _run(tmp, pre, "one", 1)
 
 
-@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])  # fsdp: -m slow (12 s)
-def test_two_ranks_train_what_one_does(setup, parallel):
+# -m slow (about 12 s each): FSDP2 (its Ray trainer ranks: test_rl_cluster), DDP with expert parallelism.
+@pytest.mark.parametrize("parallel,experts", [("ddp", 1), pytest.param("fsdp", 1, marks=pytest.mark.slow),
+                                              pytest.param("ddp", 2, marks=pytest.mark.slow)])
+def test_two_ranks_train_what_one_does(setup, parallel, experts):
     tmp, pre, (out1, one, w1) = setup
-    out2, two, w2 = _run(tmp, pre, f"two_{parallel}", 2, parallel=parallel)
+    out2, two, w2 = _run(tmp, pre, f"two_{parallel}_{experts}", 2, parallel=parallel, experts=experts)
+    assert experts == 1 or "expert parallelism: 2 of the 4 experts" in out2.stdout + out2.stderr
     assert len(one) == len(two) == ITERATIONS
     # One summary line, from rank 0.
     assert out2.stdout.count("done: ") == 1
@@ -86,9 +91,10 @@ def test_two_ranks_train_what_one_does(setup, parallel):
         # Micro-batches of at most 96 padded tokens and 5 samples: more than one per rank, as many on each.
         assert b["micro_batches"] * 2 >= a["micro_batches"] > 2 and b["micro_batches"] < a["micro_batches"]
         assert a["dp_balance"] == 1.0 and 1.0 <= b["dp_balance"] < 1.5
-        # Under DDP both ranks generated a share of each round (FSDP2: rank 0 alone); every other figure,
-        # the rollout and reward counters gathered from the ranks included, is the one process's.
-        assert (a["rollout_ranks"], b["rollout_ranks"]) == (1, 2 if parallel == "ddp" else 1)
+        # Under DDP both ranks generated a share of each round (FSDP2, expert parallelism: rank 0 alone);
+        # every other figure, the rollout and reward counters gathered from the ranks included, is the one
+        # process's.
+        assert (a["rollout_ranks"], b["rollout_ranks"]) == (1, 2 if parallel == "ddp" and experts == 1 else 1)
         differ = {"micro_batches", "dp_balance", "rollout_ranks", "entropy", *WALL}
         assert {k: v for k, v in a.items() if k not in differ} == {k: v for k, v in b.items() if k not in differ}
     assert not _trained_apart(w1, w2, _weights(pre / "final"))
@@ -120,9 +126,11 @@ def test_two_ranks_resume_where_they_stopped(tmp_path):
 
 
 @pytest.mark.slow  # about 25 s: four posttrain runs
-def test_a_posttrain_plan_trains_on_two_ranks_as_on_one(tmp_path, chat_tokenizer):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_posttrain_plan_trains_on_two_ranks_as_on_one(tmp_path, chat_tokenizer, parallel):
     # SFT then RL through `orthon posttrain` at world sizes 1 and 2: each stage ends at the same weights
-    # (the SFT step shares RL's DP schedule), and rank 0's evaluation summary is the one process's.
+    # (the SFT step shares RL's DP schedule; under FSDP2 final/ is gathered from the shards), and rank 0's
+    # evaluation summary is the one process's.
     from orthon.pretrain import GLMForCausalLM, ModelConfig
     from orthon.pretrain.weights import save_weights
     from pretrain_support import MODEL
@@ -133,7 +141,7 @@ def test_a_posttrain_plan_trains_on_two_ranks_as_on_one(tmp_path, chat_tokenizer
     (source / "config.yaml").write_text(yaml.safe_dump({"data": {"tokenizer": str(chat_tokenizer.path)}}))
     (tmp_path / "base.yaml").write_text(yaml.safe_dump({
         "optim": {"ns_dtype": "fp32"},
-        "train": {"progress": False, "micro_batch_size": 3, "checkpoint_interval": 50},
+        "train": {"progress": False, "micro_batch_size": 3, "checkpoint_interval": 50, "parallel": parallel},
         "rl": {"iterations": 1, "prompts_per_iteration": 3, "max_new_tokens": 6, "eval_samples": 1,
                "eval_interval": 0, "buffer": {"num_repeat_per_sample": 2}, "drop_zero_std_groups": False,
                "max_sampling_rounds": 1, "task_args": {"difficulty": 1, "eval_size": 2},
