@@ -144,7 +144,7 @@ def fit_sft(recipe, tokenizer, conversations: list[list[Message]], log=print) ->
         if bar is not None:
             bar.close()
         metrics.close()
-    state = trainer.whole_state()  # gathered from the shards (FSDP2, expert parallelism) on every rank
+    state = trainer.whole_state()  # FSDP2, expert parallelism: a collective, the gathered copy on rank 0
     if trainer.rank != 0:  # rank 0 writes them
         return {"steps": trainer.step}
     save_weights(trainer.model, run_dir / "final", state)

@@ -49,8 +49,8 @@ class RLTrainer:
         ``engine``: the Engine rollouts and evaluation run on (default: an in-process one on a copy of
         the policy). ``rollout``: the RolloutManager (default: one on ``engine``), or a proxy of one in
         another process with the same methods (on rank 0; the other ranks follow rank 0's). ``weight_sync(
-        weights, version)``: hands the new weights, the model or (under FSDP2) the state dict gathered
-        from its shards, to the engines (default: ``engine.update_weights(state_dict, version)``)."""
+        weights, version)``: hands the new weights, the model or (where the ranks hold shards: FSDP2,
+        expert parallelism) the state dict gathered from them, to the engines (default: ``engine.update_weights(state_dict, version)``)."""
         self.recipe, self.cfg, self.log = recipe, recipe.rl, log
         self.last_stats: dict = {}  # the latest iteration's statistics
         self.held_out: float | None = None  # the latest held-out reward (evaluations are every eval_interval)
