@@ -60,6 +60,33 @@ def check_model_fits(model_config, train=None, command: str = "train", world: in
             f"or set ORTHON_NO_MEMORY_CHECK=1")
 
 
+def check_weights_fit(model_config, command: str) -> None:
+    """Refuse, before any tensor is read, a model that a command loads whole into this process's RAM
+    (generation, the long-context evaluation: fp32, as ``load_weights`` builds it) when its weights alone
+    exceed this machine's memory. ORTHON_NO_MEMORY_CHECK=1 skips the check."""
+    if os.environ.get("ORTHON_NO_MEMORY_CHECK", "0") not in ("", "0"):
+        return
+    from orthon.core.allocator import physical_memory
+    from orthon.pretrain.model_info import parameter_counts
+
+    n_params = sum(c["total"] for c in parameter_counts(model_config).values())
+    need, have = n_params * 4, physical_memory()
+    if have and need > have:
+        raise ConfigError(
+            f"model: {n_params / 1e9:,.2f}B parameters need about {need / 1e9:,.1f} GB to {command} (fp32 "
+            f"weights, the whole model in one process), more than this machine's {have / 1e9:,.1f} GB of "
+            f"memory; serve a model this size with SGLang (rl.cluster's engines), or set ORTHON_NO_MEMORY_CHECK=1")
+
+
+def check_rl_fits(model_config, recipe, command: str) -> None:
+    """RL and post-training: one trainer rank's training state (``check_model_fits``, over the Ray trainer
+    ranks where the cluster runs), and the whole model in one process: the in-process engine's, or the
+    state dict gathered from the trainer's shards for the engines, on trainer rank 0."""
+    cluster = recipe.rl.cluster
+    check_model_fits(model_config, recipe.train, command, cluster.trainer_ranks if cluster.enabled else None)
+    check_weights_fit(model_config, f"{command} (the engines take the whole model from one process)")
+
+
 def held_out(loss: float | None) -> str:
     """A done line's held-out part: a run without held-out stores says so instead of printing nan."""
     return "no held-out set (data.valid)" if loss is None else f"held-out loss {loss:.4f}"

@@ -27,7 +27,8 @@ def sample_text(run_dir, prompt: str, max_new_tokens: int = 100, temperature: fl
     from orthon.data.tokenizer import load_tokenizer
     from orthon.engine.in_process import InProcessEngine
     from orthon.engine.sampling import SamplingParams
-    from orthon.pretrain.weights import load_weights, weights_tokenizer
+    from orthon.launch.args import check_weights_fit
+    from orthon.pretrain.weights import load_config, load_weights, weights_tokenizer
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -40,6 +41,7 @@ def sample_text(run_dir, prompt: str, max_new_tokens: int = 100, temperature: fl
                 raise OrthonError(f"{run_dir}: not a finished run directory (no {need}) nor a weights "
                                   f"directory (no config.json)")
         weights = run_dir / "final"
+    check_weights_fit(load_config(weights), "generate")
     tokenizer = tokenizer or weights_tokenizer(weights)
     if tokenizer is None:
         raise OrthonError(f"{weights}: no tokenizer in the weights directory or named by its run; pass --tokenizer")

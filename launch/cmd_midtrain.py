@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from orthon.core.errors import ConfigError
-from orthon.launch.args import check_model_fits, held_out
+from orthon.launch.args import check_model_fits, check_weights_fit, held_out
 
 
 def register(parser, name):
@@ -40,9 +40,19 @@ def _names(runs: list[str]) -> dict[str, str]:
     return names
 
 
+def _check_fit(runs: list[str]) -> None:
+    """Each run's model is evaluated whole in this process (orthon.midtrain.eval)."""
+    from orthon.midtrain.eval import resolve_run
+    from orthon.pretrain.weights import load_config
+
+    for run in runs:
+        check_weights_fit(load_config(resolve_run(run)[1]), f"evaluate {run}")
+
+
 def _evaluate(runs: list[str], cfg, out_dir) -> None:
     from orthon.midtrain.eval import evaluate_runs, write_report
 
+    _check_fit(runs)
     results = evaluate_runs(_names(runs), cfg)
     print(write_report(results, out_dir))
     print(f"report: {Path(out_dir) / 'eval.txt'}, heat map: {Path(out_dir) / 'eval.png'}")
@@ -64,8 +74,11 @@ def run(args, name):
         cfg = load_plan(args.config, args.overrides).eval if args.config else LongEvalConfig()
         if args.checkpoints:
             from orthon.midtrain.timeline import run_timeline, write_timeline
+            from orthon.pretrain.recipe import load_recipe
 
             for run in args.eval:
+                if (Path(run) / "config.yaml").is_file():  # else run_timeline says what the directory lacks
+                    check_weights_fit(load_recipe(Path(run) / "config.yaml").model, f"evaluate {run}")
                 out = Path(run) / "eval" if not args.out else Path(args.out) / (Path(run).name if len(args.eval) > 1 else "")
                 print(write_timeline(run_timeline(run, cfg), out))
                 print(f"timeline: {out / 'timeline.json'}, {out / 'timeline.png'}")
@@ -98,5 +111,10 @@ def run(args, name):
               f"{held_out(eval_loss)}")
     print(f"done in {time.perf_counter() - start:.0f}s; run directory {plan.run_dir}")
     if not args.no_eval and int(os.environ.get("RANK", "0")) == 0:  # one process evaluates
+        try:
+            _check_fit([plan.source, plan.run_dir])
+        except ConfigError as exc:  # the stages are saved: the run ends well, without its report
+            print(f"evaluation skipped: {exc}")
+            return 0
         _evaluate([plan.source, plan.run_dir], plan.eval, Path(plan.run_dir) / "eval")
     return 0

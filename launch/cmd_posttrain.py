@@ -24,6 +24,7 @@ def run(args, name):
     if not (source / "final" / "config.json").is_file():
         raise CheckpointError(f"{source}: no final/ weights (is it a finished pretraining run directory?)")
     plan = load_plan(args.config)
+    _check_fits(plan, Path(args.config), source / "final")
     tokenizer = load_tokenizer(source_tokenizer(source))
     summary = run_posttrain(plan, Path(args.config), source, tokenizer)
     from orthon.core import distributed
@@ -36,6 +37,21 @@ def run(args, name):
     print(reward_table(summary["evaluation"]))
     print(f"{plan.run_dir}/stages.json")
     return 0
+
+
+def _check_fits(plan, plan_path: Path, start: Path) -> None:
+    """Every stage against the machine before anything is allocated (the model is the source's throughout)."""
+    from orthon.core.config import build
+    from orthon.launch.args import check_rl_fits
+    from orthon.pretrain.weights import load_config
+    from orthon.rl.posttrain import stage_mapping
+    from orthon.rl.recipe import RLRecipe
+
+    model = load_config(start)
+    teachers = {stage.name: start for stage in plan.stages}  # where the teachers' weights will be: any path
+    for stage in plan.stages:
+        recipe = build(RLRecipe, stage_mapping(plan, plan_path, stage, start, teachers))
+        check_rl_fits(model, recipe, f"post-train (stage {stage.name})")
 
 
 def reward_table(evaluation: dict[str, dict[str, float]]) -> str:

@@ -6,7 +6,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from orthon.launch.args import add_recipe_args, check_model_fits
+from orthon.launch.args import add_recipe_args, check_rl_fits
 
 
 def register(parser, name):
@@ -55,7 +55,7 @@ def run(args, name):
     recipe = replace(recipe, model=load_config(policy), runtime=load_runtime(policy),
                      data=replace(recipe.data, tokenizer=tokenizer), train=replace(recipe.train, init_from=str(policy)))
     cluster = recipe.rl.cluster
-    check_model_fits(recipe.model, recipe.train, "train with RL", cluster.trainer_ranks if cluster.enabled else None)
+    check_rl_fits(recipe.model, recipe, "train with RL")
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "source.txt", str(source.resolve()) + "\n")
     write_run_config(run_dir, recipe)

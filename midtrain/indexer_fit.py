@@ -56,17 +56,15 @@ class LayerInput:
         return self.doc_ids if self.context is None else self.context.key_docs
 
 
-def layer_input(module: MLAttention, args, kwargs, output) -> tuple[LayerInput, torch.Tensor]:
-    """The record of an MLAttention forward (from a forward hook's arguments), and its input x as the
-    forward had it (not detached)."""
+def layer_input(module: MLAttention, args, kwargs, output) -> LayerInput:
+    """The record of an MLAttention forward (from a forward hook's arguments)."""
     bound = _FORWARD.bind(module, *args, **kwargs)
     bound.apply_defaults()
     a = bound.arguments
     if a["cache"] is not None:
         raise RuntimeError("recording a KV-cached attention forward is not supported")
-    record = LayerInput(module.layer, a["x"].detach(), a["cos"], a["sin"], a["q_slots"], a["doc_ids"], output[1],
-                        a["context"])
-    return record, a["x"]
+    return LayerInput(module.layer, a["x"].detach(), a["cos"], a["sin"], a["q_slots"], a["doc_ids"], output[1],
+                      a["context"])
 
 
 class AttentionInputs:
@@ -84,7 +82,7 @@ class AttentionInputs:
     def _hook(self, module, args, kwargs, output):
         if not self.active:
             return
-        record, _ = layer_input(module, args, kwargs, output)
+        record = layer_input(module, args, kwargs, output)
         if self.on_record is not None:
             self.on_record(record)
         else:

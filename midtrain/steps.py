@@ -30,7 +30,6 @@ class StageStep(NextTokenStep):
         super().__init__(loss_chunk, document_mask)
         self.stage = stage
         self.objective: IndexerObjective | None = None  # hooks on the trainer's model, at the first step
-        self.through_layers = False  # the indexers' gradients through the layers' backward (FSDP2)
         self.phase = "dense"
 
     @property
@@ -40,8 +39,6 @@ class StageStep(NextTokenStep):
     def begin(self, trainer, batch) -> None:
         if self.objective is None:
             self.objective = IndexerObjective(trainer.model)
-            # FSDP2 frees a layer's parameters after its forward (orthon.midtrain.indexer_objective).
-            self.through_layers = trainer.cfg.parallel == "fsdp" and trainer.world > 1
             self.n_full = len(self.objective.last)  # one group per layer with its own indexer
         self.phase = self.stage.step_phase(trainer.step)
         trainer.set_trainable(_TRAINABLE[self.phase])
@@ -58,13 +55,9 @@ class StageStep(NextTokenStep):
         record = self.phase != "dense"
         mode = "dense" if self.phase == "indexer_only" else "sparse"
         # Summed over ranks by the wrapper's average: the KL is scaled by the world size as the LM term.
-        fit = (self.objective.recording(mode, self.world / self.query_total, self.through_layers) if record
-               else nullcontext())
+        fit = self.objective.recording(mode, self.world / self.query_total) if record else nullcontext()
         with fit:
-            # Phase 1's frozen main model builds no graph (no parameter of it requires grad), but through
-            # the ports under FSDP2 (orthon.midtrain.indexer_objective), recomputed by activation
-            # checkpointing as any step's.
-            lm = self.lm_loss(model, micro)
+            lm = self.lm_loss(model, micro)  # phase 1's frozen main model builds no graph
         sums = {"loss": float(lm.detach())}
         objective = lm * (self.world / self.count) if lm.requires_grad else None
         if record:

@@ -26,7 +26,7 @@ def check_shard_ranks(shard_ranks: int, world: int) -> None:
 
 
 def wrap(model: nn.Module, mode: str, expert_mesh=None, shard_ranks: int = 0) -> nn.Module:
-    """DDP, or FSDP2 (fully_shard each decoder layer, then the root); the model itself when alone.
+    """DDP, or FSDP2 (fully_shard each DSA indexer, each decoder layer, then the root); the model itself when alone.
     ``expert_mesh``: the model is expert-parallel (orthon.pretrain.expert_parallel): DDP leaves the expert
     stacks alone, FSDP2 shards each Experts module over its mesh column first. ``shard_ranks``: FSDP2 as
     HSDP, sharded within groups of that many consecutive ranks, replicated across them (0: all ranks)."""
@@ -46,7 +46,7 @@ def wrap(model: nn.Module, mode: str, expert_mesh=None, shard_ranks: int = 0) ->
         if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
             return DistributedDataParallel(model, forward_sync_buffers=False)
         return DistributedDataParallel(model, broadcast_buffers=False)
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     if expert_mesh is not None:
         shard_over_replicas(model, expert_mesh)  # the layers' fully_shard then leaves the experts to it
@@ -58,6 +58,14 @@ def wrap(model: nn.Module, mode: str, expert_mesh=None, shard_ranks: int = 0) ->
         device = "cuda" if torch.cuda.is_available() else "cpu"
         mesh = init_device_mesh(device, (world // shard_ranks, shard_ranks), mesh_dim_names=HSDP_MESH_DIMS)
     for layer in model.model.layers:
+        indexer = layer.self_attn.indexer
+        if indexer is not None:
+            # Its own unit, gathered by the methods the model calls: mid-training's indexer KL differentiates
+            # the indexer outside its layer's forward and backward (orthon.midtrain.indexer_objective), and
+            # its own unit lets FSDP2 gather it alone there, not the whole layer.
+            fully_shard(indexer, mesh=mesh)
+            for method in ("queries", "keys"):
+                register_fsdp_forward_method(indexer, method)
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model

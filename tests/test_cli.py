@@ -44,6 +44,48 @@ def test_a_model_too_large_for_the_machine_is_refused_before_allocation():
     assert time.perf_counter() - start < 120  # counted on the meta device, nothing built
 
 
+def test_a_model_too_large_to_load_whole_is_refused_before_reading_weights(tmp_path):
+    """generate and the long-context evaluation load the model whole in one process: GLM-5's config.json
+    (no tensors beside it) is refused from its parameter count, before any file of weights is read."""
+    import json
+
+    from orthon.pretrain.recipe import load_recipe
+
+    final = tmp_path / "run" / "final"
+    final.mkdir(parents=True)
+    (final / "config.json").write_text(json.dumps(load_recipe(ROOT / "configs/glm5.yaml").model.to_hf_dict()))
+    (tmp_path / "run" / "config.yaml").write_text("{}\n")
+    for command, args in (("generate", [final]), ("midtrain", ["--eval", tmp_path / "run"])):
+        proc = orthon(command, *args, check=False)
+        assert proc.returncode == 2, proc.stderr
+        line = _one_line(proc)
+        assert "743.91B parameters need about 2,975.6 GB to " in line and "ORTHON_NO_MEMORY_CHECK" in line, line
+    # Post-training from it: refused at its first stage, before the tokenizer (there is none) is looked for.
+    proc = orthon("posttrain", "-c", ROOT / "configs/posttrain_glm5.yaml", "--from", tmp_path / "run", check=False)
+    assert proc.returncode == 2
+    assert "743.91B parameters need about 11,902.6 GB to post-train (stage sft)" in _one_line(proc)
+
+
+def test_rl_refuses_a_policy_whose_whole_weights_cannot_reach_the_engines(monkeypatch):
+    """1,024 FSDP2 trainer ranks of 40 GB hold GLM-5's training state (11.6 GB each), but the engines take
+    the weights gathered whole on trainer rank 0: 4 bytes a parameter in its RAM (2 TB here)."""
+    from orthon.core.errors import ConfigError
+    from orthon.launch import args
+    from orthon.pretrain.recipe import load_recipe
+    from orthon.rl.recipe import load_rl_recipe
+
+    monkeypatch.delenv("ORTHON_NO_MEMORY_CHECK", raising=False)
+    monkeypatch.setattr(args, "machine_memory", lambda: (40e9, "memory"))  # a trainer rank a machine of 40 GB
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setattr("orthon.core.allocator.physical_memory", lambda: 2e12)  # and 2 TB of RAM
+    model = load_recipe(ROOT / "configs/glm5.yaml").model
+    recipe = load_rl_recipe(ROOT / "configs/rl_tiny.yaml", ["rl.cluster.enabled=true", "rl.cluster.trainer_ranks=1024",
+                                                             "train.parallel=fsdp", "train.expert_parallel=256"])
+    args.check_model_fits(model, recipe.train, "train with RL", world=1024)  # the training state fits
+    with pytest.raises(ConfigError, match=r"2,975\.6 GB to train with RL \(the engines take the whole model"):
+        args.check_rl_fits(model, recipe, "train with RL")
+
+
 def test_ctrl_c_stops_with_one_line_naming_resume(tmp_path):
     stores = make_stores(tmp_path / "data")
     run_dir = tmp_path / "run"
