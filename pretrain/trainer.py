@@ -403,10 +403,9 @@ class Trainer:
             if samples_log is not None:
                 samples_log.close()
         if self._final_fits():
-            # Gathered on every rank (FSDP shards), written by rank 0.
-            full_state = get_model_state_dict(self.wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            state = self.whole_state()  # a collective where the ranks hold shards; written by rank 0
             if self.rank == 0:
-                self.finish(full_state)
+                self.finish(self.model.state_dict() if state is None else state)
         elif self.rank == 0:
             self.finish(None)
         if not last:  # resumed at its end: no step ran here, so report the last logged step's figures
