@@ -21,6 +21,7 @@ from torch.autograd.function import once_differentiable
 import orthon.pretrain.sparse_kernels as sparse_kernels
 from orthon.pretrain.config import ModelConfig, RuntimeOptions
 from orthon.pretrain.layers import RMSNorm, apply_rope, compute_dtype
+from orthon.pretrain.run_attention import PieceAttention, document_pieces, piece_backward, piece_forward
 from orthon.pretrain.topk import deterministic_topk
 
 # Queries per chunk when only the top-k indices are needed: small enough that the causal triangle
@@ -300,40 +301,29 @@ def sdpa_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[tupl
     return torch.cat(outs, dim=1)
 
 
-def _run_attention(q, k, v, scale):
+def _run_attention(q, k, v, scale, pieces=None):
     """(B, n, H, D) queries, the last n of (B, b, H, D) keys and values (values zero-padded to D: the CPU
-    kernel needs it), bottom-right causal -> (B, n, H, Dv)."""
+    kernel needs it), bottom-right causal -> (B, n, H, Dv); with ``pieces``, each piece's queries over its
+    keys (orthon.pretrain.run_attention.PieceAttention)."""
     dv = v.shape[-1]
     if dv < q.shape[-1]:
         v = torch.cat([v, v.new_zeros(()).expand(*v.shape[:-1], q.shape[-1] - dv)], dim=-1)
     dtype = compute_dtype(q)
-    out = _RunAttention.apply(*(t.transpose(1, 2).to(dtype) for t in (q, k, v)), scale)
+    q, k, v = (t.transpose(1, 2).to(dtype) for t in (q, k, v))
+    out = _RunAttention.apply(q, k, v, scale) if pieces is None else PieceAttention.apply(q, k, v, pieces, scale)
     return out.transpose(1, 2)[..., :dv]
-
-
-_cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_cpu_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 class _RunAttention(torch.autograd.Function):
     """Causal attention of n queries at the last n of b positions over keys [0, b), bottom-right aligned,
-    on CPU without a mask: torch's fused CPU kernel over the prefix [0, b - n) (every key visible) and
-    over the run's own keys (causal), the two merged by their log-sum-exps; backward runs the kernel's
-    backward on each part with the merged output and log-sum-exp (those of the softmax over all b keys,
-    so each part's gradients are its share of the whole's). A materialised (n, b) mask would be kept for
-    backward and at long lengths outweigh the layer's activations. (B, H, L, D) tensors of one dtype."""
+    on CPU without a mask (orthon.pretrain.run_attention: the prefix and the run's own keys, merged). A
+    materialised (n, b) mask would be kept for backward and at long lengths outweigh the layer's
+    activations. (B, H, L, D) tensors of one dtype."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale):
         with torch.autocast("cpu", enabled=False):
-            a = k.shape[2] - q.shape[2]
-            out, lse = _cpu_flash(q, k[:, :, a:], v[:, :, a:], 0.0, True, scale=scale)
-            if a:
-                out_prefix, lse_prefix = _cpu_flash(q, k[:, :, :a], v[:, :, :a], 0.0, False, scale=scale)
-                total = torch.logaddexp(lse_prefix, lse)
-                out = (out_prefix.float() * (lse_prefix - total).exp()[..., None]
-                       + out.float() * (lse - total).exp()[..., None]).to(q.dtype)
-                lse = total
+            out, lse = piece_forward(q, k, v, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale = scale
         return out
@@ -342,15 +332,8 @@ class _RunAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        a = k.shape[2] - q.shape[2]
         with torch.autocast("cpu", enabled=False):
-            grad = grad.to(q.dtype).contiguous()
-            dq, dk, dv = _cpu_flash_backward(grad, q, k[:, :, a:], v[:, :, a:], out, lse, 0.0, True, scale=ctx.scale)
-            if a:
-                dq_prefix, dk_prefix, dv_prefix = _cpu_flash_backward(grad, q, k[:, :, :a], v[:, :, :a], out, lse, 0.0,
-                                                                      False, scale=ctx.scale)
-                dq, dk, dv = dq + dq_prefix, torch.cat([dk_prefix, dk], 2), torch.cat([dv_prefix, dv], 2)
-        return dq, dk, dv, None
+            return (*piece_backward(grad.to(q.dtype).contiguous(), q, k, v, out, lse, ctx.scale), None)
 
 
 def _chunks(n: int, size: int):
@@ -490,9 +473,10 @@ class MLAttention(nn.Module):
             picks.append(select_topk(scores, slots, k, visible, ordered))
         return torch.cat(picks, dim=1)
 
-    def _expanded(self, q_nope, q_rope, latent, mask, q_slots=None, runs=None):
+    def _expanded(self, q_nope, q_rope, latent, mask, q_slots=None, runs=None, pieces=None):
         """Attention through per-head keys and values; ``runs``: the queries are these position runs of the
-        sequence (context parallelism), else the whole sequence."""
+        sequence (context parallelism), else the whole sequence; ``pieces``: packed documents, each
+        document's queries over its own keys (CPU, no mask)."""
         B, T, H, _ = q_nope.shape
         S = latent.shape[1]
         kv = self.kv_b_proj(latent[..., : self.rank]).view(B, S, H, self.nope + self.v_dim)
@@ -501,6 +485,8 @@ class MLAttention(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1)
         if self.track_max_logit:
             self.max_logit = _max_logit(q, k, mask, self.scale, q_slots)
+        if pieces is not None:
+            return _run_attention(q, k, v, self.scale, pieces)
         if runs is not None:
             return sdpa_runs(q, k, v, runs, mask, self.scale)
         return sdpa(q, k, v, mask, True, self.scale)
@@ -554,10 +540,15 @@ class MLAttention(nn.Module):
         if cache is not None or (topk is not None and self._use_gather(T, x)):
             out = self._absorbed(q_nope, q_rope, latent, q_slots, topk, doc_ids, k_docs)
         else:
-            mask = attention_mask(topk, q_slots, S, doc_ids, k_docs, q_nope.dtype)
+            pieces = None
+            if (topk is None and k_docs is not None and x.device.type == "cpu" and not self.track_max_logit
+                    and (context is not None or S == T)):
+                # Packed documents: each over its own keys, no (T, S) mask (orthon.pretrain.run_attention).
+                pieces = document_pieces(context.runs if context is not None else [(0, T)], k_docs)
+            mask = None if pieces is not None else attention_mask(topk, q_slots, S, doc_ids, k_docs, q_nope.dtype)
             # A top-k mask already holds each query's own keys; causal attention needs the runs.
             runs = context.runs if context is not None and topk is None else None
-            out = self._expanded(q_nope, q_rope, latent, mask, q_slots, runs)
+            out = self._expanded(q_nope, q_rope, latent, mask, q_slots, runs, pieces)
         return self.o_proj(out.reshape(B, T, -1)), topk, scores
 
     def _use_gather(self, T: int, x: torch.Tensor) -> bool:
