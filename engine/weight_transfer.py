@@ -406,9 +406,14 @@ def write_versioned(model_or_state, root: str | os.PathLike, version: int, keep:
         os.replace(final, old)
     os.replace(staging, final)
     shutil.rmtree(old, ignore_errors=True)
+    prune_versions(root, keep)
+    return final
+
+
+def prune_versions(root: str | os.PathLike, keep: int = 2) -> None:
+    """Delete all but the newest ``keep`` versions under ``root``."""
     for stale in list_versions(root)[:-keep]:
         shutil.rmtree(version_dir(root, stale), ignore_errors=True)
-    return final
 
 
 def write_delta(root: str | os.PathLike, payload) -> Path:

@@ -80,11 +80,22 @@ def check_weights_fit(model_config, command: str) -> None:
 
 def check_rl_fits(model_config, recipe, command: str) -> None:
     """RL and post-training: one trainer rank's training state (``check_model_fits``, over the Ray trainer
-    ranks where the cluster runs), and the whole model in one process: the in-process engine's, or the
-    state dict gathered from the trainer's shards for the engines, on trainer rank 0."""
+    ranks where the cluster runs), and the whole model in one process wherever a part needs it: the
+    in-process engine, the tensors gathered on trainer rank 0 for the engines (every weight-sync path but
+    disk without delta, where the trainer ranks write each version a shard at a time), the KL reference."""
     cluster = recipe.rl.cluster
     check_model_fits(model_config, recipe.train, command, cluster.trainer_ranks if cluster.enabled else None)
-    check_weights_fit(model_config, f"{command} (the engines take the whole model from one process)")
+    whole = []
+    if not cluster.enabled:
+        whole.append("the in-process engine holds the whole model")
+    elif cluster.weight_sync != "disk" or cluster.delta:
+        whole.append(f"weight_sync {cluster.weight_sync}{' with delta' if cluster.delta else ''} gathers the "
+                     f"whole model on trainer rank 0; disk without delta (rl.cluster.delta=false) writes it a "
+                     f"shard at a time")
+    if recipe.rl.loss.kl_coef > 0:
+        whole.append("the KL reference model is loaded whole")
+    if whole:
+        check_weights_fit(model_config, f"{command} ({'; '.join(whole)})")
 
 
 def held_out(loss: float | None) -> str:

@@ -21,7 +21,7 @@ from torch.autograd.function import once_differentiable
 import orthon.pretrain.sparse_kernels as sparse_kernels
 from orthon.pretrain.config import ModelConfig, RuntimeOptions
 from orthon.pretrain.layers import RMSNorm, apply_rope, compute_dtype
-from orthon.pretrain.run_attention import PieceAttention, document_pieces, piece_backward, piece_forward
+from orthon.pretrain.run_attention import PieceAttention, document_pieces
 from orthon.pretrain.topk import deterministic_topk
 
 # Queries per chunk when only the top-k indices are needed: small enough that the causal triangle
@@ -281,7 +281,7 @@ def sdpa_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[tupl
     """``sdpa`` of queries that are runs of consecutive positions [a, b) of a longer sequence (a
     context-parallel rank's part, orthon.pretrain.context_parallel) over all its S keys: each run sees keys
     [0, b), causally aligned at the bottom right, without a mask (CUDA's fused kernels take the bias; on
-    CPU ``_RunAttention``), or as ``mask`` (B or 1, 1, T, S) says where documents are masked."""
+    CPU ``_run_attention``), or as ``mask`` (B or 1, 1, T, S) says where documents are masked."""
     outs, row = [], 0
     for a, b in runs:
         n = b - a
@@ -310,30 +310,10 @@ def _run_attention(q, k, v, scale, pieces=None):
         v = torch.cat([v, v.new_zeros(()).expand(*v.shape[:-1], q.shape[-1] - dv)], dim=-1)
     dtype = compute_dtype(q)
     q, k, v = (t.transpose(1, 2).to(dtype) for t in (q, k, v))
-    out = _RunAttention.apply(q, k, v, scale) if pieces is None else PieceAttention.apply(q, k, v, pieces, scale)
+    if pieces is None:  # every row's queries at the last of its keys
+        pieces = [(None, 0, q.shape[2], 0, k.shape[2])]
+    out = PieceAttention.apply(q, k, v, pieces, scale)
     return out.transpose(1, 2)[..., :dv]
-
-
-class _RunAttention(torch.autograd.Function):
-    """Causal attention of n queries at the last n of b positions over keys [0, b), bottom-right aligned,
-    on CPU without a mask (orthon.pretrain.run_attention: the prefix and the run's own keys, merged). A
-    materialised (n, b) mask would be kept for backward and at long lengths outweigh the layer's
-    activations. (B, H, L, D) tensors of one dtype."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, scale):
-        with torch.autocast("cpu", enabled=False):
-            out, lse = piece_forward(q, k, v, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        q, k, v, out, lse = ctx.saved_tensors
-        with torch.autocast("cpu", enabled=False):
-            return (*piece_backward(grad.to(q.dtype).contiguous(), q, k, v, out, lse, ctx.scale), None)
 
 
 def _chunks(n: int, size: int):

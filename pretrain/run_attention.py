@@ -40,8 +40,10 @@ def piece_backward(grad, q, k, v, out, lse, scale):
 
 class PieceAttention(torch.autograd.Function):
     """Attention of ``pieces`` (row, q_start, q_end, k_start, k_end): queries [q_start, q_end) of batch row
-    ``row`` at the last positions of keys [k_start, k_end), bottom-right causal; every query in exactly one
-    piece (a key may serve several)."""
+    ``row`` (None: every row) at the last positions of keys [k_start, k_end), bottom-right causal; every
+    query in exactly one piece (a key may serve several). Without a mask: a materialised (n, b) mask would
+    be kept for backward and at long lengths outweigh the layer's activations. (B, H, L, D) tensors of
+    one dtype."""
 
     @staticmethod
     def forward(ctx, q, k, v, pieces, scale):
@@ -49,7 +51,7 @@ class PieceAttention(torch.autograd.Function):
             out = q.new_zeros(q.shape)
             lse = q.new_zeros(q.shape[:3], dtype=torch.float32)
             for row, qa, qb, ka, kb in pieces:
-                r = slice(row, row + 1)
+                r = slice(None) if row is None else slice(row, row + 1)
                 o, l = piece_forward(q[r, :, qa:qb], k[r, :, ka:kb], v[r, :, ka:kb], scale)
                 out[r, :, qa:qb], lse[r, :, qa:qb] = o, l
         ctx.save_for_backward(q, k, v, out, lse)
@@ -64,7 +66,7 @@ class PieceAttention(torch.autograd.Function):
             grad = grad.to(q.dtype)
             dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
             for row, qa, qb, ka, kb in ctx.pieces:
-                r = slice(row, row + 1)
+                r = slice(None) if row is None else slice(row, row + 1)
                 g = piece_backward(grad[r, :, qa:qb].contiguous(), q[r, :, qa:qb], k[r, :, ka:kb], v[r, :, ka:kb],
                                    out[r, :, qa:qb], lse[r, :, qa:qb].contiguous(), ctx.scale)
                 dq[r, :, qa:qb] = g[0]

@@ -23,7 +23,6 @@ import yaml
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from orthon.core import distributed
-from orthon.core.allocator import physical_memory
 from orthon.core.config import to_dict
 from orthon.core.errors import ConfigError
 from orthon.core.files import atomic_write_bytes
@@ -37,6 +36,7 @@ from orthon.optim.newton_schulz import bf16_gemm_is_native
 from orthon.pretrain import context_parallel, expert_parallel, parallel
 from orthon.pretrain.checkpoint import Checkpointer
 from orthon.pretrain.config import TOKEN_ID_FIELDS
+from orthon.pretrain.gathered_weights import save_gathered
 from orthon.pretrain.model import GLMForCausalLM, on_meta_device
 from orthon.pretrain.moe import update_expert_bias
 from orthon.pretrain.steps import NextTokenStep, TrainStep
@@ -402,12 +402,9 @@ class Trainer:
             metrics_log.close()
             if samples_log is not None:
                 samples_log.close()
-        if self._final_fits():
-            state = self.whole_state()  # a collective where the ranks hold shards; written by rank 0
-            if self.rank == 0:
-                self.finish(self.model.state_dict() if state is None else state)
-        elif self.rank == 0:
-            self.finish(None)
+        self.write_weights(self.run_dir / "final")
+        if self.rank == 0:
+            self.finish()
         if not last:  # resumed at its end: no step ran here, so report the last logged step's figures
             path = self.run_dir / "metrics.jsonl"
             logged = [r for r in read_metrics(path) if "loss" in r] if path.is_file() else []
@@ -431,25 +428,17 @@ class Trainer:
             return None
         return get_model_state_dict(self.wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def _final_fits(self) -> bool:
-        """Whether rank 0's machine can hold final/'s source: the whole model gathered in fp32 on one
-        process, and its HF-layout copy (twice the fp32 model's bytes, at most its RAM). The same answer on
-        every rank (the gather is collective)."""
-        need = 2 * 4 * sum(p.numel() for p in self.model.parameters())
-        have = physical_memory()
-        short = torch.tensor([float(self.rank == 0 and have > 0 and need > have)], device=self.device)
-        if distributed.all_reduce_sum(short).item() == 0:
-            return True
-        self.log(f"final/ not written: it would gather the whole model on one process ({need / 2 / 1e9:,.1f} GB "
-                 f"in fp32, twice that written out) on a machine with {have / 1e9:,.1f} GB; export the last "
-                 f"checkpoint shard by shard instead: orthon export {self.run_dir} --step latest --out DIR")
-        return False
+    def write_weights(self, directory) -> None:
+        """The model as a weights directory (``orthon.pretrain.weights``), written by rank 0. Where the
+        ranks hold shards, a collective that gathers one safetensors shard at a time
+        (``orthon.pretrain.gathered_weights``), so no process holds the whole model."""
+        if self.holds_shards:
+            save_gathered(self.model, directory, self.rank)
+        elif self.rank == 0:
+            save_weights(self.model, directory)
 
-    def finish(self, state: dict | None) -> None:
-        """The run's final weights (orthon weights dir, for `orthon export`, RL `--from`) from ``state``
-        (None: not written) and loss plot."""
-        if state is not None:
-            save_weights(self.model, self.run_dir / "final", state)
+    def finish(self) -> None:
+        """The run's loss plot and the step plug-in's own (rank 0, after final/ is written)."""
         records = read_metrics(self.run_dir / "metrics.jsonl")
         plot_training(records, self.run_dir / "loss.png",
                       title=f"{self.cfg.progress_label} loss ({self.recipe.model.hidden_size}-wide, "

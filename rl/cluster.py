@@ -140,7 +140,8 @@ class TrainerActor:
             timeout = self.recipe.rl.collect_timeout_s + 4 * self.recipe.rl.cluster.request_timeout_s
             rollout = ActorProxy(rollout_handle, timeout)
         self.trainer = RLTrainer(self.recipe, None, rollout=rollout,
-                                 weight_sync=self.fleet.sync if self.fleet else None, log=self.log)
+                                 weight_sync=self.fleet.sync if self.fleet else None,
+                                 weights_dir_for=self.fleet.directory_for if self.fleet else None, log=self.log)
         self.trainer.hand_over()  # weight version 0: every engine holds the policy's exact bytes
 
     def resume(self) -> bool:

@@ -5,7 +5,8 @@ starts its SGLang servers the same way), so an engine can die, hang or be killed
 actor's state with it. The fleet lives in the trainer's process, beside the weights it hands out:
 
 - ``start()``: the servers (one placement-group bundle each), then sglang-router over them.
-- ``sync(model, version)``: the configured weight-sync path to every engine (orthon.rl.weight_sync);
+- ``sync(model, version)``: the configured weight-sync path to every engine (orthon.rl.weight_sync;
+  ``directory_for(version)``: where the trainer writes a version itself, on the disk path without delta);
   a sync and a restart never interleave.
 - the monitor thread polls every engine's ``/health`` each ``health_interval_s``; after
   ``health_failures`` failed polls in a row the engine is taken out of the router, its process killed
@@ -155,9 +156,14 @@ class EngineFleet:
         return ray.get([a.pid.remote() for a in self.actors])
 
     # ------------------------------------------------------------ weights
+    def directory_for(self, version: int):
+        """Where the trainer writes weight ``version`` for ``sync`` to hand over (WeightSync.directory_for)."""
+        return self.sync_path.directory_for(version)
+
     def sync(self, model, version: int) -> None:
-        """The weights (the model, or a state dict gathered from FSDP2's shards) to every engine; an engine
-        that could not take them is restarted with them."""
+        """The weights (the model, a state dict gathered from FSDP2's shards, or the directory the trainer
+        wrote at ``directory_for(version)``) to every engine; an engine that could not take them is
+        restarted with them."""
         with self._lock:
             self.version, self.model = version, model
             for url in self.sync_path.push(model, version, [self.client_factory(u) for u in self.urls]):

@@ -102,7 +102,6 @@ def fit_sft(recipe, tokenizer, conversations: list[list[Message]], log=print) ->
     from orthon.core.metrics import MetricsLogger, plot_curves, read_metrics
     from orthon.core.step_loop import stop_if_signalled
     from orthon.pretrain.trainer import Trainer
-    from orthon.pretrain.weights import save_weights
 
     cfg = recipe.sft
     run_dir = Path(recipe.train.run_dir)
@@ -144,10 +143,9 @@ def fit_sft(recipe, tokenizer, conversations: list[list[Message]], log=print) ->
         if bar is not None:
             bar.close()
         metrics.close()
-    state = trainer.whole_state()  # FSDP2, expert parallelism: a collective, the gathered copy on rank 0
-    if trainer.rank != 0:  # rank 0 writes them
+    trainer.write_weights(run_dir / "final")  # FSDP2, expert parallelism: a collective
+    if trainer.rank != 0:
         return {"steps": trainer.step}
-    save_weights(trainer.model, run_dir / "final", state)
     records = read_metrics(run_dir / "metrics.jsonl")
     plot_curves(records, ["sft_loss"], run_dir / "loss.png", title="SFT: NLL of the assistant's tokens")
     losses = [r["sft_loss"] for r in records if "sft_loss" in r]

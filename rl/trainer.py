@@ -34,7 +34,7 @@ from orthon.core.metrics import MetricsLogger, moving_average, plot_curves, read
 from orthon.core.step_loop import stop_if_signalled
 from orthon.engine.in_process import InProcessEngine
 from orthon.pretrain.trainer import Trainer
-from orthon.pretrain.weights import load_weights, save_weights
+from orthon.pretrain.weights import load_weights
 from orthon.rl.logprobs import sample_log_probs
 from orthon.rl.loss import grpo_advantages
 from orthon.rl.rank_rollouts import RankRollouts
@@ -44,13 +44,17 @@ from orthon.rl.steps import METRICS, PolicyStep
 
 
 class RLTrainer:
-    def __init__(self, recipe, tokenizer, log=print, engine=None, rollout=None, weight_sync=None):
+    def __init__(self, recipe, tokenizer, log=print, engine=None, rollout=None, weight_sync=None,
+                 weights_dir_for=None):
         """``recipe``: an RLRecipe whose ``train.init_from`` names the policy's starting weights.
         ``engine``: the Engine rollouts and evaluation run on (default: an in-process one on a copy of
         the policy). ``rollout``: the RolloutManager (default: one on ``engine``), or a proxy of one in
         another process with the same methods (on rank 0; the other ranks follow rank 0's). ``weight_sync(
         weights, version)``: hands the new weights, the model or (where the ranks hold shards: FSDP2,
-        expert parallelism) the state dict gathered from them, to the engines (default: ``engine.update_weights(state_dict, version)``)."""
+        expert parallelism) the state dict gathered from them, to the engines (default: ``engine.update_weights(state_dict, version)``).
+        ``weights_dir_for(version)``: where the engines load ``version`` from disk (a Path), or None where
+        ``weight_sync`` takes the tensors: the ranks then write that directory themselves, a safetensors
+        shard at a time where they hold shards, and ``weight_sync`` gets its Path (on rank 0)."""
         self.recipe, self.cfg, self.log = recipe, recipe.rl, log
         self.last_stats: dict = {}  # the latest iteration's statistics
         self.held_out: float | None = None  # the latest held-out reward (evaluations are every eval_interval)
@@ -92,6 +96,7 @@ class RLTrainer:
         if shared and self.rank == 0:
             rollout.roll_round = self.shared_rollouts.roll
         self.weight_sync = weight_sync or self._update_engine
+        self.weights_dir_for = weights_dir_for
         self.weight_version = 0  # of the weights the engines hold; every sync adds one
         self.iteration = 0
 
@@ -185,6 +190,12 @@ class RLTrainer:
 
     def hand_over(self) -> None:
         """The current weights to the engines under ``weight_version`` (called on every rank)."""
+        directory = self._from_rank_zero(lambda: self.weights_dir_for and self.weights_dir_for(self.weight_version))
+        if directory:  # no process holds the whole model: the ranks write it a shard at a time
+            self.trainer.write_weights(directory)
+            if self.rank == 0:
+                self.weight_sync(directory, self.weight_version)
+            return
         state = self.trainer.whole_state()
         if self.rank != 0:
             if self.engine is not None:  # a rank that generates too (DDP: its weights are whole)
@@ -313,13 +324,11 @@ class RLTrainer:
             metrics.close()
         if not self.trainer.checkpointer.has(self.trainer.step):
             self.save_checkpoint()
-        state = self.trainer.whole_state()
-        return self._from_rank_zero(lambda: self._finish(state))
+        self.trainer.write_weights(self.run_dir / "final")  # a collective where the ranks hold shards
+        return self._from_rank_zero(self._finish)
 
-    def _finish(self, state: dict | None) -> dict:
-        """The final weights (``state``: gathered from FSDP2's shards, else the model's own), the plots
-        and the run's summary."""
-        save_weights(self.model, self.run_dir / "final", state)
+    def _finish(self) -> dict:
+        """The plots and the run's summary (final/ is written)."""
         records = read_metrics(self.run_dir / "metrics.jsonl")
         plot_curves(records, ["reward_mean", "eval_reward", "eval_greedy"], self.run_dir / "reward.png",
                     title="GRPO + IcePop: mean reward (train samples; held-out sampled and greedy)")

@@ -10,8 +10,10 @@ path writes it as a file, the broadcast path sends its bytes over the group, the
 them in shared memory. An engine that holds anything but the base refuses it and changes nothing.
 
 The first sync, and the one that brings a restarted engine up to date, is a full copy through disk
-(an engine in any state can take it). "model" below is what the trainer hands over: the model itself, or
-under FSDP2 the state dict gathered from its shards.
+(an engine in any state can take it). "model" below is what the trainer hands over: the model itself, the
+state dict gathered from its ranks' shards (FSDP2, expert parallelism), or on the disk path without delta
+the version's directory the trainer ranks wrote themselves (``directory_for``), a safetensors shard
+at a time, so that no process holds the whole model.
 """
 from __future__ import annotations
 
@@ -26,13 +28,18 @@ from orthon.core.net import free_port
 from orthon.engine.delta import DELTA_TENSOR_NAME, DeltaEncoder
 from orthon.engine.tensor_bytes import tensor_hashes
 from orthon.engine.weight_transfer import (SharedBuckets, TensorMeta, broadcast_bytes, broadcast_tensors,
-                                           open_update_group, write_delta, write_versioned)
+                                           open_update_group, prune_versions, version_dir, write_delta,
+                                           write_versioned)
+from orthon.pretrain.hf_io import load_hf_state
 
 
 def _named(weights) -> list[tuple[str, torch.Tensor]]:
-    """The tensors of ``weights`` (the model, or a state dict gathered from FSDP2's shards) by the names
-    engines take (the model's state_dict's)."""
-    state = weights if isinstance(weights, Mapping) else weights.state_dict()
+    """The tensors of ``weights`` (the model, a state dict gathered from FSDP2's shards, or a weights
+    directory) by the names engines take (the model's state_dict's)."""
+    if isinstance(weights, Path):
+        state = load_hf_state(weights)
+    else:
+        state = weights if isinstance(weights, Mapping) else weights.state_dict()
     return [(name, t.detach()) for name, t in state.items()]
 
 
@@ -51,13 +58,28 @@ class WeightSync:
         self._members: tuple[str, ...] = ()
         self._shared = None
 
+    def directory_for(self, version: int) -> Path | None:
+        """Where the trainer writes weight ``version`` for the engines to load (the disk path without
+        delta: the directory is the whole sync), or None where this sync takes the tensors."""
+        if self.cfg.weight_sync != "disk" or self.cfg.delta:
+            return None
+        self.root.mkdir(parents=True, exist_ok=True)
+        return version_dir(self.root, version)
+
     # ------------------------------------------------------------ full copies
     def full(self, model, version: int, client) -> None:
         """A complete copy of ``model`` at ``version`` to one engine (any state), through disk."""
-        client.update_weights(str(write_versioned(model, self.root, version)), version=version)
+        client.update_weights(str(self._on_disk(model, version)), version=version)
+
+    def _on_disk(self, model, version: int) -> Path:
+        """``model``'s directory: the one the trainer wrote (a Path), else written here."""
+        if isinstance(model, Path):
+            prune_versions(self.root)
+            return model
+        return write_versioned(model, self.root, version)
 
     def _full_all(self, model, version: int, clients) -> None:
-        path = write_versioned(model, self.root, version)
+        path = self._on_disk(model, version)
         _each(clients, lambda c: c.update_weights(str(path), version=version))
         self._reset_delta(model, version)
 
@@ -73,23 +95,22 @@ class WeightSync:
         Returns the URLs of engines that could not take them: when anything fails on the way (an engine
         died or hung mid-sync, a broken collective), every engine that still answers gets a full copy
         from disk, so none is left holding something else; the caller replaces the dead ones."""
-        named = _named(model)
         try:
             if self.cfg.weight_sync == "disk" and not self.cfg.delta or self.cfg.delta and self.encoder is None:
                 self._full_all(model, version, clients)
             elif self.cfg.delta:
-                self._send_delta(self.encoder.encode(named, version), clients)
+                self._send_delta(self.encoder.encode(_named(model), version), clients)
             elif self.cfg.weight_sync == "distributed":
-                self._broadcast(named, version, clients)
+                self._broadcast(_named(model), version, clients)
             else:
-                self._share(named, version, clients)
+                self._share(_named(model), version, clients)
         except Exception:
             dead = self._recover(model, version, clients)
             clients = [c for c in clients if c.url not in dead]
         else:
             dead = []
         if self.cfg.check_weights:
-            self.check(named, clients)
+            self.check(_named(model), clients)  # a directory is read back whole: a debugging mode
         return dead
 
     def _recover(self, model, version: int, clients) -> list[str]:

@@ -76,25 +76,3 @@ def test_what_cannot_be_exported_is_named(run, tmp_path):
                                               r"the model \(192, 64\)"):
         checkpoint_export.export_checkpoint(run / "checkpoints" / "step_00000004", other, recipe.runtime, tmp_path / "w")
     assert not (tmp_path / "w").exists()
-
-
-def test_a_model_too_large_to_gather_leaves_final_to_the_export(tmp_path, monkeypatch):
-    """On a machine whose RAM could not hold the gathered model (here: 1 kB), the run writes no final/ and
-    says how to export its last checkpoint, which then gives the trained model."""
-    import orthon.pretrain.trainer as trainer_module
-    from orthon.pretrain.trainer import Trainer, write_run_config
-
-    monkeypatch.setattr(trainer_module, "physical_memory", lambda: 1000)
-    stores = make_stores(tmp_path / "data")
-    run = tmp_path / "run"
-    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", stores, run, train={"max_steps": 2}), [])
-    write_run_config(run, recipe)
-    lines = []
-    trainer = Trainer(recipe, run, log=lines.append)
-    trainer.fit()
-    assert not (run / "final").exists() and (run / "loss.png").is_file()
-    assert any(f"export the last checkpoint shard by shard instead: orthon export {run} --step latest --out DIR" in line
-               for line in lines), lines
-    checkpoint_export.export_checkpoint(Checkpointer(run).latest_good(), recipe.model, recipe.runtime, tmp_path / "w")
-    exported = load_weights(tmp_path / "w").state_dict()
-    assert all(torch.equal(exported[k], v) for k, v in trainer.model.state_dict().items())

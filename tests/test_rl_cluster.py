@@ -138,12 +138,14 @@ def test_every_sync_path_leaves_the_engines_with_the_trainers_bytes(tmp_path, pa
     assert result["iterations"] == 2
 
 
-@pytest.mark.parametrize("parallel,experts", [("fsdp", 2), pytest.param("ddp", 1, marks=pytest.mark.slow)])
-def test_trainer_ranks_train_what_one_process_does(tmp_path, parallel, experts):
+@pytest.mark.parametrize("parallel,experts,delta", [("fsdp", 2, False), pytest.param("fsdp", 2, True, marks=pytest.mark.slow),
+                                                    pytest.param("ddp", 1, True, marks=pytest.mark.slow)])
+def test_trainer_ranks_train_what_one_process_does(tmp_path, parallel, experts, delta):
     """Two trainer ranks on Ray (one process group: FSDP2 shards with expert parallelism, or DDP) train on
     saved rollouts to the weights one process reaches on them, and every sync leaves the engine holding
-    the trainer's bytes (check_weights raises otherwise: where the ranks hold shards, the state dict
-    gathered from them)."""
+    the trainer's bytes (check_weights raises otherwise). Where the ranks hold shards the engines get, on
+    the disk path without delta, each version's directory the ranks wrote a shard at a time
+    (orthon.pretrain.gathered_weights), else the state dict gathered whole on rank 0."""
     from dataclasses import replace
 
     from orthon.data.tokenizer import load_tokenizer
@@ -166,7 +168,7 @@ def test_trainer_ranks_train_what_one_process_does(tmp_path, parallel, experts):
     # Groups a random policy earns some reward on, so that the steps train (only this run scores them).
     in_process("rollouts", "rollout_only", reward={"name": "test_rl_parallel.first_letter_reward"})
     in_process("one", "train_only")
-    cluster = {"engines": 1, "router": False, "check_weights": True, "trainer_ranks": 2}
+    cluster = {"engines": 1, "router": False, "check_weights": True, "trainer_ranks": 2, "delta": delta}
     lines = []
     result = run(recipe("two", "train_only", cluster=cluster), _tokenizer(pre), log=lines.append)
     assert result["iterations"] == 2
@@ -176,3 +178,10 @@ def test_trainer_ranks_train_what_one_process_does(tmp_path, parallel, experts):
     start, one, two = _weights(pre / "final"), _weights(tmp_path / "one" / "final"), _weights(tmp_path / "two" / "final")
     assert max((one[k].float() - start[k].float()).abs().max().item() for k in start) > 1e-4  # it trained
     assert _trained_apart(one, two, start) == []
+    # Directories the engines loaded: versions 0 (the policy), 1 and 2, the newest two kept; with deltas
+    # only the first full copy.
+    versions = sorted(p.name for p in (tmp_path / "two" / "weights").glob("v*"))
+    assert versions == (["v00000000"] if delta else ["v00000001", "v00000002"])
+    # Without delta, the ranks wrote a weights directory (the sidecar beside the HF layout); a state dict
+    # gathered on rank 0 is written as model.safetensors alone.
+    assert (tmp_path / "two" / "weights" / versions[-1] / "orthon.json").is_file() != delta

@@ -1,0 +1,90 @@
+"""final/ from the ranks' shards (orthon.pretrain.gathered_weights) on two gloo ranks: the directory equals
+the one process's save_weights tensor for tensor, each shard is written before the next is gathered (rank 0
+never holds more than one), and a write that fails on rank 0 leaves no rank waiting in a gather."""
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from orthon.core.errors import CheckpointError
+from orthon.core.net import free_port
+from orthon.pretrain.config import ModelConfig
+from orthon.pretrain.hf_io import INDEX_NAME, load_hf_state
+from orthon.pretrain.model import GLMForCausalLM
+from orthon.pretrain.weights import save_weights
+from tests.pretrain_support import MODEL
+
+WORLD = 2
+SHARD_BYTES = 40_000  # the tiny model's ~0.4 MB in about ten shards
+
+
+def build() -> GLMForCausalLM:
+    torch.manual_seed(0)
+    return GLMForCausalLM(ModelConfig(**MODEL))
+
+
+def worker(rank, port, out_dir, experts, fail):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    # A short timeout: a rank left waiting in a gather fails the test instead of hanging it.
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=30))
+    try:
+        import orthon.pretrain.gathered_weights as gathered
+        import orthon.pretrain.hf_io as hf_io
+        from orthon.pretrain import expert_parallel, parallel
+
+        model = build()
+        mesh = expert_parallel.shard_experts(model, experts, torch.device("cpu")) if experts > 1 else None
+        parallel.wrap(model, "fsdp", mesh)
+        events = []
+        gather, save_file = gathered._gather, hf_io.save_file
+        gathered._gather = lambda *a: events.append("gather") or gather(*a)
+        hf_io.save_file = lambda *a, **k: events.append("write") or save_file(*a, **k)
+        target = os.path.join(out_dir, "final")
+        if fail and rank == 0:  # a directory holding a file that is not ours: refused before any write
+            os.makedirs(target)
+            open(os.path.join(target, "notes.txt"), "w").close()
+        try:
+            returned = gathered.save_gathered(model, target, rank, max_shard_bytes=SHARD_BYTES)
+            error = None
+        except CheckpointError as exc:
+            returned, error = None, str(exc)
+        # Both ranks meet again: the collectives are still in step.
+        total = torch.tensor([rank + 1.0])
+        dist.all_reduce(total)
+        torch.save({"returned": None if returned is None else str(returned), "error": error, "events": events, "total": total.item()},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("experts", [1, 2], ids=["fsdp", "fsdp-and-expert-parallel"])
+def test_the_gathered_directory_is_the_one_process_save(experts, tmp_path):
+    mp.spawn(worker, args=(free_port(), str(tmp_path), experts, False), nprocs=WORLD, join=True)
+    zero, one = (torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD))
+    assert zero["returned"] == str(tmp_path / "final") and one["returned"] is None
+    expected = load_hf_state(save_weights(build(), tmp_path / "reference"))
+    got = load_hf_state(tmp_path / "final")
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    for name in ("config.json", "orthon.json"):
+        assert (tmp_path / "final" / name).read_text() == (tmp_path / "reference" / name).read_text()
+    shards = sorted(p.name for p in (tmp_path / "final").glob("model-*.safetensors"))
+    assert len(shards) >= 5 and (tmp_path / "final" / INDEX_NAME).is_file()
+    # Rank 0 gathers a shard, writes it, then gathers the next: one shard in memory at a time.
+    assert zero["events"] == ["gather", "write"] * len(shards)
+    assert one["events"] == ["gather"] * len(shards)
+
+
+def test_a_write_that_fails_on_rank_zero_leaves_no_rank_waiting(tmp_path):
+    mp.spawn(worker, args=(free_port(), str(tmp_path), 2, True), nprocs=WORLD, join=True)
+    zero, one = (torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD))
+    assert "holds files that are not model weights (notes.txt)" in zero["error"]
+    assert zero["returned"] is None and one["error"] is None and one["returned"] is None
+    # Rank 0 took part in every gather rank 1 made, and both met in the all-reduce after: 1 + 2.
+    assert zero["events"].count("gather") == one["events"].count("gather") > 1 and "write" not in zero["events"]
+    assert zero["total"] == one["total"] == 3.0
+    assert sorted(os.listdir(tmp_path / "final")) == ["notes.txt"]
