@@ -7,7 +7,8 @@ rank walks the model's tensors in the same order, a safetensors shard's worth at
 taking part, rank 0 keeps a CPU copy, and the shard is written before the next one is gathered. Rank 0
 holds one shard; the other ranks one tensor at a time. The directory is the one ``save_weights`` writes
 (the HF layout and the sidecar, swapped in whole), as ``orthon export --step`` writes it from a DCP
-checkpoint.
+checkpoint. RL's weight sync streams the same parts to the engines (``gathered_parts``,
+orthon.rl.weight_sync).
 """
 from __future__ import annotations
 
@@ -23,43 +24,60 @@ from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.weights import writing_weights_dir
 
 
-def save_gathered(model: GLMForCausalLM, directory, rank: int, *, dtype: torch.dtype | None = None,
-                  max_shard_bytes: int = hf_io.DEFAULT_SHARD_BYTES, tokenizer=None) -> Path | None:
-    """Write ``model`` (its parameters DTensors or plain, the same on every rank) as the weights directory
-    ``directory``. A collective: every rank calls it; rank 0 writes and returns the path, the others
-    return None. When rank 0's writing fails (a full disk, a foreign directory), rank 0 still takes part
-    in the gathers left, so no rank waits in a collective, then raises."""
+def gathered_parts(model: GLMForCausalLM, rank: int, part_bytes: int, dtype: torch.dtype | None = None) -> list:
+    """The model's persistent tensors in parts of about ``part_bytes`` (as written in ``dtype``; a larger
+    tensor alone), as loaders: calling the i-th, on every rank in the same order (each all-gathers its
+    sharded tensors), returns on rank 0 its {name: whole CPU tensor} in the model's names, elsewhere None."""
     live = model.state_dict()  # FSDP2's and expert parallelism's parameters as DTensors: no communication
     names = hf_io.persistent_names(model)
-    written = {name: hf_io.written_dtype(name, live[name].dtype, dtype) for name in names}
-    groups = hf_io.plan_shards({name: live[name].numel() * written[name].itemsize for name in names},
-                               max_shard_bytes)  # whole source tensors: an expert stack stays in one shard
-    loaders = [partial(_gather, live, group, rank == 0, dtype) for group in groups]
-    if rank != 0:
-        for load in loaders:
-            load()
-        return None
+    sizes = {name: live[name].numel() * hf_io.written_dtype(name, live[name].dtype, dtype).itemsize for name in names}
+    # Whole source tensors: an expert stack stays in one part.
+    return [partial(_gather, live, group, rank == 0) for group in hf_io.plan_shards(sizes, part_bytes)]
+
+
+def drain_on_error(loaders: list, consume) -> None:
+    """``consume(loaders)`` on rank 0, which calls them in order; when it fails, the loaders it did not
+    reach are still called (the other ranks wait in their gathers), then the error is raised."""
     started = []
 
     def counted(load):
         started.append(load)
         return load()
 
-    head = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
     try:
-        with writing_weights_dir(directory, model.runtime, tokenizer) as tmp:
-            hf_io.write_hf_shards(tmp, [partial(counted, load) for load in loaders],
-                                  hf_io.config_with_dtype(model.config, written[head]))
+        consume([partial(counted, load) for load in loaders])
     except BaseException:
-        for load in loaders[len(started):]:  # the other ranks wait in these gathers
+        for load in loaders[len(started):]:
             load()
         raise
+
+
+def save_gathered(model: GLMForCausalLM, directory, rank: int, *, dtype: torch.dtype | None = None,
+                  max_shard_bytes: int = hf_io.DEFAULT_SHARD_BYTES, tokenizer=None) -> Path | None:
+    """Write ``model`` (its parameters DTensors or plain, the same on every rank) as the weights directory
+    ``directory``. A collective: every rank calls it; rank 0 writes and returns the path, the others
+    return None. When rank 0's writing fails (a full disk, a foreign directory), rank 0 still takes part
+    in the gathers left, so no rank waits in a collective, then raises."""
+    loaders = gathered_parts(model, rank, max_shard_bytes, dtype)
+    if rank != 0:
+        for load in loaders:
+            load()
+        return None
+    head = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
+    head_dtype = hf_io.written_dtype(head, model.get_parameter(head).dtype, dtype)
+
+    def write(parts):
+        with writing_weights_dir(directory, model.runtime, tokenizer) as tmp:
+            hf_io.write_hf_shards(tmp, [lambda load=load: hf_io.to_hf(load(), dtype) for load in parts],
+                                  hf_io.config_with_dtype(model.config, head_dtype))
+
+    drain_on_error(loaders, write)
     return Path(os.path.abspath(directory))
 
 
-def _gather(live: dict, names: list[str], keep: bool, dtype: torch.dtype | None) -> dict[str, torch.Tensor] | None:
-    """The tensors ``names`` whole (a DTensor's all-gather is collective), in the HF layout, on the rank
-    that ``keep``s them; None elsewhere."""
+def _gather(live: dict, names: list[str], keep: bool) -> dict[str, torch.Tensor] | None:
+    """The tensors ``names`` whole (a DTensor's all-gather is collective), CPU copies on the rank that
+    ``keep``s them; None elsewhere."""
     out = {}
     for name in names:
         tensor = live[name].detach()
@@ -67,4 +85,4 @@ def _gather(live: dict, names: list[str], keep: bool, dtype: torch.dtype | None)
             tensor = tensor.full_tensor()
         if keep:
             out[name] = tensor.cpu()
-    return hf_io.to_hf(out, dtype) if keep else None
+    return out if keep else None

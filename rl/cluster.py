@@ -141,7 +141,7 @@ class TrainerActor:
             rollout = ActorProxy(rollout_handle, timeout)
         self.trainer = RLTrainer(self.recipe, None, rollout=rollout,
                                  weight_sync=self.fleet.sync if self.fleet else None,
-                                 weights_dir_for=self.fleet.directory_for if self.fleet else None, log=self.log)
+                                 sync_form=self.fleet.form if self.fleet else None, log=self.log)
         self.trainer.hand_over()  # weight version 0: every engine holds the policy's exact bytes
 
     def resume(self) -> bool:

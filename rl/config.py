@@ -169,13 +169,16 @@ class ClusterConfig:
     weight_sync: Literal["disk", "distributed", "shared"] = "disk"
     delta: bool = True
     check_weights: bool = False  # after every sync, compare a hash per tensor of every engine with the trainer's
+    # Where the trainer ranks hold shards, the distributed path without delta gathers and broadcasts the
+    # weights in parts of this many bytes, so rank 0 never holds more (slime's bucket by bucket).
+    part_bytes: int = 1 << 30
     health_interval_s: float = 2.0  # how often the monitor polls each engine
     health_failures: int = 2  # consecutive failed polls before an engine is restarted
     request_timeout_s: float = 120.0  # one generate call; then the engine counts as unavailable
     startup_timeout_s: float = 180.0
 
     def __post_init__(self):
-        _positive(self, "engines", "engine_threads", "trainer_ranks", "trainer_threads", "engine_max_batch_size",
+        _positive(self, "engines", "engine_threads", "trainer_ranks", "trainer_threads", "engine_max_batch_size", "part_bytes",
                   "health_interval_s", "health_failures", "request_timeout_s", "startup_timeout_s")
         if self.reward_workers < 0:
             raise ConfigError(f"reward_workers: must be >= 0, got {self.reward_workers}")

@@ -6,12 +6,13 @@ actor's state with it. The fleet lives in the trainer's process, beside the weig
 
 - ``start()``: the servers (one placement-group bundle each), then sglang-router over them.
 - ``sync(model, version)``: the configured weight-sync path to every engine (orthon.rl.weight_sync;
-  ``directory_for(version)``: where the trainer writes a version itself, on the disk path without delta);
-  a sync and a restart never interleave.
+  ``form(version)``: what trainer ranks that hold shards hand over instead of the whole model); a sync
+  and a restart never interleave.
 - the monitor thread polls every engine's ``/health`` each ``health_interval_s``; after
   ``health_failures`` failed polls in a row the engine is taken out of the router, its process killed
-  and started again, brought to the current weights (a full copy from disk) and added back. Requests
-  it had in flight fail at the router; the rollout manager queues their prompts again, whole.
+  and started again, brought to the current weights (a full copy from disk) and added back; where the
+  last sync was streamed (nothing on disk to copy), it joins the router after the next sync instead.
+  Requests it had in flight fail at the router; the rollout manager queues their prompts again, whole.
 """
 from __future__ import annotations
 
@@ -115,6 +116,7 @@ class EngineFleet:
         self.sync_path, self.client_factory, self.log = sync, client_factory, log
         self.actors, self.urls, self.router = [], [], None
         self.version, self.model = 0, None  # what the engines hold; the model they were synced from
+        self.waiting: set[str] = set()  # restarted engines out of the router until a sync brings them up to date
         self.counters = Counter()
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -156,19 +158,34 @@ class EngineFleet:
         return ray.get([a.pid.remote() for a in self.actors])
 
     # ------------------------------------------------------------ weights
-    def directory_for(self, version: int):
-        """Where the trainer writes weight ``version`` for ``sync`` to hand over (WeightSync.directory_for)."""
-        return self.sync_path.directory_for(version)
+    def form(self, version: int):
+        """What trainer ranks that hold shards hand over as ``version`` (WeightSync.form)."""
+        return self.sync_path.form(version)
 
     def sync(self, model, version: int) -> None:
-        """The weights (the model, a state dict gathered from FSDP2's shards, or the directory the trainer
-        wrote at ``directory_for(version)``) to every engine; an engine that could not take them is
-        restarted with them."""
+        """The weights (the model, a state dict gathered from FSDP2's shards, or what ``form`` asked for)
+        to every engine; an engine that could not take them is restarted with them. A streamed sync that
+        failed raises IncompleteSync (after the engines are resumed) for the trainer's full copy."""
+        from orthon.rl.weight_sync import IncompleteSync, WeightParts
+
         with self._lock:
-            self.version, self.model = version, model
-            for url in self.sync_path.push(model, version, [self.client_factory(u) for u in self.urls]):
+            # Parts are used up as they are sent: a restart then waits for the next sync.
+            self.version, self.model = version, None if isinstance(model, WeightParts) else model
+            if isinstance(model, WeightParts):
+                self.counters["streamed_parts"] += len(model.loaders)
+            try:
+                dead = self.sync_path.push(model, version, [self.client_factory(u) for u in self.urls])
+            except IncompleteSync:
+                self.counters["failed_syncs"] += 1
+                raise
+            for url in dead:
                 self.counters["failed_syncs"] += 1
                 self.replace(self.urls.index(url), url)
+            for url in self.waiting & set(self.urls):
+                if self.router is not None:
+                    self.router.add_worker(url)
+                self.log(f"engine {url} joins with weight version {version}")
+            self.waiting.clear()
 
     # ------------------------------------------------------------ health
     def _healthy(self, url: str) -> bool:
@@ -207,11 +224,15 @@ class EngineFleet:
                 ray.kill(self.actors[i], no_restart=True)
                 self.actors[i] = self._server(i)
                 url = ray.get(self.actors[i].url.remote(), timeout=self.cfg.startup_timeout_s + 30)
+            self.urls[i] = url
+            self.counters["engine_restarts"] += 1
+            if self.model is None and self.version > 0:  # the last sync was streamed: nothing to copy
+                self.waiting.add(url)
+                self.log(f"engine restarted at {url}; it joins at the next weight sync")
+                return url
             if self.model is not None:
                 self.sync_path.full(self.model, self.version, self.client_factory(url))
-            self.urls[i] = url
             if self.router is not None:
                 self.router.add_worker(url)
-            self.counters["engine_restarts"] += 1
             self.log(f"engine restarted at {url} with weight version {self.version}")
             return url

@@ -33,6 +33,7 @@ from orthon.core.interrupts import stop_signals_recorded
 from orthon.core.metrics import MetricsLogger, moving_average, plot_curves, read_metrics
 from orthon.core.step_loop import stop_if_signalled
 from orthon.engine.in_process import InProcessEngine
+from orthon.pretrain.gathered_weights import gathered_parts
 from orthon.pretrain.trainer import Trainer
 from orthon.pretrain.weights import load_weights
 from orthon.rl.logprobs import sample_log_probs
@@ -41,20 +42,21 @@ from orthon.rl.rank_rollouts import RankRollouts
 from orthon.rl.rollout_manager import RolloutManager, rollout_state
 from orthon.rl.sample import Sample, branches, sample_to_dict
 from orthon.rl.steps import METRICS, PolicyStep
+from orthon.rl.weight_sync import IncompleteSync, SyncForm, WeightParts
 
 
 class RLTrainer:
     def __init__(self, recipe, tokenizer, log=print, engine=None, rollout=None, weight_sync=None,
-                 weights_dir_for=None):
+                 sync_form=None):
         """``recipe``: an RLRecipe whose ``train.init_from`` names the policy's starting weights.
         ``engine``: the Engine rollouts and evaluation run on (default: an in-process one on a copy of
         the policy). ``rollout``: the RolloutManager (default: one on ``engine``), or a proxy of one in
         another process with the same methods (on rank 0; the other ranks follow rank 0's). ``weight_sync(
         weights, version)``: hands the new weights, the model or (where the ranks hold shards: FSDP2,
         expert parallelism) the state dict gathered from them, to the engines (default: ``engine.update_weights(state_dict, version)``).
-        ``weights_dir_for(version)``: where the engines load ``version`` from disk (a Path), or None where
-        ``weight_sync`` takes the tensors: the ranks then write that directory themselves, a safetensors
-        shard at a time where they hold shards, and ``weight_sync`` gets its Path (on rank 0)."""
+        ``sync_form(version)`` (on rank 0): what ranks that hold shards hand over instead of the gathered
+        state dict (orthon.rl.weight_sync.SyncForm: a directory they write, or parts they stream), or
+        None."""
         self.recipe, self.cfg, self.log = recipe, recipe.rl, log
         self.last_stats: dict = {}  # the latest iteration's statistics
         self.held_out: float | None = None  # the latest held-out reward (evaluations are every eval_interval)
@@ -96,7 +98,7 @@ class RLTrainer:
         if shared and self.rank == 0:
             rollout.roll_round = self.shared_rollouts.roll
         self.weight_sync = weight_sync or self._update_engine
-        self.weights_dir_for = weights_dir_for
+        self.sync_form = sync_form
         self.weight_version = 0  # of the weights the engines hold; every sync adds one
         self.iteration = 0
 
@@ -190,11 +192,17 @@ class RLTrainer:
 
     def hand_over(self) -> None:
         """The current weights to the engines under ``weight_version`` (called on every rank)."""
-        directory = self._from_rank_zero(lambda: self.weights_dir_for and self.weights_dir_for(self.weight_version))
-        if directory:  # no process holds the whole model: the ranks write it a shard at a time
-            self.trainer.write_weights(directory)
+        form = None
+        if self.trainer.holds_shards:  # no process need hold the whole model: see orthon.rl.weight_sync
+            form = self._from_rank_zero(lambda: self.sync_form and self.sync_form(self.weight_version))
+        if form is not None and form.part_bytes:
+            form = self._stream_parts(form.part_bytes)
+            if form is None:
+                return
+        if form is not None:  # the ranks write the version's directory a safetensors shard at a time
+            self.trainer.write_weights(form.directory)
             if self.rank == 0:
-                self.weight_sync(directory, self.weight_version)
+                self.weight_sync(form.directory, self.weight_version)
             return
         state = self.trainer.whole_state()
         if self.rank != 0:
@@ -202,6 +210,22 @@ class RLTrainer:
                 self._update_engine(self.model, self.weight_version)
             return
         self.weight_sync(self.model if state is None else state, self.weight_version)
+
+    def _stream_parts(self, part_bytes: int):
+        """The weights to the engines part by part as the ranks gather them; None once sent, else (the
+        sync failed part way) the SyncForm of the directory for a full copy."""
+        loaders = gathered_parts(self.model, self.rank, part_bytes)
+        retry = None
+        if self.rank == 0:
+            try:
+                self.weight_sync(WeightParts(loaders), self.weight_version)
+            except IncompleteSync as exc:
+                self.log(str(exc))
+                retry = SyncForm(directory=exc.directory)
+        else:
+            for load in loaders:
+                load()
+        return self._from_rank_zero(lambda: retry)
 
     def evaluate(self) -> dict:
         return self._from_rank_zero(lambda: self.rollout.evaluate())

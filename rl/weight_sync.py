@@ -10,15 +10,20 @@ path writes it as a file, the broadcast path sends its bytes over the group, the
 them in shared memory. An engine that holds anything but the base refuses it and changes nothing.
 
 The first sync, and the one that brings a restarted engine up to date, is a full copy through disk
-(an engine in any state can take it). "model" below is what the trainer hands over: the model itself, the
-state dict gathered from its ranks' shards (FSDP2, expert parallelism), or on the disk path without delta
-the version's directory the trainer ranks wrote themselves (``directory_for``), a safetensors shard
-at a time, so that no process holds the whole model.
+(an engine in any state can take it). "model" below is what the trainer hands over: the model itself or
+the state dict gathered from its ranks' shards; or, where the ranks hold shards (FSDP2, expert
+parallelism), what ``form`` asks for so that no process holds the whole model: on the disk path without
+delta the version's directory the ranks wrote, a safetensors shard at a time; on the distributed path
+without delta ``WeightParts``, loaders the ranks call together, each gathering a part that is broadcast
+before the next is gathered (slime's bucket by bucket), the engines paused in between so no request runs
+on a mix of versions. A streamed sync that fails part way raises ``IncompleteSync`` naming the directory
+the ranks then write for a full copy (the parts are gone).
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,7 +35,34 @@ from orthon.engine.tensor_bytes import tensor_hashes
 from orthon.engine.weight_transfer import (SharedBuckets, TensorMeta, broadcast_bytes, broadcast_tensors,
                                            open_update_group, prune_versions, version_dir, write_delta,
                                            write_versioned)
+from orthon.pretrain.gathered_weights import drain_on_error
 from orthon.pretrain.hf_io import load_hf_state
+
+
+@dataclass(frozen=True)
+class SyncForm:
+    """What the trainer ranks hand over where they hold shards: a weights ``directory`` they write, or
+    ``WeightParts`` of ``part_bytes``."""
+
+    directory: Path | None = None
+    part_bytes: int = 0
+
+
+@dataclass
+class WeightParts:
+    """The weights as loaders (orthon.pretrain.gathered_weights.gathered_parts), each called once, in order,
+    on rank 0 while the other ranks call theirs: {name: tensor} of one part."""
+
+    loaders: list
+
+
+class IncompleteSync(Exception):
+    """A streamed sync failed part way (every part was still gathered): the ranks write ``directory`` and
+    hand it over for a full copy."""
+
+    def __init__(self, directory: Path, why: str):
+        super().__init__(f"streamed weight sync failed ({why}); a full copy from {directory} follows")
+        self.directory = directory
 
 
 def _named(weights) -> list[tuple[str, torch.Tensor]]:
@@ -49,6 +81,13 @@ def _each(clients, call) -> list:
         return list(pool.map(call, clients))
 
 
+def _resume(client) -> None:
+    try:
+        client.resume()
+    except Exception:  # a dead engine: the fleet replaces it
+        pass
+
+
 class WeightSync:
     def __init__(self, cluster, run_dir):
         self.cfg = cluster
@@ -58,11 +97,16 @@ class WeightSync:
         self._members: tuple[str, ...] = ()
         self._shared = None
 
-    def directory_for(self, version: int) -> Path | None:
-        """Where the trainer writes weight ``version`` for the engines to load (the disk path without
-        delta: the directory is the whole sync), or None where this sync takes the tensors."""
-        if self.cfg.weight_sync != "disk" or self.cfg.delta:
+    def form(self, version: int) -> SyncForm | None:
+        """What trainer ranks that hold shards hand over as ``version`` (see the module docstring); None:
+        the tensors gathered whole (delta needs them, and the shared path)."""
+        if self.cfg.delta or self.cfg.weight_sync == "shared":
             return None
+        if self.cfg.weight_sync == "distributed":
+            return SyncForm(part_bytes=self.cfg.part_bytes)
+        return SyncForm(directory=self._directory(version))
+
+    def _directory(self, version: int) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
         return version_dir(self.root, version)
 
@@ -95,8 +139,11 @@ class WeightSync:
         Returns the URLs of engines that could not take them: when anything fails on the way (an engine
         died or hung mid-sync, a broken collective), every engine that still answers gets a full copy
         from disk, so none is left holding something else; the caller replaces the dead ones."""
+        if isinstance(model, WeightParts):
+            return self._stream(model, version, clients)
         try:
-            if self.cfg.weight_sync == "disk" and not self.cfg.delta or self.cfg.delta and self.encoder is None:
+            if (isinstance(model, Path) or self.cfg.weight_sync == "disk" and not self.cfg.delta
+                    or self.cfg.delta and self.encoder is None):
                 self._full_all(model, version, clients)
             elif self.cfg.delta:
                 self._send_delta(self.encoder.encode(_named(model), version), clients)
@@ -109,15 +156,41 @@ class WeightSync:
             clients = [c for c in clients if c.url not in dead]
         else:
             dead = []
-        if self.cfg.check_weights:
-            self.check(_named(model), clients)  # a directory is read back whole: a debugging mode
+        if self.cfg.check_weights:  # a directory is read back whole: a debugging mode
+            self.check(tensor_hashes(_named(model)), clients)
         return dead
+
+    def _stream(self, parts: WeightParts, version: int, clients) -> list[str]:
+        """Each part broadcast as it is gathered, the engines paused from the first to the last (so no
+        request runs on a mix of versions); IncompleteSync when anything fails on the way."""
+        want = {}
+
+        def send(loaders):
+            self._group(clients)
+            _each(clients, lambda c: c.pause("in_place"))
+            for i, load in enumerate(loaders):
+                named = list(load().items())
+                if self.cfg.check_weights:
+                    want.update(tensor_hashes(named))
+                metas = [TensorMeta.of(name, t) for name, t in named]
+                last = i == len(loaders) - 1  # the prefix cache is flushed once, with the last part
+                self._together(clients, lambda c: c.update_weights_from_distributed(metas, version, flush_cache=last),
+                               lambda: broadcast_tensors(self.group, named))
+
+        try:
+            drain_on_error(parts.loaders, send)
+        except Exception as exc:
+            self._close_group()
+            raise IncompleteSync(self._directory(version), f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            _each(clients, _resume)
+        if self.cfg.check_weights:
+            self.check(want, clients)
+        return []
 
     def _recover(self, model, version: int, clients) -> list[str]:
         """Full copies from disk to every engine that answers; the URLs of those that do not."""
-        if self.group is not None:  # a member may be gone: the next broadcast forms the group again
-            self.group.close()
-            self.group, self._members = None, ()
+        self._close_group()
         dead = []
         for client in clients:
             try:
@@ -139,6 +212,12 @@ class WeightSync:
         else:
             data = torch.frombuffer(bytearray(payload.to_bytes()), dtype=torch.uint8)
             self._share([(DELTA_TENSOR_NAME, data)], payload.version, clients)
+
+    def _close_group(self) -> None:
+        """After a failure (a member may be gone): the next broadcast forms the group again."""
+        if self.group is not None:
+            self.group.close()
+            self.group, self._members = None, ()
 
     def _group(self, clients) -> None:
         """The trainer (rank 0) and the engines (1..N) in one group; formed again when an engine changed."""
@@ -174,9 +253,8 @@ class WeightSync:
         _each(clients, lambda c: c.update_weights_from_shared(handle))  # the engines copy before this returns
 
     # ------------------------------------------------------------ debugging
-    def check(self, named, clients) -> None:
-        """Every engine's hash per tensor equals the trainer's (slime's weight check)."""
-        want = tensor_hashes(named)
+    def check(self, want: dict[str, str], clients) -> None:
+        """Every engine's hash per tensor equals the trainer's, ``want`` (slime's weight check)."""
         for client, got in zip(clients, _each(clients, lambda c: c.weight_hashes())):
             wrong = sorted(name for name in want if got.get(name) != want[name])
             if wrong:

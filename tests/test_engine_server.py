@@ -423,6 +423,48 @@ def test_shared_memory_and_broadcast_updates(mutable, weights, tmp_path):
     assert [r.tokens for r in client.generate(PROMPTS, GREEDY)] == [r.tokens for r in _reference(weights[0])]
 
 
+def test_weights_streamed_in_parts_and_a_failed_stream_asks_for_a_full_copy(mutable, weights, tmp_path):
+    """The trainer's streamed sync (orthon.rl.weight_sync, distributed without delta): parts of the model
+    (gathered_parts, one process: plain tensors) broadcast one after another leave the engine with the
+    new weights, resumed; a part that fails mid-stream (rank 0 out of memory) still lets every later loader
+    run (the other ranks' gathers), resumes the engine, and raises IncompleteSync naming the version's
+    directory, from which the full copy brings the engine to the trainer's bytes."""
+    from orthon.engine.tensor_bytes import tensor_hashes
+    from orthon.pretrain.gathered_weights import gathered_parts
+    from orthon.rl.config import ClusterConfig
+    from orthon.rl.weight_sync import IncompleteSync, SyncForm, WeightParts, WeightSync
+    from orthon.pretrain.weights import save_weights
+
+    base, other = load_weights(weights[0]), load_weights(weights[1])
+    client = HTTPEngine(mutable.url)
+    sync = WeightSync(ClusterConfig(weight_sync="distributed", delta=False, check_weights=True, part_bytes=30_000),
+                      tmp_path)
+    assert sync.form(40) == SyncForm(part_bytes=30_000)
+    loaders = gathered_parts(other, 0, 30_000)
+    assert len(loaders) >= 4
+    assert sync.push(WeightParts(loaders), 40, [client]) == []  # check_weights: raises on any difference
+    assert client.weight_hashes() == tensor_hashes(_named(other)) and client.health()["weight_version"] == 40
+    assert [r.tokens for r in client.generate(PROMPTS, GREEDY)] == [r.tokens for r in _reference(weights[1])]
+
+    calls = []
+
+    def failing(i, load):
+        calls.append(i)
+        if i == 1:
+            raise RuntimeError("out of memory")
+        return load()
+
+    loaders = [lambda i=i, load=load: failing(i, load) for i, load in enumerate(gathered_parts(base, 0, 30_000))]
+    with pytest.raises(IncompleteSync, match="out of memory") as failed:
+        sync.push(WeightParts(loaders), 41, [client])
+    assert calls == list(range(len(loaders)))  # every part still gathered once, in order
+    assert failed.value.directory == tmp_path / "weights" / "v00000041"
+    assert client.generate(PROMPTS[:1], GREEDY)[0].tokens  # resumed (a paused engine would not answer)
+    assert sync.push(save_weights(base, failed.value.directory), 41, [client]) == []
+    assert client.weight_hashes() == tensor_hashes(_named(base))
+    assert [r.tokens for r in client.generate(PROMPTS, GREEDY)] == [r.tokens for r in _reference(weights[0])]
+
+
 # ---------------------------------------------------------------- the client against broken servers
 class _CannedServer(socketserver.ThreadingTCPServer):
     """Answers every connection with ``reply`` bytes (None: accepts and never answers)."""

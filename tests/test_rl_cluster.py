@@ -138,14 +138,16 @@ def test_every_sync_path_leaves_the_engines_with_the_trainers_bytes(tmp_path, pa
     assert result["iterations"] == 2
 
 
-@pytest.mark.parametrize("parallel,experts,delta", [("fsdp", 2, False), pytest.param("fsdp", 2, True, marks=pytest.mark.slow),
-                                                    pytest.param("ddp", 1, True, marks=pytest.mark.slow)])
-def test_trainer_ranks_train_what_one_process_does(tmp_path, parallel, experts, delta):
+@pytest.mark.parametrize("parallel,experts,path,delta", [
+    ("fsdp", 2, "distributed", False), pytest.param("fsdp", 2, "disk", False, marks=pytest.mark.slow),
+    pytest.param("fsdp", 2, "disk", True, marks=pytest.mark.slow), pytest.param("ddp", 1, "disk", True, marks=pytest.mark.slow)])
+def test_trainer_ranks_train_what_one_process_does(tmp_path, parallel, experts, path, delta):
     """Two trainer ranks on Ray (one process group: FSDP2 shards with expert parallelism, or DDP) train on
     saved rollouts to the weights one process reaches on them, and every sync leaves the engine holding
-    the trainer's bytes (check_weights raises otherwise). Where the ranks hold shards the engines get, on
-    the disk path without delta, each version's directory the ranks wrote a shard at a time
-    (orthon.pretrain.gathered_weights), else the state dict gathered whole on rank 0."""
+    the trainer's bytes (check_weights raises otherwise). Where the ranks hold shards, without delta, the
+    engines get each version part by part as the ranks gather it (distributed) or the directory the ranks
+    wrote a shard at a time (disk; orthon.pretrain.gathered_weights); with delta the state dict gathered
+    whole on rank 0."""
     from dataclasses import replace
 
     from orthon.data.tokenizer import load_tokenizer
@@ -168,7 +170,8 @@ def test_trainer_ranks_train_what_one_process_does(tmp_path, parallel, experts, 
     # Groups a random policy earns some reward on, so that the steps train (only this run scores them).
     in_process("rollouts", "rollout_only", reward={"name": "test_rl_parallel.first_letter_reward"})
     in_process("one", "train_only")
-    cluster = {"engines": 1, "router": False, "check_weights": True, "trainer_ranks": 2, "delta": delta}
+    cluster = {"engines": 1, "router": False, "check_weights": True, "trainer_ranks": 2, "delta": delta,
+               "weight_sync": path, "part_bytes": 50_000}  # the tiny model's ~0.4 MB in several parts
     lines = []
     result = run(recipe("two", "train_only", cluster=cluster), _tokenizer(pre), log=lines.append)
     assert result["iterations"] == 2
@@ -178,10 +181,12 @@ def test_trainer_ranks_train_what_one_process_does(tmp_path, parallel, experts, 
     start, one, two = _weights(pre / "final"), _weights(tmp_path / "one" / "final"), _weights(tmp_path / "two" / "final")
     assert max((one[k].float() - start[k].float()).abs().max().item() for k in start) > 1e-4  # it trained
     assert _trained_apart(one, two, start) == []
-    # Directories the engines loaded: versions 0 (the policy), 1 and 2, the newest two kept; with deltas
-    # only the first full copy.
+    # Three syncs (versions 0, 1, 2), streamed in parts of 50 kB on the distributed path.
+    parts = result["fleet"].get("streamed_parts", 0)
+    assert parts % 3 == 0 and (parts >= 3 * 5) == (path == "distributed"), result["fleet"]
+    # Directories the engines loaded: on disk without delta versions 1 and 2 (the newest two kept), each a
+    # weights directory the ranks wrote (the sidecar beside the HF layout; a state dict gathered on rank 0
+    # is written as model.safetensors alone); with deltas only the first full copy; streamed: none.
     versions = sorted(p.name for p in (tmp_path / "two" / "weights").glob("v*"))
-    assert versions == (["v00000000"] if delta else ["v00000001", "v00000002"])
-    # Without delta, the ranks wrote a weights directory (the sidecar beside the HF layout); a state dict
-    # gathered on rank 0 is written as model.safetensors alone.
-    assert (tmp_path / "two" / "weights" / versions[-1] / "orthon.json").is_file() != delta
+    assert versions == {"distributed": [], "disk": ["v00000001", "v00000002"]}[path] if not delta else ["v00000000"]
+    assert delta or path != "disk" or (tmp_path / "two" / "weights" / versions[-1] / "orthon.json").is_file()
