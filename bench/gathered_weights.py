@@ -1,0 +1,117 @@
+"""Rank 0's memory when the weights leave an FSDP2 trainer: the state dict gathered whole (what final/
+and every RL hand-over used to take) against the ranks' shards gathered a part at a time
+(orthon.pretrain.gathered_weights: final/ and the disk hand-over write a safetensors shard, the
+distributed hand-over broadcasts a part, before the next is gathered).
+
+Two gloo ranks under FSDP2, one thread each, a model of configs/tiny.yaml's shape made wider
+(``--hidden``, ``--experts``); each way in fresh processes. Memory: rank 0's peak resident set above
+its level before the hand-over (VmHWM), i.e. what the hand-over itself holds at once. A tensor larger
+than a part (an expert stack) is a part of its own, so that tensor bounds the parts' peak from below.
+
+    python bench/gathered_weights.py [--hidden 1024] [--experts 32] [--part-mb 64]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import cpu_kind, report  # noqa: E402
+from long_context import _rss_peak_reset, _status_kb  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+WAYS = ("whole", "parts", "final")
+
+
+def _model(hidden: int, experts: int):
+    from orthon.pretrain.model import GLMForCausalLM
+    from orthon.pretrain.recipe import load_recipe
+
+    cfg = load_recipe(ROOT / "configs" / "tiny.yaml").model.replace(hidden_size=hidden, n_routed_experts=experts,
+                                                                     intermediate_size=4 * hidden)
+    torch.manual_seed(0)
+    return GLMForCausalLM(cfg)
+
+
+def _worker(rank, port, way, hidden, experts, part_bytes, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from orthon.pretrain import parallel
+        from orthon.pretrain.gathered_weights import gathered_parts, save_gathered
+
+        model = _model(hidden, experts)
+        params = sum(p.numel() for p in model.parameters())
+        largest = max(p.numel() * p.element_size() for p in model.parameters())  # an expert stack: one part
+        parallel.wrap(model, "fsdp")
+        dist.barrier()
+        _rss_peak_reset()
+        base = _status_kb("VmRSS")
+        start = time.perf_counter()
+        if way == "whole":  # what final/ and the RL hand-over took before: the full state dict on rank 0
+            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            held = sum(t.numel() * t.element_size() for t in state.values())
+            del state
+        elif way == "parts":  # the distributed hand-over's gathers (the broadcast itself sends from them)
+            held = 0
+            for load in gathered_parts(model, rank, part_bytes):
+                part = load()
+                held = max(held, sum(t.numel() * t.element_size() for t in part.values()) if part else 0)
+                del part
+        else:  # final/ (and the disk hand-over): the weights directory, a safetensors shard at a time
+            save_gathered(model, Path(out_dir) / "final", rank, max_shard_bytes=part_bytes)
+            held = part_bytes
+        seconds = time.perf_counter() - start
+        peak_mb = (_status_kb("VmHWM") - base) / 1024
+        if rank == 0:
+            Path(out_dir, "result.json").write_text(json.dumps(
+                {"way": way, "params": params, "peak_mb": peak_mb, "s": seconds, "largest_held_mb": held / 2**20,
+                 "largest_tensor_mb": largest / 2**20}))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    # The gloo group's threads sometimes abort the interpreter's exit on this 2-core VM ("terminate called
+    # without an active exception", in the whole-state way too): the figures are written, leave at once.
+    os._exit(0)
+
+
+def measure(way: str, hidden: int, experts: int, part_bytes: int) -> dict:
+    from orthon.core.net import free_port
+
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_worker, args=(free_port(), way, hidden, experts, part_bytes, out), nprocs=2, join=True)
+        return json.loads(Path(out, "result.json").read_text())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--part-mb", type=int, default=64)
+    args = parser.parse_args()
+    print(cpu_kind())
+    figures = {}
+    for way in WAYS:
+        figures[way] = measure(way, args.hidden, args.experts, args.part_mb << 20)
+        f = figures[way]
+        print(f"{way}: rank 0 peak +{f['peak_mb']:7.1f} MB in {f['s']:.2f} s "
+              f"({f['params'] / 1e6:.1f}M parameters, {f['params'] * 4 / 2**20:.0f} MB in fp32; the largest "
+              f"tensor, a part of its own, {f['largest_tensor_mb']:.0f} MB)")
+    whole = figures["whole"]["peak_mb"]
+    report("gathered_weights", figures, {f"{way}_memory": figures[way]["peak_mb"] / whole for way in ("parts", "final")})
+
+
+if __name__ == "__main__":
+    main()
