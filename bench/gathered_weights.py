@@ -5,10 +5,11 @@ distributed hand-over broadcasts a part, before the next is gathered).
 
 Two gloo ranks under FSDP2, one thread each, a model of configs/tiny.yaml's shape made wider
 (``--hidden``, ``--experts``); each way in fresh processes. Memory: rank 0's peak resident set above
-its level before the hand-over (VmHWM), i.e. what the hand-over itself holds at once. A tensor larger
-than a part (an expert stack) is a part of its own, so that tensor bounds the parts' peak from below.
+its level before the hand-over (VmHWM), i.e. what the hand-over itself holds at once. In the streamed
+parts a tensor larger than a part (an expert stack) is a part of its own, so that tensor bounds their
+peak from below; final/ gathers such a stack a few experts at a time.
 
-    python bench/gathered_weights.py [--hidden 1024] [--experts 32] [--part-mb 64]
+    python bench/gathered_weights.py [--hidden 1024] [--experts 32] [--part-mb 16]
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def _worker(rank, port, way, hidden, experts, part_bytes, out_dir):
 
         model = _model(hidden, experts)
         params = sum(p.numel() for p in model.parameters())
-        largest = max(p.numel() * p.element_size() for p in model.parameters())  # an expert stack: one part
+        largest = max(p.numel() * p.element_size() for p in model.parameters())  # an expert stack
         parallel.wrap(model, "fsdp")
         dist.barrier()
         _rss_peak_reset()
@@ -99,7 +100,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--experts", type=int, default=32)
-    parser.add_argument("--part-mb", type=int, default=64)
+    parser.add_argument("--part-mb", type=int, default=16)
     args = parser.parse_args()
     print(cpu_kind())
     figures = {}
@@ -108,7 +109,7 @@ def main():
         f = figures[way]
         print(f"{way}: rank 0 peak +{f['peak_mb']:7.1f} MB in {f['s']:.2f} s "
               f"({f['params'] / 1e6:.1f}M parameters, {f['params'] * 4 / 2**20:.0f} MB in fp32; the largest "
-              f"tensor, a part of its own, {f['largest_tensor_mb']:.0f} MB)")
+              f"tensor {f['largest_tensor_mb']:.0f} MB; parts of {args.part_mb} MB)")
     whole = figures["whole"]["peak_mb"]
     report("gathered_weights", figures, {f"{way}_memory": figures[way]["peak_mb"] / whole for way in ("parts", "final")})
 

@@ -17,21 +17,36 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import orthon.pretrain.hf_io as hf_io
 from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.weights import writing_weights_dir
 
 
-def gathered_parts(model: GLMForCausalLM, rank: int, part_bytes: int, dtype: torch.dtype | None = None) -> list:
+def gathered_parts(model: GLMForCausalLM, rank: int, part_bytes: int, dtype: torch.dtype | None = None,
+                   split_experts: bool = False) -> list:
     """The model's persistent tensors in parts of about ``part_bytes`` (as written in ``dtype``; a larger
     tensor alone), as loaders: calling the i-th, on every rank in the same order (each all-gathers its
-    sharded tensors), returns on rank 0 its {name: whole CPU tensor} in the model's names, elsewhere None."""
+    sharded tensors), returns on rank 0 its {name: whole CPU tensor} in the model's names, elsewhere None.
+    ``split_experts``: a routed-expert stack larger than a part, sharded by expert rows (FSDP2's Shard(0),
+    expert parallelism without FSDP2, HSDP), comes in parts of whole experts under the HF layout's
+    per-expert names, gathered a part at a time (``_expert_rows``)."""
     live = model.state_dict()  # FSDP2's and expert parallelism's parameters as DTensors: no communication
-    names = hf_io.persistent_names(model)
-    sizes = {name: live[name].numel() * hf_io.written_dtype(name, live[name].dtype, dtype).itemsize for name in names}
-    # Whole source tensors: an expert stack stays in one part.
+    sizes = {}
+    for name in hf_io.persistent_names(model):
+        tensor = live[name]
+        nbytes = tensor.numel() * hf_io.written_dtype(name, tensor.dtype, dtype).itemsize
+        if split_experts and nbytes > part_bytes and hf_io.is_expert_stack(name) and _by_rows(tensor):
+            step = max(1, part_bytes // (nbytes // tensor.shape[0]))
+            for first in range(0, tensor.shape[0], step):
+                last = min(first + step, tensor.shape[0])
+                sizes[(name, first, last)] = nbytes // tensor.shape[0] * (last - first)
+        else:
+            sizes[name] = nbytes
+    # Whole source tensors otherwise: an expert stack that cannot be split stays in one part.
     return [partial(_gather, live, group, rank == 0) for group in hf_io.plan_shards(sizes, part_bytes)]
 
 
@@ -58,7 +73,7 @@ def save_gathered(model: GLMForCausalLM, directory, rank: int, *, dtype: torch.d
     ``directory``. A collective: every rank calls it; rank 0 writes and returns the path, the others
     return None. When rank 0's writing fails (a full disk, a foreign directory), rank 0 still takes part
     in the gathers left, so no rank waits in a collective, then raises."""
-    loaders = gathered_parts(model, rank, max_shard_bytes, dtype)
+    loaders = gathered_parts(model, rank, max_shard_bytes, dtype, split_experts=True)
     if rank != 0:
         for load in loaders:
             load()
@@ -75,14 +90,53 @@ def save_gathered(model: GLMForCausalLM, directory, rank: int, *, dtype: torch.d
     return Path(os.path.abspath(directory))
 
 
-def _gather(live: dict, names: list[str], keep: bool) -> dict[str, torch.Tensor] | None:
-    """The tensors ``names`` whole (a DTensor's all-gather is collective), CPU copies on the rank that
-    ``keep``s them; None elsewhere."""
+def _gather(live: dict, items: list, keep: bool) -> dict[str, torch.Tensor] | None:
+    """The tensors ``items`` (names, or (stack name, first, last) expert windows) whole (a DTensor's
+    all-gather is collective), CPU copies on the rank that ``keep``s them; None elsewhere."""
     out = {}
-    for name in names:
-        tensor = live[name].detach()
+    for item in items:
+        if isinstance(item, tuple):
+            name, first, last = item
+            rows = _expert_rows(live[name].detach(), first, last, keep)
+            if keep:
+                out.update(hf_io.stack_to_hf(name, rows, first))
+            continue
+        tensor = live[item].detach()
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()
         if keep:
-            out[name] = tensor.cpu()
+            out[item] = tensor.cpu()
     return out if keep else None
+
+
+def _by_rows(tensor) -> bool:
+    """A DTensor split by dim-0 rows only (each placement Shard(0) or Replicate): its rows can be gathered
+    a window at a time. Not expert parallelism under FSDP2 (a strided shard)."""
+    return isinstance(tensor, DTensor) and all(
+        type(p) is Shard and p.dim == 0 or p.is_replicate() for p in tensor.placements)
+
+
+def _expert_rows(tensor: DTensor, first: int, last: int, keep: bool) -> torch.Tensor | None:
+    """Rows [first, last) of ``tensor`` (``_by_rows``) whole on the rank that ``keep``s them (rank 0): of
+    the ranks holding the same rows (replicas: HSDP's, DDP's under expert parallelism) the lowest sends
+    them; a collective over the default group, every rank in the same order."""
+    local = tensor.to_local()
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    holders = [None] * dist.get_world_size()
+    dist.all_gather_object(holders, (offset[0], shape[0]))
+    out = torch.empty((last - first, *tensor.shape[1:]), dtype=tensor.dtype) if keep else None
+    me = dist.get_rank()
+    for rank, (start, rows) in enumerate(holders):
+        lo, hi = max(first, start), min(last, start + rows)
+        if lo >= hi or (start, rows) in holders[:rank]:  # no rows here, or a lower rank's copy sends them
+            continue
+        if rank == me:
+            if keep:
+                out[lo - first: hi - first] = local[lo - start: hi - start].cpu()
+            else:
+                dist.send(local[lo - start: hi - start].contiguous(), dst=0)
+        elif keep:
+            received = torch.empty((hi - lo, *tensor.shape[1:]), dtype=tensor.dtype, device=local.device)
+            dist.recv(received, src=rank)
+            out[lo - first: hi - first] = received.cpu()
+    return out

@@ -40,18 +40,30 @@ def experts_to_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     glm_moe_dsa checkpoints (and transformers' save_pretrained) hold one gate/up/down per expert."""
     out = {}
     for key, tensor in state.items():
-        m = _STACKED.match(key)
-        if not m:
+        if _STACKED.match(key):
+            out.update(stack_to_hf(key, tensor))
+        else:
             out[key] = tensor
-            continue
-        prefix, kind = m.groups()
-        for e in range(tensor.shape[0]):
-            if kind == "down_proj":
-                out[f"{prefix}.{e}.down_proj.weight"] = tensor[e].contiguous()
-            else:
-                gate, up = tensor[e].chunk(2, dim=0)
-                out[f"{prefix}.{e}.gate_proj.weight"] = gate.contiguous()
-                out[f"{prefix}.{e}.up_proj.weight"] = up.contiguous()
+    return out
+
+
+def is_expert_stack(name: str) -> bool:
+    return _STACKED.match(name) is not None
+
+
+def stack_to_hf(name: str, rows: torch.Tensor, first: int = 0) -> dict[str, torch.Tensor]:
+    """Experts ``first``, ``first + 1``, ... of the stack ``name`` (``rows``: those experts' slices) as
+    the HF layout's one tensor per expert."""
+    prefix, kind = _STACKED.match(name).groups()
+    out = {}
+    for i, expert in enumerate(rows):
+        e = first + i
+        if kind == "down_proj":
+            out[f"{prefix}.{e}.down_proj.weight"] = expert.contiguous()
+        else:
+            gate, up = expert.chunk(2, dim=0)
+            out[f"{prefix}.{e}.gate_proj.weight"] = gate.contiguous()
+            out[f"{prefix}.{e}.up_proj.weight"] = up.contiguous()
     return out
 
 

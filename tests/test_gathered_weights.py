@@ -1,6 +1,7 @@
 """final/ from the ranks' shards (orthon.pretrain.gathered_weights) on two gloo ranks: the directory equals
 the one process's save_weights tensor for tensor, each shard is written before the next is gathered (rank 0
-never holds more than one), and a write that fails on rank 0 leaves no rank waiting in a gather."""
+never holds more than one; an expert stack larger than a shard comes a few experts at a time), and a write
+that fails on rank 0 leaves no rank waiting in a gather."""
 import os
 from datetime import timedelta
 
@@ -26,11 +27,11 @@ def build() -> GLMForCausalLM:
     return GLMForCausalLM(ModelConfig(**MODEL))
 
 
-def worker(rank, port, out_dir, experts, fail):
+def worker(rank, port, out_dir, experts, fail, mode="fsdp", world=WORLD):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     # A short timeout: a rank left waiting in a gather fails the test instead of hanging it.
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
     try:
         import orthon.pretrain.gathered_weights as gathered
         import orthon.pretrain.hf_io as hf_io
@@ -38,10 +39,13 @@ def worker(rank, port, out_dir, experts, fail):
 
         model = build()
         mesh = expert_parallel.shard_experts(model, experts, torch.device("cpu")) if experts > 1 else None
-        parallel.wrap(model, "fsdp", mesh)
+        parallel.wrap(model, mode, mesh)
         events = []
-        gather, save_file = gathered._gather, hf_io.save_file
+        gather, save_file, rows = gathered._gather, hf_io.save_file, gathered._expert_rows
         gathered._gather = lambda *a: events.append("gather") or gather(*a)
+        gathered._expert_rows = lambda *a: events.append("rows") or rows(*a)
+        recv = dist.recv
+        dist.recv = lambda *a, **k: events.append("recv") or recv(*a, **k)
         hf_io.save_file = lambda *a, **k: events.append("write") or save_file(*a, **k)
         target = os.path.join(out_dir, "final")
         if fail and rank == 0:  # a directory holding a file that is not ours: refused before any write
@@ -61,10 +65,13 @@ def worker(rank, port, out_dir, experts, fail):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("experts", [1, 2], ids=["fsdp", "fsdp-and-expert-parallel"])
-def test_the_gathered_directory_is_the_one_process_save(experts, tmp_path):
-    mp.spawn(worker, args=(free_port(), str(tmp_path), experts, False), nprocs=WORLD, join=True)
-    zero, one = (torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD))
+@pytest.mark.parametrize("experts,mode,world", [
+    (1, "fsdp", 2), (2, "fsdp", 2),
+    # Each expert's rows on two ranks (DDP's replicas): only the first copy sends them.
+    pytest.param(2, "ddp", 4, marks=pytest.mark.slow)], ids=["fsdp", "fsdp-and-expert-parallel", "ddp-4-ranks-expert-parallel"])
+def test_the_gathered_directory_is_the_one_process_save(experts, mode, world, tmp_path):
+    mp.spawn(worker, args=(free_port(), str(tmp_path), experts, False, mode, world), nprocs=world, join=True)
+    zero, one = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert zero["returned"] == str(tmp_path / "final") and one["returned"] is None
     expected = load_hf_state(save_weights(build(), tmp_path / "reference"))
     got = load_hf_state(tmp_path / "final")
@@ -75,8 +82,14 @@ def test_the_gathered_directory_is_the_one_process_save(experts, tmp_path):
     shards = sorted(p.name for p in (tmp_path / "final").glob("model-*.safetensors"))
     assert len(shards) >= 5 and (tmp_path / "final" / INDEX_NAME).is_file()
     # Rank 0 gathers a shard, writes it, then gathers the next: one shard in memory at a time.
-    assert zero["events"] == ["gather", "write"] * len(shards)
-    assert one["events"] == ["gather"] * len(shards)
+    assert [e for e in zero["events"] if e in ("gather", "write")] == ["gather", "write"] * len(shards)
+    assert [e for e in one["events"] if e in ("gather", "write")] == ["gather"] * len(shards)
+    # Under FSDP2 alone, and expert parallelism under DDP, an expert stack larger than a shard (gate_up_proj:
+    # 64 kB) comes two experts at a time, from the ranks that hold their rows: 2 windows of its 4 experts.
+    if experts == 1 or mode == "ddp":
+        assert zero["events"].count("rows") == one["events"].count("rows") == 2
+        # Experts 0-1 are rank 0's own; 2-3 come once, from rank 1 (not again from a replica).
+        assert zero["events"].count("recv") == 1
 
 
 def test_a_write_that_fails_on_rank_zero_leaves_no_rank_waiting(tmp_path):
