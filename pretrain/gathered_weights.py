@@ -5,7 +5,8 @@ puts the whole model in one process's memory, which GLM-5 (about 3 TB in fp32) d
 rank walks the model's tensors in the same order, a safetensors shard's worth at a time
 (``max_shard_bytes`` of what is written): each sharded tensor (a DTensor) is all-gathered, every rank
 taking part, rank 0 keeps a CPU copy, and the shard is written before the next one is gathered. Rank 0
-holds one shard; the other ranks one tensor at a time. The directory is the one ``save_weights`` writes
+holds one shard (an expert stack larger than that comes a few experts at a time where it is split by
+expert rows); the other ranks one tensor at a time. The directory is the one ``save_weights`` writes
 (the HF layout and the sidecar, swapped in whole), as ``orthon export --step`` writes it from a DCP
 checkpoint. RL's weight sync streams the same parts to the engines (``gathered_parts``,
 orthon.rl.weight_sync).
