@@ -49,7 +49,7 @@ def export_checkpoint(path, config: ModelConfig, runtime: RuntimeOptions, direct
 
     sizes = {n: stored[PREFIX + n].size.numel() * saved_dtype(n).itemsize for n in names}
     groups = hf_io.plan_shards(sizes, max_shard_bytes)  # whole source tensors: an expert stack stays in one shard
-    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    head = hf_io.head_name(config)
     with writing_weights_dir(directory, runtime, tokenizer) as tmp:
         hf_io.write_hf_shards(tmp, [partial(_load_group, path, stored, group, dtype) for group in groups],
                               hf_io.config_with_dtype(config, saved_dtype(head)))

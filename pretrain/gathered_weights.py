@@ -34,17 +34,19 @@ def gathered_parts(model: GLMForCausalLM, rank: int, part_bytes: int, dtype: tor
     sharded tensors), returns on rank 0 its {name: whole CPU tensor} in the model's names, elsewhere None.
     ``split_experts``: a routed-expert stack larger than a part, sharded by expert rows (FSDP2's Shard(0),
     expert parallelism without FSDP2, HSDP), comes in parts of whole experts under the HF layout's
-    per-expert names, gathered a part at a time (``_expert_rows``)."""
+    per-expert names, gathered a part at a time (``_expert_rows``); where there are such stacks, planning
+    the parts is itself a collective (which rank holds which rows, once a stack)."""
     live = model.state_dict()  # FSDP2's and expert parallelism's parameters as DTensors: no communication
     sizes = {}
     for name in hf_io.persistent_names(model):
         tensor = live[name]
         nbytes = tensor.numel() * hf_io.written_dtype(name, tensor.dtype, dtype).itemsize
         if split_experts and nbytes > part_bytes and hf_io.is_expert_stack(name) and _by_rows(tensor):
-            step = max(1, part_bytes // (nbytes // tensor.shape[0]))
+            holders, per_expert = _row_holders(tensor), nbytes // tensor.shape[0]
+            step = max(1, part_bytes // per_expert)
             for first in range(0, tensor.shape[0], step):
                 last = min(first + step, tensor.shape[0])
-                sizes[(name, first, last)] = nbytes // tensor.shape[0] * (last - first)
+                sizes[(name, first, last, holders)] = per_expert * (last - first)
         else:
             sizes[name] = nbytes
     # Whole source tensors otherwise: an expert stack that cannot be split stays in one part.
@@ -79,7 +81,7 @@ def save_gathered(model: GLMForCausalLM, directory, rank: int, *, dtype: torch.d
         for load in loaders:
             load()
         return None
-    head = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
+    head = hf_io.head_name(model.config)
     head_dtype = hf_io.written_dtype(head, model.get_parameter(head).dtype, dtype)
 
     def write(parts):
@@ -92,13 +94,13 @@ def save_gathered(model: GLMForCausalLM, directory, rank: int, *, dtype: torch.d
 
 
 def _gather(live: dict, items: list, keep: bool) -> dict[str, torch.Tensor] | None:
-    """The tensors ``items`` (names, or (stack name, first, last) expert windows) whole (a DTensor's
-    all-gather is collective), CPU copies on the rank that ``keep``s them; None elsewhere."""
+    """The tensors ``items`` (names, or (stack name, first, last, holders) expert windows) whole (a
+    DTensor's all-gather is collective), CPU copies on the rank that ``keep``s them; None elsewhere."""
     out = {}
     for item in items:
         if isinstance(item, tuple):
-            name, first, last = item
-            rows = _expert_rows(live[name].detach(), first, last, keep)
+            name, first, last, holders = item
+            rows = _expert_rows(live[name].detach(), first, last, holders, keep)
             if keep:
                 out.update(hf_io.stack_to_hf(name, rows, first))
             continue
@@ -117,14 +119,19 @@ def _by_rows(tensor) -> bool:
         type(p) is Shard and p.dim == 0 or p.is_replicate() for p in tensor.placements)
 
 
-def _expert_rows(tensor: DTensor, first: int, last: int, keep: bool) -> torch.Tensor | None:
-    """Rows [first, last) of ``tensor`` (``_by_rows``) whole on the rank that ``keep``s them (rank 0): of
-    the ranks holding the same rows (replicas: HSDP's, DDP's under expert parallelism) the lowest sends
-    them; a collective over the default group, every rank in the same order."""
-    local = tensor.to_local()
+def _row_holders(tensor: DTensor) -> tuple[tuple[int, int], ...]:
+    """(first row, rows) of ``tensor`` (``_by_rows``) that each rank holds, by global rank (a collective)."""
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
     holders = [None] * dist.get_world_size()
     dist.all_gather_object(holders, (offset[0], shape[0]))
+    return tuple(tuple(h) for h in holders)
+
+
+def _expert_rows(tensor: DTensor, first: int, last: int, holders, keep: bool) -> torch.Tensor | None:
+    """Rows [first, last) of ``tensor`` (``_by_rows``; ``holders``: ``_row_holders``) whole on the rank
+    that ``keep``s them (rank 0): of the ranks holding the same rows (replicas: HSDP's, DDP's under expert
+    parallelism) the lowest sends them; point to point, every rank in the same order."""
+    local = tensor.to_local()
     out = torch.empty((last - first, *tensor.shape[1:]), dtype=tensor.dtype) if keep else None
     me = dist.get_rank()
     for rank, (start, rows) in enumerate(holders):

@@ -47,6 +47,11 @@ def experts_to_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def head_name(config) -> str:
+    """The output head's tensor in a checkpoint: the embedding's where the two are tied."""
+    return "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+
+
 def is_expert_stack(name: str) -> bool:
     return _STACKED.match(name) is not None
 

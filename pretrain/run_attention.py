@@ -1,9 +1,10 @@
 """Causal attention of query runs over key ranges on CPU, without a mask: torch's fused CPU kernel
 (flash) on each run's own keys (causal) and on the keys before them (all visible), merged by their
-log-sum-exps. Two uses: a context-parallel rank's runs of a longer sequence over every key before them
-(``run_attention``), and packed documents (``document_attention``): each document's queries see only
-its own keys, so the pieces skip every cross-document block instead of masking it, and no (T, S) mask
-is built or kept for backward. (B, H, L, D) tensors of one dtype."""
+log-sum-exps (``PieceAttention``). Two uses (orthon.pretrain.attention's ``_run_attention``): a
+context-parallel rank's runs of a longer sequence over every key before them, and packed documents
+(``document_pieces``): each document's queries see only its own keys, so the pieces skip every
+cross-document block instead of masking it, and no (T, S) mask is built or kept for backward.
+(B, H, L, D) tensors of one dtype."""
 from __future__ import annotations
 
 import torch

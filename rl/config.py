@@ -178,8 +178,8 @@ class ClusterConfig:
     startup_timeout_s: float = 180.0
 
     def __post_init__(self):
-        _positive(self, "engines", "engine_threads", "trainer_ranks", "trainer_threads", "engine_max_batch_size", "part_bytes",
-                  "health_interval_s", "health_failures", "request_timeout_s", "startup_timeout_s")
+        _positive(self, "engines", "engine_threads", "trainer_ranks", "trainer_threads", "engine_max_batch_size",
+                  "part_bytes", "health_interval_s", "health_failures", "request_timeout_s", "startup_timeout_s")
         if self.reward_workers < 0:
             raise ConfigError(f"reward_workers: must be >= 0, got {self.reward_workers}")
 

@@ -169,9 +169,10 @@ class EngineFleet:
         from orthon.rl.weight_sync import IncompleteSync, WeightParts
 
         with self._lock:
+            streamed = isinstance(model, WeightParts)
             # Parts are used up as they are sent: a restart then waits for the next sync.
-            self.version, self.model = version, None if isinstance(model, WeightParts) else model
-            if isinstance(model, WeightParts):
+            self.version, self.model = version, None if streamed else model
+            if streamed:
                 self.counters["streamed_parts"] += len(model.loaders)
             try:
                 dead = self.sync_path.push(model, version, [self.client_factory(u) for u in self.urls])
