@@ -37,7 +37,8 @@ from orthon.core.errors import CheckpointError, ConfigError, WrongBaseVersion
 from orthon.engine.fused_decode import DecodeWeights
 from orthon.engine.protocol import GenerationResult, WeightDelta, WeightsSource
 from orthon.engine.sampling import SamplingParams, per_request_params, request_uniforms, sample_step, stop_table
-from orthon.pretrain.hf_io import check_state, experts_from_hf, load_hf_state
+from orthon.pretrain.hf_io import (check_state, experts_from_hf, experts_to_hf, is_expert_stack, load_hf_state,
+                                   stack_to_hf)
 from orthon.pretrain.logprobs import gather_log_probs, sequence_log_probs
 from orthon.pretrain.model import GLMForCausalLM
 
@@ -118,9 +119,11 @@ class InProcessEngine:
     def update_weights(self, weights: WeightsSource, version: int | None = None, strict: bool = False) -> int:
         """The Engine's update_weights (``orthon.engine.protocol``): tensors are copied into the model's
         parameters and buffers in place (same storage). ``strict``: every tensor of the model must be
-        given (a path always must: it is a whole checkpoint, tied lm_head weights excepted)."""
+        given (a path always must: it is a whole checkpoint, tied lm_head weights excepted). Tensors may be
+        named as the model's state dict or as the HF layout (routed experts one tensor each: what the
+        streamed weight sync sends, and SGLang takes), or both."""
         version = None if version is None else _check_version(version)
-        targets = self.model.state_dict(keep_vars=True)
+        targets = self._targets()
         if isinstance(weights, (str, os.PathLike)):
             items = list(self._read_weights(Path(weights)).items())
         elif isinstance(weights, WeightDelta) and hasattr(weights, "apply_in_place"):
@@ -128,7 +131,7 @@ class InProcessEngine:
         elif isinstance(weights, WeightDelta):
             self._check_delta_base(weights)
             with self._lock:
-                produced = weights.apply_to({k: v.detach() for k, v in targets.items()})
+                produced = weights.apply_to(targets)
             items = list(produced.items() if isinstance(produced, Mapping) else produced)
         else:
             items = list(weights.items() if isinstance(weights, Mapping) else weights)
@@ -139,7 +142,9 @@ class InProcessEngine:
                 raise ValueError(f"update_weights: {name!r} has shape {tuple(value.shape)}, "
                                  f"the model's is {tuple(targets[name].shape)}")
         if strict:
-            missing = sorted(set(targets) - {name for name, _ in items})
+            given = {name for name, _ in items}
+            missing = sorted(name for name in self.model.state_dict(keep_vars=True) if name not in given
+                             and not (is_expert_stack(name) and set(stack_to_hf(name, targets[name])) <= given))
             if missing:
                 raise KeyError(f"update_weights: strict update is missing {missing[:5]}{'...' if len(missing) > 5 else ''}")
         with self._lock:
@@ -148,6 +153,15 @@ class InProcessEngine:
             self._fused = None  # .data writes bump no version counter: rebuild the fused weights
             self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
+
+    def _targets(self) -> dict[str, torch.Tensor]:
+        """The model's tensors (detached, same storage) by state-dict name, and each routed expert's slices of
+        its stack by HF name: views (an expert's rows of a contiguous stack are contiguous), so a write to
+        one lands in the stack."""
+        state = {name: t.detach() for name, t in self.model.state_dict(keep_vars=True).items()}
+        experts = experts_to_hf({name: t for name, t in state.items() if is_expert_stack(name)})
+        assert all(t._base is not None for t in experts.values()), "expert views must share the stacks' storage"
+        return {**state, **experts}
 
     def _check_delta_base(self, delta) -> None:
         base = getattr(delta, "base_version", None)
@@ -164,7 +178,7 @@ class InProcessEngine:
             raise ValueError(f"update_weights: version {version} given for a delta to version {target_version}")
         with self._lock:
             self._check_delta_base(delta)
-            delta.apply_in_place({k: v.detach() for k, v in targets.items()})
+            delta.apply_in_place(targets)
             self._fused = None
             new = version if version is not None else target_version
             self.weight_version = self.weight_version + 1 if new is None else _check_version(new)

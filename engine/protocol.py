@@ -53,7 +53,8 @@ class WeightDelta(Protocol):
     """A delta weight payload (``orthon.engine.delta.DeltaPayload`` is orthon's).
 
     ``apply_to(state_dict)`` is handed the engine's current weights, a mapping from the model's
-    state_dict names to tensors (read them, do not modify them), and returns the new values of the
+    state_dict names, and from the HF layout's names of routed experts (one tensor each, views of the
+    stacks), to tensors (read them, do not modify them), and returns the new values of the
     tensors the delta changes: a ``{name: tensor}`` mapping or (name, tensor) pairs. The engine then
     checks and copies them in exactly like a state-dict update, so a bad delta changes nothing.
 
@@ -66,8 +67,9 @@ class WeightDelta(Protocol):
         ...
 
 
-# What update_weights takes: named tensors (a state dict, or (name, tensor) pairs: a bucket of one),
-# a path (a weights directory: HF layout config.json + safetensors shards, or orthon's recipe.yaml +
+# What update_weights takes: named tensors (a state dict, or (name, tensor) pairs: a bucket of one; by the
+# model's state_dict names or the HF layout's, routed experts one tensor each, as SGLang takes them), a
+# path (a weights directory: HF layout config.json + safetensors shards, or orthon's recipe.yaml +
 # model.safetensors; or one .safetensors file), or a WeightDelta.
 WeightsSource = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]], str, os.PathLike, WeightDelta]
 

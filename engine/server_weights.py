@@ -1,6 +1,7 @@
 """The engine server's weight-update routes: SGLang's three (from disk; a process group, then a
 broadcast) and orthon's (a delta payload in the body or named by its file, buckets in shared memory) and a hash
-per tensor to check them.
+per tensor to check them. Tensors are named as the HF layout names them (routed experts one tensor each, as
+SGLang's loader takes them) or as the model's state dict; the hashes are the HF layout's.
 
 Every update runs between two waves (``ContinuousBatcher.exclusive``): it waits for the running wave,
 holds the next, and never interleaves with another update. Each one changes the version the server
@@ -26,6 +27,7 @@ from orthon.engine.server_state import ServerState, read_body, read_json
 from orthon.engine.sglang_api import BadRequest, parse_weight_version
 from orthon.engine.tensor_bytes import tensor_hashes
 from orthon.engine.weight_transfer import TensorMeta, broadcast_bytes, open_update_group, read_shared, receive_tensors
+from orthon.pretrain.hf_io import experts_to_hf
 
 DELTA_FORMAT = "orthon_delta"  # load_format of a delta payload broadcast as bytes
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
@@ -186,7 +188,7 @@ def add_weight_routes(app, state: ServerState) -> None:
     async def weight_hashes():
         def hashes():
             with state.batcher.exclusive() as engine:
-                return tensor_hashes(engine.model.state_dict()), engine.weight_version
+                return tensor_hashes(experts_to_hf(engine.model.state_dict())), engine.weight_version
 
         found, version = await asyncio.to_thread(hashes)
         return JSONResponse({"hashes": found, "weight_version": str(version)})

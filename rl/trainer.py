@@ -214,7 +214,7 @@ class RLTrainer:
     def _stream_parts(self, part_bytes: int):
         """The weights to the engines part by part as the ranks gather them; None once sent, else (the
         sync failed part way) the SyncForm of the directory for a full copy."""
-        loaders = gathered_parts(self.model, self.rank, part_bytes)
+        loaders = gathered_parts(self.model, self.rank, part_bytes, split_experts=True)
         retry = None
         if self.rank == 0:
             try:

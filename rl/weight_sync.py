@@ -3,7 +3,7 @@
 Paths (SPEC: four): ``disk`` writes a versioned HF-layout directory the engines reload; ``distributed``
 broadcasts flattened buckets over one process group of the trainer (rank 0) and the engines (gloo
 here, NCCL on GPU), the tensors' names, dtypes and shapes going in the HTTP request as SGLang takes
-them; ``shared`` (colocated) puts flattened buckets in shared memory the engines read without a copy
+them (the tensor paths name tensors as the HF layout does: routed experts one tensor each); ``shared`` (colocated) puts flattened buckets in shared memory the engines read without a copy
 on the way. ``delta`` rides on any of them: after a full copy, only the changed bytes travel
 (orthon.engine.delta), as one payload that names its base version and carries checksums; the disk
 path writes it as a file, the broadcast path sends its bytes over the group, the shared path puts
@@ -15,7 +15,8 @@ the state dict gathered from its ranks' shards; or, where the ranks hold shards 
 parallelism), what ``form`` asks for so that no process holds the whole model: on the disk path without
 delta the version's directory the ranks wrote, a safetensors shard at a time; on the distributed path
 without delta ``WeightParts``, loaders the ranks call together, each gathering a part that is broadcast
-before the next is gathered (slime's bucket by bucket), the engines paused in between so no request runs
+before the next is gathered (slime's bucket by bucket; an expert stack larger than a part a few experts
+at a time where its shards split it by expert), the engines paused in between so no request runs
 on a mix of versions. A streamed sync that fails part way raises ``IncompleteSync`` naming the directory
 the ranks then write for a full copy (the parts are gone).
 """
@@ -36,7 +37,7 @@ from orthon.engine.weight_transfer import (SharedBuckets, TensorMeta, broadcast_
                                            open_update_group, prune_versions, version_dir, write_delta,
                                            write_versioned)
 from orthon.pretrain.gathered_weights import drain_on_error
-from orthon.pretrain.hf_io import load_hf_state
+from orthon.pretrain.hf_io import experts_to_hf, load_hf_state
 
 
 @dataclass(frozen=True)
@@ -67,12 +68,13 @@ class IncompleteSync(Exception):
 
 def _named(weights) -> list[tuple[str, torch.Tensor]]:
     """The tensors of ``weights`` (the model, a state dict gathered from FSDP2's shards, or a weights
-    directory) by the names engines take (the model's state_dict's)."""
+    directory; or one part of them) as the engines take them: in the HF layout (routed experts one tensor
+    each, views of the stacks), as SGLang's loader names them."""
     if isinstance(weights, Path):
         state = load_hf_state(weights)
     else:
         state = weights if isinstance(weights, Mapping) else weights.state_dict()
-    return [(name, t.detach()) for name, t in state.items()]
+    return list(experts_to_hf({name: t.detach() for name, t in state.items()}).items())
 
 
 def _each(clients, call) -> list:
@@ -169,7 +171,7 @@ class WeightSync:
             self._group(clients)
             _each(clients, lambda c: c.pause("in_place"))
             for i, load in enumerate(loaders):
-                named = list(load().items())
+                named = _named(load())
                 if self.cfg.check_weights:
                     want.update(tensor_hashes(named))
                 metas = [TensorMeta.of(name, t) for name, t in named]

@@ -325,6 +325,32 @@ def test_update_weights_in_place_changes_outputs_and_bumps_version():
     assert engine.update_weights([("lm_head.weight", other.lm_head.weight * 2)], version=5) == 5
 
 
+def test_weights_named_as_the_hf_layout_land_in_the_expert_stacks():
+    """Routed experts one tensor each (what the streamed sync sends, and SGLang takes) write the rows of
+    the model's stacks in place; a strict update counts a stack given when all its experts are."""
+    from orthon.pretrain.hf_io import experts_to_hf
+
+    model = _model()
+    engine = InProcessEngine(model)
+    other = GLMForCausalLM(model.config)
+    other.reset_parameters(seed=123)
+    hf = experts_to_hf(other.state_dict())
+    stack = "model.layers.1.mlp.experts.gate_up_proj"
+    assert "model.layers.1.mlp.experts.0.up_proj.weight" in hf and stack not in hf
+    ptr, before = model.get_parameter(stack).data_ptr(), model.get_parameter(stack).detach().clone()
+    up = hf["model.layers.1.mlp.experts.2.up_proj.weight"]
+    assert engine.update_weights({"model.layers.1.mlp.experts.2.up_proj.weight": up}) == 1
+    after, half = model.get_parameter(stack).detach(), up.shape[0]
+    assert torch.equal(after[2, half:], up) and not torch.equal(before[2, half:], up)
+    assert torch.equal(after[2, :half], before[2, :half]) and torch.equal(after[[0, 1, 3]], before[[0, 1, 3]])
+    with pytest.raises(KeyError, match="missing.*experts.down_proj"):
+        engine.update_weights({k: v for k, v in hf.items() if k != "model.layers.1.mlp.experts.3.down_proj.weight"},
+                              strict=True)
+    assert engine.update_weights(hf, strict=True) == 2
+    assert model.get_parameter(stack).data_ptr() == ptr
+    assert all(torch.equal(v, other.state_dict()[k]) for k, v in model.state_dict().items())
+
+
 def test_bad_weight_update_changes_nothing():
     model = _model()
     engine = InProcessEngine(model)

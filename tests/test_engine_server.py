@@ -91,7 +91,10 @@ def _wait_waiting(url: str, count: int, timeout_s: float = 60.0) -> None:
 
 
 def _named(model):
-    return [(name, t.detach()) for name, t in model.state_dict().items()]
+    """The model's tensors as the trainer sends them: the HF layout, routed experts one tensor each."""
+    from orthon.pretrain.hf_io import experts_to_hf
+
+    return list(experts_to_hf({name: t.detach() for name, t in model.state_dict().items()}).items())
 
 
 def _reference(weights_dir, sampling=GREEDY, prompts=PROMPTS):

@@ -59,10 +59,33 @@ def worker(rank, port, out_dir, experts, fail, mode="fsdp", world=WORLD):
         # Both ranks meet again: the collectives are still in step.
         total = torch.tensor([rank + 1.0])
         dist.all_reduce(total)
-        torch.save({"returned": None if returned is None else str(returned), "error": error, "events": events, "total": total.item()},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
+        events, streamed = list(events), None if fail else stream_to_engine(model, rank)  # the save's events
+        torch.save({"returned": None if returned is None else str(returned), "error": error, "events": events,
+                    "total": total.item(), "streamed": streamed}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def stream_to_engine(model, rank):
+    """RL's streamed weight sync on these ranks: the parts (expert stacks split where they can be) as the
+    trainer sends them (the HF layout), each written into an engine on different weights. Rank 0 returns
+    the names and bytes of each part and whether the engine then holds the model's tensors exactly."""
+    from orthon.engine.in_process import InProcessEngine
+    from orthon.pretrain.gathered_weights import gathered_parts
+    from orthon.rl.weight_sync import _named
+
+    torch.manual_seed(1)
+    engine = InProcessEngine(GLMForCausalLM(ModelConfig(**MODEL)))
+    parts = []
+    for load in gathered_parts(model, rank, SHARD_BYTES, split_experts=True):
+        named = None if (part := load()) is None else _named(part)
+        if named is not None:
+            engine.update_weights(named)
+            parts.append([(name, t.numel() * t.element_size()) for name, t in named])
+    if rank != 0:
+        return None
+    want = build().state_dict()
+    return {"parts": parts, "equal": all(torch.equal(t, want[k]) for k, t in engine.model.state_dict().items())}
 
 
 @pytest.mark.parametrize("experts,mode,world", [
@@ -90,6 +113,16 @@ def test_the_gathered_directory_is_the_one_process_save(experts, mode, world, tm
         assert zero["events"].count("rows") == one["events"].count("rows") == 2
         # Experts 0-1 are rank 0's own; 2-3 come once, from rank 1 (not again from a replica).
         assert zero["events"].count("recv") == 1
+    # RL's streamed sync of the same parts leaves an engine on other weights holding these exactly; every
+    # tensor goes by its HF name, and where the stacks are split by rows no part of experts is over its size
+    # (a larger tensor of another kind, the embedding, goes alone).
+    streamed = zero["streamed"]
+    assert streamed["equal"] and one["streamed"] is None
+    names = [name for part in streamed["parts"] for name, _ in part]
+    assert "model.layers.1.mlp.experts.3.gate_proj.weight" in names and not any(n.endswith("_proj") for n in names)
+    largest = max(sum(nbytes for _, nbytes in part) for part in streamed["parts"]
+                  if any(".experts." in name for name, _ in part))
+    assert (largest <= SHARD_BYTES) == (experts == 1 or mode == "ddp"), largest
 
 
 def test_a_write_that_fails_on_rank_zero_leaves_no_rank_waiting(tmp_path):
