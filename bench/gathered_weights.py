@@ -5,9 +5,9 @@ distributed hand-over broadcasts a part, before the next is gathered).
 
 Two gloo ranks under FSDP2, one thread each, a model of configs/tiny.yaml's shape made wider
 (``--hidden``, ``--experts``); each way in fresh processes. Memory: rank 0's peak resident set above
-its level before the hand-over (VmHWM), i.e. what the hand-over itself holds at once. In the streamed
-parts a tensor larger than a part (an expert stack) is a part of its own, so that tensor bounds their
-peak from below; final/ gathers such a stack a few experts at a time.
+its level before the hand-over (VmHWM), i.e. what the hand-over itself holds at once. Both the streamed
+parts and final/ gather an expert stack larger than a part a few experts at a time (FSDP2 splits it by
+expert rows).
 
     python bench/gathered_weights.py [--hidden 1024] [--experts 32] [--part-mb 16]
 """
@@ -67,7 +67,7 @@ def _worker(rank, port, way, hidden, experts, part_bytes, out_dir):
             del state
         elif way == "parts":  # the distributed hand-over's gathers (the broadcast itself sends from them)
             held = 0
-            for load in gathered_parts(model, rank, part_bytes):
+            for load in gathered_parts(model, rank, part_bytes, split_experts=True):
                 part = load()
                 held = max(held, sum(t.numel() * t.element_size() for t in part.values()) if part else 0)
                 del part
