@@ -5,8 +5,8 @@ puts the whole model in one process's memory, which GLM-5 (about 3 TB in fp32) d
 rank walks the model's tensors in the same order, a safetensors shard's worth at a time
 (``max_shard_bytes`` of what is written): each sharded tensor (a DTensor) is all-gathered, every rank
 taking part, rank 0 keeps a CPU copy, and the shard is written before the next one is gathered. Rank 0
-holds one shard (an expert stack larger than that comes a few experts at a time where it is split by
-expert rows); the other ranks one tensor at a time. The directory is the one ``save_weights`` writes
+holds one shard (an expert stack larger than that comes a few experts at a time: FSDP2 and expert
+parallelism split it by expert rows); the other ranks one tensor at a time. The directory is the one ``save_weights`` writes
 (the HF layout and the sidecar, swapped in whole), as ``orthon export --step`` writes it from a DCP
 checkpoint. RL's weight sync streams the same parts to the engines (``gathered_parts``,
 orthon.rl.weight_sync).
@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 import orthon.pretrain.hf_io as hf_io
 from orthon.pretrain.model import GLMForCausalLM
@@ -32,10 +31,10 @@ def gathered_parts(model: GLMForCausalLM, rank: int, part_bytes: int, dtype: tor
     """The model's persistent tensors in parts of about ``part_bytes`` (as written in ``dtype``; a larger
     tensor alone), as loaders: calling the i-th, on every rank in the same order (each all-gathers its
     sharded tensors), returns on rank 0 its {name: whole CPU tensor} in the model's names, elsewhere None.
-    ``split_experts``: a routed-expert stack larger than a part, sharded by expert rows (FSDP2's Shard(0),
-    expert parallelism without FSDP2, HSDP), comes in parts of whole experts under the HF layout's
-    per-expert names, gathered a part at a time (``_expert_rows``); where there are such stacks, planning
-    the parts is itself a collective (which rank holds which rows, once a stack)."""
+    ``split_experts``: a routed-expert stack larger than a part, sharded by expert rows (FSDP2, expert
+    parallelism, both, HSDP), comes in parts of whole experts under the HF layout's per-expert names,
+    gathered a part at a time (``_expert_rows``); where there are such stacks, planning the parts is itself
+    a collective (which rank holds which rows, once a stack)."""
     live = model.state_dict()  # FSDP2's and expert parallelism's parameters as DTensors: no communication
     sizes = {}
     for name in hf_io.persistent_names(model):
@@ -113,38 +112,42 @@ def _gather(live: dict, items: list, keep: bool) -> dict[str, torch.Tensor] | No
 
 
 def _by_rows(tensor) -> bool:
-    """A DTensor split by dim-0 rows only (each placement Shard(0) or Replicate): its rows can be gathered
-    a window at a time. Not expert parallelism under FSDP2 (a strided shard)."""
-    return isinstance(tensor, DTensor) and all(
-        type(p) is Shard and p.dim == 0 or p.is_replicate() for p in tensor.placements)
+    """A DTensor split by dim-0 rows only (each placement a shard of dim 0, FSDP2's strided shard of expert
+    parallelism's among them, or Replicate): its rows can be gathered a window at a time."""
+    # Read by their dim: FSDP2's shard of an already sharded tensor is a _StridedShard, not a Shard.
+    return isinstance(tensor, DTensor) and all(p.is_replicate() or getattr(p, "dim", None) == 0
+                                               for p in tensor.placements)
 
 
-def _row_holders(tensor: DTensor) -> tuple[tuple[int, int], ...]:
-    """(first row, rows) of ``tensor`` (``_by_rows``) that each rank holds, by global rank (a collective)."""
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+def _row_holders(tensor: DTensor) -> tuple[tuple[int, ...], ...]:
+    """The global rows of ``tensor`` (``_by_rows``) each rank holds, in its local order, by global rank (a
+    collective): DTensor's own split of the row numbers, so any dim-0 placements."""
+    ids = distribute_tensor(torch.arange(tensor.shape[0]), tensor.device_mesh, tensor.placements, src_data_rank=None)
     holders = [None] * dist.get_world_size()
-    dist.all_gather_object(holders, (offset[0], shape[0]))
-    return tuple(tuple(h) for h in holders)
+    dist.all_gather_object(holders, tuple(ids.to_local().tolist()))
+    return tuple(holders)
 
 
 def _expert_rows(tensor: DTensor, first: int, last: int, holders, keep: bool) -> torch.Tensor | None:
     """Rows [first, last) of ``tensor`` (``_by_rows``; ``holders``: ``_row_holders``) whole on the rank
-    that ``keep``s them (rank 0): of the ranks holding the same rows (replicas: HSDP's, DDP's under expert
-    parallelism) the lowest sends them; point to point, every rank in the same order."""
+    that ``keep``s them (rank 0): each row from the lowest rank holding it (replicas: HSDP's, DDP's under
+    expert parallelism, send nothing twice); point to point, every rank in the same order."""
     local = tensor.to_local()
     out = torch.empty((last - first, *tensor.shape[1:]), dtype=tensor.dtype) if keep else None
-    me = dist.get_rank()
-    for rank, (start, rows) in enumerate(holders):
-        lo, hi = max(first, start), min(last, start + rows)
-        if lo >= hi or (start, rows) in holders[:rank]:  # no rows here, or a lower rank's copy sends them
+    me, sent = dist.get_rank(), set()
+    for rank, rows in enumerate(holders):
+        mine = [i for i, row in enumerate(rows) if first <= row < last and row not in sent]
+        if not mine:
             continue
+        sent.update(rows[i] for i in mine)
+        where = [rows[i] - first for i in mine]
         if rank == me:
             if keep:
-                out[lo - first: hi - first] = local[lo - start: hi - start].cpu()
+                out[where] = local[mine].cpu()
             else:
-                dist.send(local[lo - start: hi - start].contiguous(), dst=0)
+                dist.send(local[mine].contiguous(), dst=0)
         elif keep:
-            received = torch.empty((hi - lo, *tensor.shape[1:]), dtype=tensor.dtype, device=local.device)
+            received = torch.empty((len(mine), *tensor.shape[1:]), dtype=tensor.dtype, device=local.device)
             dist.recv(received, src=rank)
-            out[lo - first: hi - first] = received.cpu()
+            out[where] = received.cpu()
     return out

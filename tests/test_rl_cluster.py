@@ -148,7 +148,7 @@ def test_trainer_ranks_train_what_one_process_does(tmp_path, parallel, experts, 
     the trainer's bytes (check_weights raises otherwise). Where the ranks hold shards, without delta, the
     engines get each version part by part as the ranks gather it (distributed) or the directory the ranks
     wrote a shard at a time (disk; orthon.pretrain.gathered_weights); with delta the state dict gathered
-    whole on rank 0. Under FSDP2 alone the expert stacks (64 kB) stream two experts a part."""
+    whole on rank 0. The expert stacks (64 kB) stream two experts a part."""
     from dataclasses import replace
 
     from orthon.data.tokenizer import load_tokenizer
