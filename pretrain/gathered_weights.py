@@ -41,11 +41,9 @@ def gathered_parts(model: GLMForCausalLM, rank: int, part_bytes: int, dtype: tor
         tensor = live[name]
         nbytes = tensor.numel() * hf_io.written_dtype(name, tensor.dtype, dtype).itemsize
         if split_experts and nbytes > part_bytes and hf_io.is_expert_stack(name) and _by_rows(tensor):
-            holders, per_expert = _row_holders(tensor), nbytes // tensor.shape[0]
-            step = max(1, part_bytes // per_expert)
-            for first in range(0, tensor.shape[0], step):
-                last = min(first + step, tensor.shape[0])
-                sizes[(name, first, last, holders)] = per_expert * (last - first)
+            holders = _row_holders(tensor)
+            windows = hf_io.expert_windows(name, tensor.shape[0], nbytes, part_bytes)
+            sizes.update({(*window, holders): size for window, size in windows.items()})
         else:
             sizes[name] = nbytes
     # Whole source tensors otherwise: an expert stack that cannot be split stays in one part.

@@ -140,6 +140,17 @@ def written_dtype(name: str, stored: torch.dtype, dtype: torch.dtype | None) -> 
     return dtype
 
 
+def expert_windows(name: str, rows: int, nbytes: int, max_bytes: int) -> dict:
+    """The parts a tensor is read or written in, {item: bytes}: an expert stack larger than ``max_bytes``
+    as windows of whole experts, items (name, first, last); anything else whole, item ``name``."""
+    if nbytes <= max_bytes or not is_expert_stack(name):
+        return {name: nbytes}
+    per_expert = nbytes // rows
+    step = max(1, max_bytes // per_expert)
+    return {(name, first, min(first + step, rows)): per_expert * (min(first + step, rows) - first)
+            for first in range(0, rows, step)}
+
+
 def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
     """The names, in order, grouped into shards of at most ``max_shard_bytes`` (a larger tensor alone)."""
     shards: list[list[str]] = [[]]

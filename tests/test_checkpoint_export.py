@@ -7,7 +7,7 @@ import orthon.pretrain.checkpoint_export as checkpoint_export
 from pretrain_support import make_stores, orthon, write_recipe
 from orthon.core.errors import CheckpointError
 from orthon.pretrain.checkpoint import Checkpointer
-from orthon.pretrain.hf_io import experts_from_hf, load_hf_state, to_hf
+from orthon.pretrain.hf_io import experts_from_hf, load_hf_state, persistent_names, to_hf
 from orthon.pretrain.model_info import meta_model
 from orthon.pretrain.recipe import load_recipe
 from orthon.pretrain.weights import load_weights
@@ -33,24 +33,36 @@ def test_the_newest_checkpoint_is_the_final_model(run, tmp_path):
 
 
 def test_an_intermediate_step_cast_and_sharded(run, tmp_path, monkeypatch):
-    """Step 2 in bf16, in shards of at most 40 kB: each shard is read from the checkpoint on its own (one
-    DCP read per shard, of that shard's tensors only), and the result is step 2's model cast as `orthon
-    export` casts a weights directory."""
+    """Step 2 in bf16, in shards of at most 20 kB: each shard is read from the checkpoint on its own (one
+    DCP read per shard, of that shard's bytes only: an expert stack larger than a shard, gate_up_proj's
+    32 kB, two experts at a time), and the result is step 2's model cast as `orthon export` casts a weights
+    directory."""
     reads = []
     real_load = checkpoint_export.dcp.load
 
     def recording_load(state, **kwargs):
-        reads.append(sorted(state))
+        if all(isinstance(t, torch.Tensor) for t in state.values()):  # the export's reads, not load_model's
+            reads.append({name: tuple(t.shape) for name, t in state.items()})
         return real_load(state, **kwargs)
 
     monkeypatch.setattr(checkpoint_export.dcp, "load", recording_load)
     recipe = load_recipe(run / "config.yaml")
     path = run / "checkpoints" / "step_00000002"
     checkpoint_export.export_checkpoint(path, recipe.model, recipe.runtime, tmp_path / "w", dtype=torch.bfloat16,
-                                        max_shard_bytes=40_000)
+                                        max_shard_bytes=20_000)
     files = sorted(p.name for p in (tmp_path / "w").glob("*.safetensors"))
     assert len(files) == len(reads) > 3 and files[0].endswith(f"-of-{len(files):05d}.safetensors")
-    assert sum(len(r) for r in reads) == len({k for r in reads for k in r})  # every tensor read once
+    stacks = [r for r in reads if any(name.endswith("gate_up_proj") for name in r)]
+    gate_up = [shape for r in stacks for name, shape in r.items() if name.endswith("gate_up_proj")]
+    moe_layers = recipe.model.num_hidden_layers - recipe.model.first_k_dense_replace
+    assert len(stacks) == 2 * moe_layers and all(s[0] == 2 for s in gate_up), gate_up
+    rows = {}  # every tensor's rows read once
+    for r in reads:
+        for name, shape in r.items():
+            rows[name] = rows.get(name, 0) + (shape[0] if shape else 1)
+    model = meta_model(recipe.model, recipe.runtime)
+    full = {n: model.state_dict(keep_vars=True)[n].shape for n in persistent_names(model)}
+    assert rows == {"model." + n: shape[0] if shape else 1 for n, shape in full.items()}
 
     model = meta_model(recipe.model, recipe.runtime)
     model.to_empty(device="cpu")
