@@ -191,3 +191,42 @@ def test_trainer_ranks_train_what_one_process_does(tmp_path, parallel, experts, 
     versions = sorted(p.name for p in (tmp_path / "two" / "weights").glob("v*"))
     assert versions == {"distributed": [], "disk": ["v00000001", "v00000002"]}[path] if not delta else ["v00000000"]
     assert delta or path != "disk" or (tmp_path / "two" / "weights" / versions[-1] / "orthon.json").is_file()
+
+
+def test_an_engine_restarted_after_a_streamed_sync_joins_at_the_next(tmp_path):
+    """Where the last sync was streamed (the parts are used up, nothing on disk to copy), a restarted engine
+    stays out of the router until the next sync brings it the whole current version; then it joins, holding
+    the trainer's bytes (HF-layout hashes, routed experts one tensor each) at that version."""
+    from orthon.engine.client import HTTPEngine
+    from orthon.engine.tensor_bytes import tensor_hashes
+    from orthon.pretrain.gathered_weights import gathered_parts
+    from orthon.pretrain.weights import load_weights
+    from orthon.rl.config import ClusterConfig
+    from orthon.rl.fleet import EngineFleet
+    from orthon.rl.weight_sync import WeightParts, WeightSync, _named
+    from server_support import tiny_weights
+
+    start = tiny_weights(tmp_path / "start")
+    # The monitor polls once a minute: the test restarts the engine itself, at a known point.
+    cluster = ClusterConfig(enabled=True, engines=2, weight_sync="distributed", delta=False, part_bytes=20_000,
+                            health_interval_s=60, request_timeout_s=30)
+    fleet = EngineFleet(cluster, str(start), tmp_path / "run", WeightSync(cluster, tmp_path / "run"),
+                        lambda url: HTTPEngine(url, timeout_s=30), log=lambda *a: None)
+    fleet.start()
+    try:
+        # Versions 1 and 2 both differ from what a restarted engine starts from.
+        models = {v: load_weights(tiny_weights(tmp_path / f"v{v}", seed=10 + v)) for v in (1, 2)}
+        fleet.sync(WeightParts(gathered_parts(models[1], 0, cluster.part_bytes)), 1)
+        old = fleet.urls[0]
+        os.kill(fleet.pids()[0], signal.SIGKILL)
+        new = fleet.replace(0, old)
+        assert fleet.waiting == {new} and new not in fleet.router.workers()
+        assert HTTPEngine(new).get_weight_version() == 0  # the directory it started from
+        fleet.sync(WeightParts(gathered_parts(models[2], 0, cluster.part_bytes)), 2)
+        assert fleet.waiting == set() and sorted(fleet.router.workers()) == sorted(fleet.urls)
+        want = tensor_hashes(_named(models[2]))
+        for url in fleet.urls:
+            assert HTTPEngine(url).weight_hashes() == want and HTTPEngine(url).get_weight_version() == 2
+        assert fleet.counters["engine_restarts"] == 1 and fleet.counters["streamed_parts"] > 2 * 2
+    finally:
+        fleet.stop()
