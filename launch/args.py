@@ -88,7 +88,7 @@ def check_rl_fits(model_config, recipe, command: str) -> None:
     whole = []
     if not cluster.enabled:
         whole.append("the in-process engine holds the whole model")
-    elif cluster.weight_sync == "shared" or cluster.delta:
+    elif cluster.gathers_whole:
         whole.append(f"weight_sync {cluster.weight_sync}{' with delta' if cluster.delta else ''} gathers the "
                      f"whole model on trainer rank 0; disk or distributed without delta (rl.cluster.delta=false) "
                      f"hand it over a part at a time")

@@ -183,6 +183,13 @@ class ClusterConfig:
         if self.reward_workers < 0:
             raise ConfigError(f"reward_workers: must be >= 0, got {self.reward_workers}")
 
+    @property
+    def gathers_whole(self) -> bool:
+        """Whether weight sync needs the whole model gathered on trainer rank 0 (delta encodes against a
+        held copy, the shared path writes one set of buckets); disk and distributed without delta take
+        the ranks' shards a part at a time (orthon.rl.weight_sync)."""
+        return self.delta or self.weight_sync == "shared"
+
 
 @dataclass
 class SFTConfig:

@@ -102,7 +102,7 @@ class WeightSync:
     def form(self, version: int) -> SyncForm | None:
         """What trainer ranks that hold shards hand over as ``version`` (see the module docstring); None:
         the tensors gathered whole (delta needs them, and the shared path)."""
-        if self.cfg.delta or self.cfg.weight_sync == "shared":
+        if self.cfg.gathers_whole:
             return None
         if self.cfg.weight_sync == "distributed":
             return SyncForm(part_bytes=self.cfg.part_bytes)
