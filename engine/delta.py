@@ -15,16 +15,19 @@ Wire format (``to_bytes`` / ``from_bytes``), little-endian:
     8   u64       length of the whole payload
     16  u64       length H of the compressed header
     24  16 bytes  xxh3-128 checksum of every other byte (0..24 and 40..end)
-    40  H bytes   zstd of the header JSON: format, base_version, version, and per changed tensor
-                  name, dtype, shape, encoding, changed, nbytes, base_hash, hash
+    40  H bytes   zstd of the header JSON: format, base_version, version, final, and per changed
+                  tensor name, dtype, shape, encoding, changed, nbytes, base_hash, hash
     40+H          the blobs, in header order
 
 Tensors that did not change are not in the payload. Tensors that share storage (a tied embedding and
-head) are sent once, under the first name.
+head) are sent once, under the first name. A name "NAME[a:b]" is rows a..b-1 of tensor NAME (``row_views``):
+where the trainer's ranks hold shards, each encodes its own rows and a version comes as several payloads,
+all but the last not ``final``.
 """
 from __future__ import annotations
 
 import json
+import re
 import struct
 from dataclasses import dataclass
 from typing import Iterable, Mapping
@@ -70,9 +73,9 @@ class DeltaEntry:
                 "changed": self.changed, "nbytes": len(self.blob), "base_hash": self.base_hash, "hash": self.hash}
 
 
-def _header(base_version: int, version: int, entries: list[DeltaEntry]) -> dict:
+def _header(base_version: int, version: int, entries: list[DeltaEntry], final: bool = True) -> dict:
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "base_version": base_version,
-            "version": version, "entries": [e.header() for e in entries]}
+            "version": version, "final": final, "entries": [e.header() for e in entries]}
 
 
 def _checksum(prefix: bytes | memoryview, header: bytes | memoryview, blobs: Iterable[bytes | memoryview]) -> bytes:
@@ -95,14 +98,18 @@ def _check_version(name: str, value) -> int:
 class DeltaPayload:
     """A delta from weights ``base_version`` to ``version`` (an ``orthon.engine.protocol.WeightDelta``)."""
 
-    def __init__(self, base_version: int, version: int, entries: list[DeltaEntry], *,
+    def __init__(self, base_version: int, version: int, entries: list[DeltaEntry], *, final: bool = True,
                  header: bytes | None = None, checksum: bytes | None = None):
-        """``header`` / ``checksum``: as received (``from_bytes``); computed from the entries when absent."""
+        """``final``: False for a payload that is one of several making up ``version`` (each trainer rank's
+        part of the weights, ``orthon.rl.shard_delta``): the receiver applies it and still holds
+        ``base_version`` until the final one. ``header`` / ``checksum``: as received (``from_bytes``);
+        computed from the entries when absent."""
         self.base_version = _check_version("base_version", base_version)
         self.version = _check_version("version", version)
         self.entries = list(entries)
+        self.final = final
         if header is None:
-            raw = json.dumps(_header(self.base_version, self.version, self.entries), sort_keys=True,
+            raw = json.dumps(_header(self.base_version, self.version, self.entries, final), sort_keys=True,
                              separators=(",", ":")).encode()
             header = zstandard.ZstdCompressor(level=3).compress(raw)
         self._header_bytes = bytes(header)
@@ -147,7 +154,7 @@ class DeltaPayload:
         if header_end > total:
             raise CheckpointError(f"delta payload: the header length {header_len} runs past the payload's end")
         header = view[PREFIX.size:header_end]
-        base_version, version, metas = _parse_header(_read_header(header))
+        base_version, version, final, metas = _parse_header(_read_header(header))
         declared = sum(m["nbytes"] for m in metas)
         if declared != total - header_end:
             raise CheckpointError(f"delta payload: the header declares {declared} bytes of tensor data, "
@@ -157,7 +164,7 @@ class DeltaPayload:
             entries.append(DeltaEntry(m["name"], m["dtype"], tuple(m["shape"]), m["encoding"], m["changed"],
                                       m["base_hash"], m["hash"], view[offset: offset + m["nbytes"]]))
             offset += m["nbytes"]
-        return cls(base_version, version, entries, header=header, checksum=checksum)
+        return cls(base_version, version, entries, final=final, header=header, checksum=checksum)
 
     # ------------------------------------------------------------ applying
     def _prepare(self, state_dict: Mapping[str, torch.Tensor]) -> list[tuple[DeltaEntry, torch.Tensor, Prepared]]:
@@ -165,7 +172,7 @@ class DeltaPayload:
         base hashes, each blob against its tensor."""
         if _checksum(self._prefix(), self._header_bytes, self._blobs()) != self.checksum:
             raise CheckpointError("delta payload: checksum mismatch (corrupted after it was made)")
-        if _read_header(self._header_bytes) != _header(self.base_version, self.version, self.entries):
+        if _read_header(self._header_bytes) != _header(self.base_version, self.version, self.entries, self.final):
             raise CheckpointError("delta payload: its entries no longer match its header (modified after it was made)")
         plan, spans = [], []
         for e in self.entries:
@@ -232,7 +239,7 @@ def _read_header(compressed) -> object:
         raise CheckpointError(f"delta payload: damaged header ({exc})") from None
 
 
-def _parse_header(header) -> tuple[int, int, list[dict]]:
+def _parse_header(header) -> tuple[int, int, bool, list[dict]]:
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise CheckpointError(f"delta payload: the header is not an {FORMAT} header")
     if header.get("format_version") != FORMAT_VERSION:
@@ -241,6 +248,8 @@ def _parse_header(header) -> tuple[int, int, list[dict]]:
     entries = header.get("entries")
     if not isinstance(entries, list):
         raise CheckpointError("delta payload: the header has no entry list")
+    if not isinstance(header.get("final"), bool):
+        raise CheckpointError(f"delta payload: the header's final: expected true or false, got {header.get('final')!r}")
     for i, m in enumerate(entries):
         if not isinstance(m, dict):
             raise CheckpointError(f"delta payload: entry {i} is not an object")
@@ -252,7 +261,32 @@ def _parse_header(header) -> tuple[int, int, list[dict]]:
             raise CheckpointError(f"delta payload: entry {i} ({m['name']!r}): negative size or shape")
         parse_dtype(m["dtype"])
     return (_check_version("base_version", header.get("base_version")),
-            _check_version("version", header.get("version")), entries)
+            _check_version("version", header.get("version")), header["final"], entries)
+
+
+# ------------------------------------------------------------------ row pieces
+# A tensor's rows [first, last) under the name "NAME[first:last]": what one trainer rank holds of a tensor
+# sharded by rows (orthon.rl.shard_delta); the receiver writes such an entry into those rows of NAME.
+_ROW_PIECE = re.compile(r"^(.+)\[(\d+):(\d+)\]$")
+
+
+def row_piece_name(name: str, first: int, last: int) -> str:
+    return f"{name}[{first}:{last}]"
+
+
+def row_views(state: Mapping[str, torch.Tensor], names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """{piece name: the view of its rows} for each of ``names`` that names rows of a tensor of ``state``
+    (contiguous where the tensor is)."""
+    views = {}
+    for name in names:
+        m = _ROW_PIECE.match(name)
+        if m is None or m.group(1) not in state:
+            continue
+        tensor, first, last = state[m.group(1)], int(m.group(2)), int(m.group(3))
+        if not first < last <= (tensor.shape[0] if tensor.dim() else 0):
+            raise CheckpointError(f"delta payload: {name!r}: rows outside the receiver's {tuple(tensor.shape)}")
+        views[name] = tensor[first:last]
+    return views
 
 
 # ------------------------------------------------------------------ the sender
@@ -296,7 +330,7 @@ class DeltaEncoder:
         self._aliases = aliases
         self.version = _check_version("version", version)
 
-    def encode(self, named: Named, version: int) -> DeltaPayload:
+    def encode(self, named: Named, version: int, final: bool = True) -> DeltaPayload:
         if self.version is None:
             raise CheckpointError("delta encoder: no base yet; reset() it after a full sync")
         version = _check_version("version", version)
@@ -322,7 +356,7 @@ class DeltaEncoder:
             entries.append(DeltaEntry(name, dtype_name(held.dtype), tuple(held.shape), encoded.encoding,
                                       encoded.changed, self._hashes[name], new_hash, encoded.blob))
             updates.append((name, new, new_hash))
-        payload = DeltaPayload(self.version, version, entries)
+        payload = DeltaPayload(self.version, version, entries, final=final)
         for name, new, new_hash in updates:  # the base moves only once every tensor encoded
             self._held[name].copy_(new)
             self._hashes[name] = new_hash

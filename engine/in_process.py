@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import load_file
 
 from orthon.core.errors import CheckpointError, ConfigError, WrongBaseVersion
+from orthon.engine.delta import row_views
 from orthon.engine.fused_decode import DecodeWeights
 from orthon.engine.protocol import GenerationResult, WeightDelta, WeightsSource
 from orthon.engine.sampling import SamplingParams, per_request_params, request_uniforms, sample_step, stop_table
@@ -130,6 +131,7 @@ class InProcessEngine:
             return self._apply_delta_in_place(weights, version, targets)
         elif isinstance(weights, WeightDelta):
             self._check_delta_base(weights)
+            targets.update(row_views(targets, getattr(weights, "names", ())))
             with self._lock:
                 produced = weights.apply_to(targets)
             items = list(produced.items() if isinstance(produced, Mapping) else produced)
@@ -178,10 +180,11 @@ class InProcessEngine:
             raise ValueError(f"update_weights: version {version} given for a delta to version {target_version}")
         with self._lock:
             self._check_delta_base(delta)
-            delta.apply_in_place(targets)
+            delta.apply_in_place({**targets, **row_views(targets, getattr(delta, "names", ()))})
             self._fused = None
-            new = version if version is not None else target_version
-            self.weight_version = self.weight_version + 1 if new is None else _check_version(new)
+            if getattr(delta, "final", True):  # else more parts of the version follow: it holds the base still
+                new = version if version is not None else target_version
+                self.weight_version = self.weight_version + 1 if new is None else _check_version(new)
         return self.weight_version
 
     def _read_weights(self, path: Path) -> dict[str, torch.Tensor]:

@@ -358,3 +358,44 @@ def test_tied_weights_are_sent_once():
     assert payload.names == ["model.embed_tokens.weight"]
     engine.update_weights(payload)
     assert_holds(engine.model, snapshot(trainer))
+
+
+def test_a_version_in_row_pieces_from_two_senders():
+    """Where trainer ranks hold row shards, each encodes its own rows ("NAME[a:b]") and the version comes as
+    two payloads: after the first (not final) the engine still reports the base version, after the second
+    it holds the trainer's bytes at the new one. A piece outside the tensor's rows is refused."""
+    from orthon.engine.delta import row_piece_name
+
+    trainer, engine, _ = _trainer_and_engines()
+
+    def pieces(half):
+        out = []
+        for name, t in trainer.state_dict().items():
+            if t.dim() == 0 or t.shape[0] < 2:
+                if half == 0:
+                    out.append((name, t))
+                continue
+            cut = t.shape[0] // 2
+            first, last = (0, cut) if half == 0 else (cut, t.shape[0])
+            out.append((row_piece_name(name, first, last), t[first:last]))
+        return out
+
+    encoders = [DeltaEncoder(), DeltaEncoder()]
+    for half, encoder in enumerate(encoders):
+        encoder.reset(pieces(half), 0)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    first = encoders[0].encode(pieces(0), 1, final=False)
+    second = DeltaPayload.from_bytes(encoders[1].encode(pieces(1), 1).to_bytes())
+    assert not DeltaPayload.from_bytes(first.to_bytes()).final and second.final
+    assert any(n.endswith("]") for n in first.names) and any(n.endswith("]") for n in second.names)
+    assert engine.update_weights(DeltaPayload.from_bytes(first.to_bytes())) == 0
+    assert engine.update_weights(second) == 1
+    assert_holds(engine.model, snapshot(trainer))
+    name = "model.norm.weight"
+    rows = trainer.state_dict()[name].shape[0]
+    stray = DeltaEncoder()
+    stray.reset([(row_piece_name(name, rows, rows + 2), torch.zeros(2))], 1)
+    with pytest.raises(CheckpointError, match=r"rows outside the receiver's"):
+        engine.update_weights(stray.encode([(row_piece_name(name, rows, rows + 2), torch.ones(2))], 2))
