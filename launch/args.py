@@ -81,17 +81,16 @@ def check_weights_fit(model_config, command: str) -> None:
 def check_rl_fits(model_config, recipe, command: str) -> None:
     """RL and post-training: one trainer rank's training state (``check_model_fits``, over the Ray trainer
     ranks where the cluster runs), and the whole model in one process wherever a part needs it: the
-    in-process engine, the tensors gathered on trainer rank 0 for the engines (delta, and the shared path;
-    disk and distributed without delta hand the ranks' shards over a part at a time), the KL reference."""
+    in-process engine, the tensors gathered on trainer rank 0 for the engines (the shared path; disk and
+    distributed hand the ranks' shards over a part at a time, or by delta each rank's rows), the KL reference."""
     cluster = recipe.rl.cluster
     check_model_fits(model_config, recipe.train, command, cluster.trainer_ranks if cluster.enabled else None)
     whole = []
     if not cluster.enabled:
         whole.append("the in-process engine holds the whole model")
     elif cluster.gathers_whole:
-        whole.append(f"weight_sync {cluster.weight_sync}{' with delta' if cluster.delta else ''} gathers the "
-                     f"whole model on trainer rank 0; disk or distributed without delta (rl.cluster.delta=false) "
-                     f"hand it over a part at a time")
+        whole.append(f"weight_sync {cluster.weight_sync} gathers the whole model on trainer rank 0; disk or "
+                     f"distributed hand it over a part at a time")
     if recipe.rl.loss.kl_coef > 0:
         whole.append("the KL reference model is loaded whole")
     if whole:

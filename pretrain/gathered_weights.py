@@ -40,8 +40,8 @@ def gathered_parts(model: GLMForCausalLM, rank: int, part_bytes: int, dtype: tor
     for name in hf_io.persistent_names(model):
         tensor = live[name]
         nbytes = tensor.numel() * hf_io.written_dtype(name, tensor.dtype, dtype).itemsize
-        if split_experts and nbytes > part_bytes and hf_io.is_expert_stack(name) and _by_rows(tensor):
-            holders = _row_holders(tensor)
+        if split_experts and nbytes > part_bytes and hf_io.is_expert_stack(name) and split_by_rows(tensor):
+            holders = row_holders(tensor)
             windows = hf_io.expert_windows(name, tensor.shape[0], nbytes, part_bytes)
             sizes.update({(*window, holders): size for window, size in windows.items()})
         else:
@@ -109,16 +109,16 @@ def _gather(live: dict, items: list, keep: bool) -> dict[str, torch.Tensor] | No
     return out if keep else None
 
 
-def _by_rows(tensor) -> bool:
+def split_by_rows(tensor) -> bool:
     """A DTensor split by dim-0 rows only (each placement a shard of dim 0, FSDP2's strided shard of expert
     parallelism's among them, or Replicate): its rows can be gathered a window at a time."""
     # Read by their dim: FSDP2's shard of an already sharded tensor is a _StridedShard, not a Shard.
-    return isinstance(tensor, DTensor) and all(p.is_replicate() or getattr(p, "dim", None) == 0
-                                               for p in tensor.placements)
+    return isinstance(tensor, DTensor) and tensor.dim() > 0 and all(
+        p.is_replicate() or getattr(p, "dim", None) == 0 for p in tensor.placements)
 
 
-def _row_holders(tensor: DTensor) -> tuple[tuple[int, ...], ...]:
-    """The global rows of ``tensor`` (``_by_rows``) each rank holds, in its local order, by global rank (a
+def row_holders(tensor: DTensor) -> tuple[tuple[int, ...], ...]:
+    """The global rows of ``tensor`` (``split_by_rows``) each rank holds, in its local order, by global rank (a
     collective): DTensor's own split of the row numbers, so any dim-0 placements."""
     ids = distribute_tensor(torch.arange(tensor.shape[0]), tensor.device_mesh, tensor.placements, src_data_rank=None)
     holders = [None] * dist.get_world_size()
@@ -127,7 +127,7 @@ def _row_holders(tensor: DTensor) -> tuple[tuple[int, ...], ...]:
 
 
 def _expert_rows(tensor: DTensor, first: int, last: int, holders, keep: bool) -> torch.Tensor | None:
-    """Rows [first, last) of ``tensor`` (``_by_rows``; ``holders``: ``_row_holders``) whole on the rank
+    """Rows [first, last) of ``tensor`` (``split_by_rows``; ``holders``: ``row_holders``) whole on the rank
     that ``keep``s them (rank 0): each row from the lowest rank holding it (replicas: HSDP's, DDP's under
     expert parallelism, send nothing twice); point to point, every rank in the same order."""
     local = tensor.to_local()

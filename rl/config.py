@@ -185,10 +185,10 @@ class ClusterConfig:
 
     @property
     def gathers_whole(self) -> bool:
-        """Whether weight sync needs the whole model gathered on trainer rank 0 (delta encodes against a
-        held copy, the shared path writes one set of buckets); disk and distributed without delta take
-        the ranks' shards a part at a time (orthon.rl.weight_sync)."""
-        return self.delta or self.weight_sync == "shared"
+        """Whether weight sync needs the whole model gathered on trainer rank 0 where the ranks hold shards:
+        the shared path (one set of buckets); disk and distributed take the shards a part at a time, or
+        with delta each rank's delta of its rows (orthon.rl.weight_sync)."""
+        return self.weight_sync == "shared"
 
 
 @dataclass

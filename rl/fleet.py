@@ -159,21 +159,24 @@ class EngineFleet:
 
     # ------------------------------------------------------------ weights
     def form(self, version: int):
-        """What trainer ranks that hold shards hand over as ``version`` (WeightSync.form)."""
-        return self.sync_path.form(version)
+        """What trainer ranks that hold shards hand over as ``version`` (WeightSync.form): a whole copy
+        while a restarted engine waits (it holds no version a delta could start from)."""
+        return self.sync_path.form(version, full=bool(self.waiting))
 
     def sync(self, model, version: int) -> None:
         """The weights (the model, a state dict gathered from FSDP2's shards, or what ``form`` asked for)
         to every engine; an engine that could not take them is restarted with them. A streamed sync that
         failed raises IncompleteSync (after the engines are resumed) for the trainer's full copy."""
-        from orthon.rl.weight_sync import IncompleteSync, WeightParts
+        from orthon.rl.weight_sync import IncompleteSync, ShardDeltas, WeightParts
 
         with self._lock:
-            streamed = isinstance(model, WeightParts)
+            streamed = isinstance(model, (WeightParts, ShardDeltas))
             # Parts are used up as they are sent: a restart then waits for the next sync.
             self.version, self.model = version, None if streamed else model
-            if streamed:
+            if isinstance(model, WeightParts):
                 self.counters["streamed_parts"] += len(model.loaders)
+            elif streamed:
+                self.counters["delta_payloads"] += len(model.paths)
             try:
                 dead = self.sync_path.push(model, version, [self.client_factory(u) for u in self.urls])
             except IncompleteSync:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import replace
@@ -42,7 +43,8 @@ from orthon.rl.rank_rollouts import RankRollouts
 from orthon.rl.rollout_manager import RolloutManager, rollout_state
 from orthon.rl.sample import Sample, branches, sample_to_dict
 from orthon.rl.steps import METRICS, PolicyStep
-from orthon.rl.weight_sync import IncompleteSync, SyncForm, WeightParts
+from orthon.rl.shard_delta import ShardDelta
+from orthon.rl.weight_sync import IncompleteSync, ShardDeltas, SyncForm, WeightParts
 
 
 class RLTrainer:
@@ -99,6 +101,7 @@ class RLTrainer:
             rollout.roll_round = self.shared_rollouts.roll
         self.weight_sync = weight_sync or self._update_engine
         self.sync_form = sync_form
+        self._shard_deltas: ShardDelta | None = None  # where the ranks hold shards and sync by delta
         self.weight_version = 0  # of the weights the engines hold; every sync adds one
         self.iteration = 0
 
@@ -195,14 +198,17 @@ class RLTrainer:
         form = None
         if self.trainer.holds_shards:  # no process need hold the whole model: see orthon.rl.weight_sync
             form = self._from_rank_zero(lambda: self.sync_form and self.sync_form(self.weight_version))
-        if form is not None and form.part_bytes:
-            form = self._stream_parts(form.part_bytes)
+        if form is not None and (form.part_bytes or form.delta_directory):
+            form = (self._stream_parts(form.part_bytes) if form.part_bytes
+                    else self._stream_shard_deltas(Path(form.delta_directory)))
             if form is None:
                 return
         if form is not None:  # the ranks write the version's directory a safetensors shard at a time
             self.trainer.write_weights(form.directory)
             if self.rank == 0:
                 self.weight_sync(form.directory, self.weight_version)
+            if self.recipe.rl.cluster.delta:  # the engines hold these bytes: the ranks' next deltas start here
+                self._shard_delta().reset(self.weight_version)
             return
         state = self.trainer.whole_state()
         if self.rank != 0:
@@ -224,6 +230,39 @@ class RLTrainer:
                 retry = SyncForm(directory=exc.directory)
         else:
             for load in loaders:
+                load()
+        return self._from_rank_zero(lambda: retry)
+
+    def _shard_delta(self) -> ShardDelta:
+        """Each rank's ShardDelta, planned on every rank together at the first full copy."""
+        if self._shard_deltas is None:
+            self._shard_deltas = ShardDelta(self.model, self.rank)
+        return self._shard_deltas
+
+    def _stream_shard_deltas(self, directory: Path):
+        """Every rank's delta of its rows to the engines (rank 0 hands the files over in rank order); None
+        once sent, else (the sync failed) the SyncForm of the directory for a full copy."""
+        directory.mkdir(parents=True, exist_ok=True)
+        last = self.trainer.world - 1
+        try:
+            path = self._shard_delta().write(directory, self.weight_version, final=self.rank == last)
+        except OSError as exc:  # a full disk: the others go on; rank 0 sees the missing file
+            self.log(f"rank {self.rank}: delta payload not written ({exc})")
+            path = None
+        paths = distributed.all_gather_object(path)
+        check = gathered_parts(self.model, self.rank, self.recipe.rl.cluster.part_bytes, split_experts=True) \
+            if self.recipe.rl.cluster.check_weights else []
+        retry = None
+        if self.rank == 0:
+            try:
+                self.weight_sync(ShardDeltas(paths, check), self.weight_version)
+            except IncompleteSync as exc:
+                self.log(str(exc))
+                retry = SyncForm(directory=exc.directory)
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+        else:
+            for load in check:
                 load()
         return self._from_rank_zero(lambda: retry)
 

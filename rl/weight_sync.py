@@ -42,11 +42,12 @@ from orthon.pretrain.hf_io import experts_to_hf, load_hf_state
 
 @dataclass(frozen=True)
 class SyncForm:
-    """What the trainer ranks hand over where they hold shards: a weights ``directory`` they write, or
-    ``WeightParts`` of ``part_bytes``."""
+    """What the trainer ranks hand over where they hold shards: a weights ``directory`` they write,
+    ``WeightParts`` of ``part_bytes``, or with delta ``ShardDeltas`` written into ``delta_directory``."""
 
     directory: Path | None = None
     part_bytes: int = 0
+    delta_directory: Path | None = None
 
 
 @dataclass
@@ -55,6 +56,15 @@ class WeightParts:
     on rank 0 while the other ranks call theirs: {name: tensor} of one part."""
 
     loaders: list
+
+
+@dataclass
+class ShardDeltas:
+    """One version as each trainer rank's delta payload file (orthon.rl.shard_delta), in rank order, the
+    last one final; ``check``: loaders as ``WeightParts``' for check_weights (empty otherwise)."""
+
+    paths: list[Path]
+    check: list
 
 
 class IncompleteSync(Exception):
@@ -98,13 +108,17 @@ class WeightSync:
         self.group = None  # the distributed path's process group
         self._members: tuple[str, ...] = ()
         self._shared = None
+        self.shard_base: int | None = None  # the version the ranks' ShardDeltas are taken from, once every engine holds it
 
-    def form(self, version: int) -> SyncForm | None:
+    def form(self, version: int, full: bool = False) -> SyncForm | None:
         """What trainer ranks that hold shards hand over as ``version`` (see the module docstring); None:
-        the tensors gathered whole (delta needs them, and the shared path)."""
-        if self.cfg.gathers_whole:
+        the tensors gathered whole (the shared path). ``full``: a whole copy, not a delta (an engine holds
+        another version)."""
+        if self.cfg.weight_sync == "shared":
             return None
-        if self.cfg.weight_sync == "distributed":
+        if self.cfg.delta and not full and self.shard_base is not None:
+            return SyncForm(delta_directory=self._directory(version).with_name(f"delta-v{version:08d}"))
+        if self.cfg.weight_sync == "distributed" and not self.cfg.delta:
             return SyncForm(part_bytes=self.cfg.part_bytes)
         return SyncForm(directory=self._directory(version))
 
@@ -130,8 +144,13 @@ class WeightSync:
         self._reset_delta(model, version)
 
     def _reset_delta(self, model, version: int) -> None:
-        """After a full copy every engine holds ``model``'s bytes: the next deltas start from them."""
-        if self.cfg.delta:
+        """After a full copy every engine holds ``model``'s bytes: the next deltas start from them (a
+        directory the ranks wrote: their ShardDeltas, each rank's copy of its own rows)."""
+        if not self.cfg.delta:
+            return
+        if isinstance(model, Path):
+            self.encoder, self.shard_base = None, version
+        else:
             self.encoder = DeltaEncoder()
             self.encoder.reset(_named(model), version)
 
@@ -143,6 +162,8 @@ class WeightSync:
         from disk, so none is left holding something else; the caller replaces the dead ones."""
         if isinstance(model, WeightParts):
             return self._stream(model, version, clients)
+        if isinstance(model, ShardDeltas):
+            return self._push_shard_deltas(model, version, clients)
         try:
             if (isinstance(model, Path) or self.cfg.weight_sync == "disk" and not self.cfg.delta
                     or self.cfg.delta and self.encoder is None):
@@ -190,6 +211,36 @@ class WeightSync:
             self.check(want, clients)
         return []
 
+    def _push_shard_deltas(self, deltas: ShardDeltas, version: int, clients) -> list[str]:
+        """Each rank's payload in turn, the engines paused from the first to the last; IncompleteSync when
+        anything fails on the way (an engine then holds a mix of two versions: a full copy follows)."""
+        base, self.shard_base = self.shard_base, None  # until every payload is in
+
+        def send(check):
+            _each(clients, lambda c: c.pause("in_place"))
+            for path in deltas.paths:
+                self._send_delta_file(path, version, clients)
+            if self.cfg.check_weights:
+                want = {}
+                for load in check:
+                    want.update(tensor_hashes(_named(load())))
+                self.check(want, clients)
+
+        try:
+            if base is None or any(p is None for p in deltas.paths):
+                raise CheckpointError("a rank wrote no delta payload" if base is not None else "no delta base")
+            drain_on_error(deltas.check, send)
+        except Exception as exc:
+            self._close_group()
+            raise IncompleteSync(self._directory(version), f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            _each(clients, _resume)
+            for path in deltas.paths:
+                if path is not None:
+                    path.unlink(missing_ok=True)
+        self.shard_base = version
+        return []
+
     def _recover(self, model, version: int, clients) -> list[str]:
         """Full copies from disk to every engine that answers; the URLs of those that do not."""
         self._close_group()
@@ -205,15 +256,27 @@ class WeightSync:
     def _send_delta(self, payload, clients) -> None:
         if self.cfg.weight_sync == "disk":
             path = write_delta(self.root, payload)
-            _each(clients, lambda c: c.update_weights_from_delta_file(str(path)))
-            path.unlink(missing_ok=True)
+            try:
+                self._send_delta_file(path, payload.version, clients)
+            finally:
+                path.unlink(missing_ok=True)
         elif self.cfg.weight_sync == "distributed":
-            self._group(clients)
-            self._together(clients, lambda c: c.update_weights_from_distributed([], payload.version, delta=True),
-                           lambda: broadcast_bytes(self.group, payload.to_bytes()))
+            self._broadcast_delta(payload.to_bytes(), payload.version, clients)
         else:
             data = torch.frombuffer(bytearray(payload.to_bytes()), dtype=torch.uint8)
             self._share([(DELTA_TENSOR_NAME, data)], payload.version, clients)
+
+    def _send_delta_file(self, path: Path, version: int, clients) -> None:
+        """A payload file to every engine: its path on the disk path, its bytes over the group otherwise."""
+        if self.cfg.weight_sync == "disk":
+            _each(clients, lambda c: c.update_weights_from_delta_file(str(path)))
+        else:
+            self._broadcast_delta(path.read_bytes(), version, clients)
+
+    def _broadcast_delta(self, data: bytes, version: int, clients) -> None:
+        self._group(clients)
+        self._together(clients, lambda c: c.update_weights_from_distributed([], version, delta=True),
+                       lambda: broadcast_bytes(self.group, data))
 
     def _close_group(self) -> None:
         """After a failure (a member may be gone): the next broadcast forms the group again."""

@@ -67,9 +67,10 @@ def test_a_model_too_large_to_load_whole_is_refused_before_reading_weights(tmp_p
 
 
 def test_rl_refuses_a_policy_whose_whole_weights_cannot_reach_the_engines(monkeypatch):
-    """1,024 FSDP2 trainer ranks of 40 GB hold GLM-5's training state (11.6 GB each), but with deltas the
-    engines take the weights gathered whole on trainer rank 0: 4 bytes a parameter in its RAM (2 TB here).
-    Without deltas the ranks hand each version over a part at a time, and nothing is refused."""
+    """1,024 FSDP2 trainer ranks of 40 GB hold GLM-5's training state (11.6 GB each), but on the shared path
+    the engines take the weights gathered whole on trainer rank 0: 4 bytes a parameter in its RAM (2 TB
+    here). On disk or distributed, with deltas or without, the ranks hand each version over a part at a time
+    (or each its rows' delta), and nothing is refused."""
     from dataclasses import replace
 
     from orthon.core.errors import ConfigError
@@ -85,12 +86,16 @@ def test_rl_refuses_a_policy_whose_whole_weights_cannot_reach_the_engines(monkey
     recipe = load_rl_recipe(ROOT / "configs/rl_tiny.yaml", ["rl.cluster.enabled=true", "rl.cluster.trainer_ranks=1024",
                                                              "train.parallel=fsdp", "train.expert_parallel=256"])
     args.check_model_fits(model, recipe.train, "train with RL", world=1024)  # the training state fits
-    with pytest.raises(ConfigError, match=r"2,975\.6 GB to train with RL \(weight_sync disk with delta gathers the "
-                                          r"whole model on trainer rank 0; disk or distributed without delta"):
-        args.check_rl_fits(model, recipe, "train with RL")
-    # Without delta the trainer ranks hand each version over a part at a time: nothing needs the whole model.
-    args.check_rl_fits(model, replace(recipe, rl=replace(recipe.rl, cluster=replace(recipe.rl.cluster, delta=False))),
-                       "train with RL")
+
+    def cluster(**changes):
+        return replace(recipe, rl=replace(recipe.rl, cluster=replace(recipe.rl.cluster, **changes)))
+
+    with pytest.raises(ConfigError, match=r"2,975\.6 GB to train with RL \(weight_sync shared gathers the "
+                                          r"whole model on trainer rank 0; disk or distributed"):
+        args.check_rl_fits(model, cluster(weight_sync="shared"), "train with RL")
+    for path in ("disk", "distributed"):
+        for delta in (True, False):
+            args.check_rl_fits(model, cluster(weight_sync=path, delta=delta), "train with RL")
     monkeypatch.setenv("WORLD_SIZE", "1024")  # torchrun's ranks, each with an in-process engine
     with pytest.raises(ConfigError, match=r"\(the in-process engine holds the whole model\)"):
         args.check_rl_fits(model, replace(recipe, rl=replace(recipe.rl, cluster=replace(recipe.rl.cluster, enabled=False))),

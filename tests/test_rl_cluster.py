@@ -141,7 +141,8 @@ def test_every_sync_path_leaves_the_engines_with_the_trainers_bytes(tmp_path, pa
 @pytest.mark.parametrize("parallel,experts,path,delta", [
     ("fsdp", 2, "distributed", False), pytest.param("fsdp", 1, "distributed", False, marks=pytest.mark.slow),
     pytest.param("fsdp", 2, "disk", False, marks=pytest.mark.slow),
-    pytest.param("fsdp", 2, "disk", True, marks=pytest.mark.slow), pytest.param("ddp", 1, "disk", True, marks=pytest.mark.slow)])
+    pytest.param("fsdp", 2, "disk", True, marks=pytest.mark.slow), ("fsdp", 2, "distributed", True),
+    pytest.param("ddp", 1, "disk", True, marks=pytest.mark.slow)])
 def test_trainer_ranks_train_what_one_process_does(tmp_path, parallel, experts, path, delta):
     """Two trainer ranks on Ray (one process group: FSDP2 shards with expert parallelism, or DDP) train on
     saved rollouts to the weights one process reaches on them, and every sync leaves the engine holding
@@ -182,9 +183,11 @@ def test_trainer_ranks_train_what_one_process_does(tmp_path, parallel, experts, 
     start, one, two = _weights(pre / "final"), _weights(tmp_path / "one" / "final"), _weights(tmp_path / "two" / "final")
     assert max((one[k].float() - start[k].float()).abs().max().item() for k in start) > 1e-4  # it trained
     assert _trained_apart(one, two, start) == []
-    # Three syncs (versions 0, 1, 2), streamed in parts of 50 kB on the distributed path.
-    parts = result["fleet"].get("streamed_parts", 0)
-    assert parts % 3 == 0 and (parts >= 3 * 5) == (path == "distributed"), result["fleet"]
+    # Three syncs (versions 0, 1, 2), streamed in parts of 50 kB on the distributed path; with delta where the
+    # ranks hold shards, versions 1 and 2 as each rank's delta of its rows (two payloads a version).
+    parts, payloads = result["fleet"].get("streamed_parts", 0), result["fleet"].get("delta_payloads", 0)
+    assert parts % 3 == 0 and (parts >= 3 * 5) == (path == "distributed" and not delta), result["fleet"]
+    assert payloads == (2 * 2 if delta and parallel == "fsdp" else 0), result["fleet"]
     # Directories the engines loaded: on disk without delta versions 1 and 2 (the newest two kept), each a
     # weights directory the ranks wrote (the sidecar beside the HF layout; a state dict gathered on rank 0
     # is written as model.safetensors alone); with deltas only the first full copy; streamed: none.
