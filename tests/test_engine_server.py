@@ -468,6 +468,67 @@ def test_weights_streamed_in_parts_and_a_failed_stream_asks_for_a_full_copy(muta
     assert [r.tokens for r in client.generate(PROMPTS, GREEDY)] == [r.tokens for r in _reference(weights[0])]
 
 
+def test_each_ranks_delta_of_its_rows_and_a_failed_one_asks_for_a_full_copy(mutable, weights, tmp_path):
+    """Delta where the trainer ranks hold shards (orthon.rl.weight_sync, disk with delta): after a full copy
+    from a directory, a version comes as two ranks' payload files of their rows, the first not final; the
+    engine ends on the trainer's bytes at that version and the files are gone. A damaged payload stops the
+    stream: the engine is resumed, IncompleteSync names the directory for a full copy, and no delta is
+    taken until that copy is in."""
+    from orthon.engine.delta import DeltaEncoder, row_piece_name
+    from orthon.engine.tensor_bytes import tensor_hashes
+    from orthon.pretrain.weights import save_weights
+    from orthon.rl.config import ClusterConfig
+    from orthon.rl.weight_sync import IncompleteSync, ShardDeltas, SyncForm, WeightSync
+
+    base, other = load_weights(weights[0]), load_weights(weights[1])
+    client = HTTPEngine(mutable.url)
+    sync = WeightSync(ClusterConfig(weight_sync="disk", delta=True), tmp_path)
+    root = tmp_path / "weights"
+    assert sync.form(50) == SyncForm(directory=root / "v00000050")  # no base yet: a full copy
+    assert sync.push(save_weights(base, root / "v00000050"), 50, [client]) == []
+    assert sync.form(51) == SyncForm(delta_directory=root / "delta-v00000051")
+
+    def rows(model, rank):  # rank 0 the first half of every tensor's rows, rank 1 the rest
+        out = []
+        for name, t in model.state_dict().items():
+            cut = t.shape[0] // 2 if t.dim() else 0
+            first, last = (0, cut) if rank == 0 else (cut, t.shape[0] if t.dim() else 0)
+            if t.dim() and first < last:
+                out.append((row_piece_name(name, first, last), t[first:last]))
+            elif not t.dim() and rank == 0:
+                out.append((name, t))
+        return out
+
+    encoders = [DeltaEncoder(), DeltaEncoder()]
+    for rank, encoder in enumerate(encoders):
+        encoder.reset(rows(base, rank), 50)
+
+    def write(model, version):
+        directory = root / f"delta-v{version:08d}"
+        directory.mkdir()
+        paths = [directory / f"rank_{rank:05d}.bin" for rank in range(2)]
+        for rank, (encoder, path) in enumerate(zip(encoders, paths)):
+            path.write_bytes(encoder.encode(rows(model, rank), version, final=rank == 1).to_bytes())
+        return paths
+
+    paths = write(other, 51)
+    assert sync.push(ShardDeltas(paths, []), 51, [client]) == []
+    assert client.weight_hashes() == tensor_hashes(_named(other)) and client.get_weight_version() == 51
+    assert not any(p.exists() for p in paths) and sync.shard_base == 51
+
+    paths = write(base, 52)
+    damaged = bytearray(paths[1].read_bytes())
+    damaged[-1] ^= 0xFF
+    paths[1].write_bytes(bytes(damaged))
+    with pytest.raises(IncompleteSync, match="checksum mismatch") as failed:
+        sync.push(ShardDeltas(paths, []), 52, [client])
+    assert failed.value.directory == root / "v00000052" and sync.form(52) == SyncForm(directory=root / "v00000052")
+    assert client.get_weight_version() == 51  # rank 0's rows are in, the version is not
+    assert client.generate(PROMPTS[:1], GREEDY)[0].tokens  # resumed
+    assert sync.push(save_weights(base, failed.value.directory), 52, [client]) == []
+    assert client.weight_hashes() == tensor_hashes(_named(base)) and sync.shard_base == 52
+
+
 # ---------------------------------------------------------------- the client against broken servers
 class _CannedServer(socketserver.ThreadingTCPServer):
     """Answers every connection with ``reply`` bytes (None: accepts and never answers)."""
