@@ -3,11 +3,12 @@
 Paths (SPEC: four): ``disk`` writes a versioned HF-layout directory the engines reload; ``distributed``
 broadcasts flattened buckets over one process group of the trainer (rank 0) and the engines (gloo
 here, NCCL on GPU), the tensors' names, dtypes and shapes going in the HTTP request as SGLang takes
-them (the tensor paths name tensors as the HF layout does: routed experts one tensor each); ``shared`` (colocated) puts flattened buckets in shared memory the engines read without a copy
-on the way. ``delta`` rides on any of them: after a full copy, only the changed bytes travel
-(orthon.engine.delta), as one payload that names its base version and carries checksums; the disk
-path writes it as a file, the broadcast path sends its bytes over the group, the shared path puts
-them in shared memory. An engine that holds anything but the base refuses it and changes nothing.
+them (the tensor paths name tensors as the HF layout does: routed experts one tensor each); ``shared``
+(colocated) puts flattened buckets in shared memory the engines read without a copy on the way.
+``delta`` rides on any of them: after a full copy, only the changed bytes travel (orthon.engine.delta),
+as one payload that names its base version and carries checksums; the disk path writes it as a file,
+the broadcast path sends its bytes over the group, the shared path puts them in shared memory. An
+engine that holds anything but the base refuses it and changes nothing.
 
 The first sync, and the one that brings a restarted engine up to date, is a full copy through disk
 (an engine in any state can take it). "model" below is what the trainer hands over: the model itself or
@@ -16,9 +17,11 @@ parallelism), what ``form`` asks for so that no process holds the whole model: o
 delta the version's directory the ranks wrote, a safetensors shard at a time; on the distributed path
 without delta ``WeightParts``, loaders the ranks call together, each gathering a part that is broadcast
 before the next is gathered (slime's bucket by bucket; an expert stack larger than a part a few experts
-at a time where its shards split it by expert), the engines paused in between so no request runs
-on a mix of versions. A streamed sync that fails part way raises ``IncompleteSync`` naming the directory
-the ranks then write for a full copy (the parts are gone).
+at a time), the engines paused in between so no request runs on a mix of versions; with delta, on
+either path, ``ShardDeltas``: each rank's delta of the rows it holds, against its own copy of them
+(orthon.rl.shard_delta), handed to the engines in rank order, paused, the last payload final. A
+streamed sync that fails part way raises ``IncompleteSync`` naming the directory the ranks then write
+for a full copy (the parts are gone; the engines may hold a mix of two versions until it is in).
 """
 from __future__ import annotations
 
