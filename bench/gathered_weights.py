@@ -1,7 +1,9 @@
 """Rank 0's memory when the weights leave an FSDP2 trainer: the state dict gathered whole (what final/
 and every RL hand-over used to take) against the ranks' shards gathered a part at a time
 (orthon.pretrain.gathered_weights: final/ and the disk hand-over write a safetensors shard, the
-distributed hand-over broadcasts a part, before the next is gathered).
+distributed hand-over broadcasts a part, before the next is gathered); and a delta sync (a full sync's
+copy kept, then every parameter changed and encoded): the whole state gathered and kept on rank 0 against
+each rank keeping its own rows (orthon.rl.shard_delta).
 
 Two gloo ranks under FSDP2, one thread each, a model of configs/tiny.yaml's shape made wider
 (``--hidden``, ``--experts``); each way in fresh processes. Memory: rank 0's peak resident set above
@@ -30,7 +32,7 @@ from common import cpu_kind, report  # noqa: E402
 from long_context import _rss_peak_reset, _status_kb  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-WAYS = ("whole", "parts", "final")
+WAYS = ("whole", "parts", "final", "delta_whole", "delta_rows")
 
 
 def _model(hidden: int, experts: int):
@@ -71,9 +73,11 @@ def _worker(rank, port, way, hidden, experts, part_bytes, out_dir):
                 part = load()
                 held = max(held, sum(t.numel() * t.element_size() for t in part.values()) if part else 0)
                 del part
-        else:  # final/ (and the disk hand-over): the weights directory, a safetensors shard at a time
+        elif way == "final":  # final/ (and the disk hand-over): the weights directory, a safetensors shard at a time
             save_gathered(model, Path(out_dir) / "final", rank, max_shard_bytes=part_bytes)
             held = part_bytes
+        else:  # a delta sync after a full one, every parameter changed (as an optimizer step changes them)
+            held = _delta_sync(model, rank, way, out_dir)
         seconds = time.perf_counter() - start
         peak_mb = (_status_kb("VmHWM") - base) / 1024
         if rank == 0:
@@ -86,6 +90,38 @@ def _worker(rank, port, way, hidden, experts, part_bytes, out_dir):
     # The gloo group's threads sometimes abort the interpreter's exit on this 2-core VM ("terminate called
     # without an active exception", in the whole-state way too): the figures are written, leave at once.
     os._exit(0)
+
+
+def _delta_sync(model, rank: int, way: str, out_dir: str) -> int:
+    """Rank 0's side of a full sync's reset and the delta after it: before, the state dict gathered whole
+    on rank 0 and its copy kept there (delta_whole); now each rank's copy of its own rows and its
+    payload (delta_rows, orthon.rl.shard_delta). Returns the bytes of rank 0's payload."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from orthon.engine.delta import DeltaEncoder
+    from orthon.rl.shard_delta import ShardDelta
+
+    def gathered():
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return list(state.items()) if rank == 0 else None
+
+    def step():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.0001)
+
+    if way == "delta_whole":
+        encoder = DeltaEncoder()
+        if (state := gathered()) is not None:
+            encoder.reset(state, 0)
+        del state
+        step()
+        payload = encoder.encode(state, 1) if (state := gathered()) is not None else None
+        return payload.nbytes if payload is not None else 0
+    rows = ShardDelta(model, rank)
+    rows.reset(0)
+    step()
+    return rows.write(Path(out_dir), 1, final=rank == 1).stat().st_size
 
 
 def measure(way: str, hidden: int, experts: int, part_bytes: int) -> dict:
@@ -111,7 +147,9 @@ def main():
               f"({f['params'] / 1e6:.1f}M parameters, {f['params'] * 4 / 2**20:.0f} MB in fp32; the largest "
               f"tensor {f['largest_tensor_mb']:.0f} MB; parts of {args.part_mb} MB)")
     whole = figures["whole"]["peak_mb"]
-    report("gathered_weights", figures, {f"{way}_memory": figures[way]["peak_mb"] / whole for way in ("parts", "final")})
+    ratios = {f"{way}_memory": figures[way]["peak_mb"] / whole for way in ("parts", "final")}
+    ratios["delta_rows_memory"] = figures["delta_rows"]["peak_mb"] / figures["delta_whole"]["peak_mb"]
+    report("gathered_weights", figures, ratios)
 
 
 if __name__ == "__main__":
