@@ -46,7 +46,7 @@ class ShardDelta:
         live = model.state_dict()
         for name in hf_io.persistent_names(model):
             tensor = live[name]
-            if isinstance(tensor, DTensor) and split_by_rows(tensor):
+            if split_by_rows(tensor):
                 holders = row_holders(tensor)
                 lower = {row for rows in holders[:rank] for row in rows}  # a lower rank encodes those
                 self.plan.append((name, _runs([(i, row) for i, row in enumerate(holders[rank]) if row not in lower])))

@@ -193,7 +193,6 @@ class WeightSync:
 
         def send(loaders):
             self._group(clients)
-            _each(clients, lambda c: c.pause("in_place"))
             for i, load in enumerate(loaders):
                 named = _named(load())
                 if self.cfg.check_weights:
@@ -203,13 +202,7 @@ class WeightSync:
                 self._together(clients, lambda c: c.update_weights_from_distributed(metas, version, flush_cache=last),
                                lambda: broadcast_tensors(self.group, named))
 
-        try:
-            drain_on_error(parts.loaders, send)
-        except Exception as exc:
-            self._close_group()
-            raise IncompleteSync(self._directory(version), f"{type(exc).__name__}: {exc}") from exc
-        finally:
-            _each(clients, _resume)
+        self._while_paused(clients, version, parts.loaders, send)
         if self.cfg.check_weights:
             self.check(want, clients)
         return []
@@ -220,7 +213,8 @@ class WeightSync:
         base, self.shard_base = self.shard_base, None  # until every payload is in
 
         def send(check):
-            _each(clients, lambda c: c.pause("in_place"))
+            if base is None or None in deltas.paths:
+                raise CheckpointError("no delta base" if base is None else "a rank wrote no delta payload")
             for path in deltas.paths:
                 self._send_delta_file(path, version, clients)
             if self.cfg.check_weights:
@@ -230,19 +224,28 @@ class WeightSync:
                 self.check(want, clients)
 
         try:
-            if base is None or any(p is None for p in deltas.paths):
-                raise CheckpointError("a rank wrote no delta payload" if base is not None else "no delta base")
-            drain_on_error(deltas.check, send)
-        except Exception as exc:
-            self._close_group()
-            raise IncompleteSync(self._directory(version), f"{type(exc).__name__}: {exc}") from exc
+            self._while_paused(clients, version, deltas.check, send)
         finally:
-            _each(clients, _resume)
             for path in deltas.paths:
                 if path is not None:
                     path.unlink(missing_ok=True)
         self.shard_base = version
         return []
+
+    def _while_paused(self, clients, version: int, loaders: list, send) -> None:
+        """``send(loaders)`` with the engines paused in place, every loader called even when it fails (the
+        other ranks wait in their gathers); IncompleteSync naming the version's directory on any failure."""
+        def paused(loaders):
+            _each(clients, lambda c: c.pause("in_place"))
+            send(loaders)
+
+        try:
+            drain_on_error(loaders, paused)
+        except Exception as exc:
+            self._close_group()
+            raise IncompleteSync(self._directory(version), f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            _each(clients, _resume)
 
     def _recover(self, model, version: int, clients) -> list[str]:
         """Full copies from disk to every engine that answers; the URLs of those that do not."""
