@@ -6,13 +6,13 @@ safetensors) plus orthon's sidecar (orthon.json), so neither command converts be
     orthon export SRC --out DIR [--dtype bfloat16] [--max-shard-size 5GB] [--tokenizer PATH] [--step N|latest]
         a fresh copy of a run's model (SRC: a run directory, its final/ is used, or a weights
         directory), cast and re-sharded for publishing, with its tokenizer (the run's, the weights
-        directory's own, or --tokenizer); transformers loads DIR as it loads SRC, and
-        `orthon generate DIR` samples from it. --step: the model of the run's checkpoint of that step
+        directory's own, or --tokenizer), one safetensors shard in memory at a time; transformers loads
+        DIR as it loads SRC, and `orthon generate DIR` samples from it. --step: the model of the run's checkpoint of that step
         instead (its newest that verifies with ``latest``), read one shard at a time
         (orthon.pretrain.checkpoint_export): an intermediate step, or a model too large for final/.
     orthon import SRC --out DIR [--set sparse_impl=gather ...] [--tokenizer PATH]
         check an HF glm_moe_dsa directory (config orthon supports, every tensor present with its
-        shape, files readable) and write it as an orthon weights directory, the sidecar holding
+        shape, from the files' headers) and write it as an orthon weights directory, a shard at a time, the sidecar holding
         orthon's own model fields (defaults, or --set), with SRC's tokenizer if it has one. SRC may
         also be a weights directory in the old orthon layout (recipe.yaml + model.safetensors), which
         this converts (in place when DIR = SRC).
@@ -85,28 +85,28 @@ def _load_old_layout(directory: Path, fields: dict):
 
 
 def run(args, name):
-    from orthon.pretrain.weights import load_weights, parse_size, save_weights, weights_tokenizer
+    from orthon.pretrain.weights import copy_weights, parse_size, save_weights, weights_tokenizer
 
     source = Path(args.source)
     if name == "export" and args.step:
         return _export_step(source, args)
-    if name == "export":
+    if name == "export":  # one safetensors shard in memory at a time (copy_weights), as for --step
         weights = source / "final" if (source / "final").is_dir() and not (source / "config.json").is_file() else source
-        model = load_weights(weights)
         tokenizer = args.tokenizer or weights_tokenizer(weights)
-        save_weights(model, args.out, dtype=DTYPES[args.dtype] if args.dtype else None,
-                     max_shard_bytes=parse_size(args.max_shard_size), tokenizer=tokenizer)
+        model = copy_weights(weights, args.out, dtype=DTYPES[args.dtype] if args.dtype else None,
+                             max_shard_bytes=parse_size(args.max_shard_size), tokenizer=tokenizer)
     else:
         from orthon.pretrain.hf_io import read_hf_config
 
         fields = _runtime_fields(args.set)
-        if not (source / "config.json").is_file() and (source / "recipe.yaml").is_file():
-            model, dtype = _load_old_layout(source, fields), None
-        else:
-            model = load_weights(source, **fields)
-            dtype = DTYPES.get(str(read_hf_config(source).get("dtype") or read_hf_config(source).get("torch_dtype")))
         tokenizer = args.tokenizer or weights_tokenizer(source)  # copied before DIR = SRC is replaced
-        save_weights(model, args.out, dtype=dtype, tokenizer=tokenizer)  # the checkpoint's own dtype
+        if not (source / "config.json").is_file() and (source / "recipe.yaml").is_file():
+            model = _load_old_layout(source, fields)
+            save_weights(model, args.out, tokenizer=tokenizer)
+        else:
+            hf = read_hf_config(source)
+            model = copy_weights(source, args.out, dtype=DTYPES.get(str(hf.get("dtype") or hf.get("torch_dtype"))),
+                                 tokenizer=tokenizer, **fields)  # the checkpoint's own dtype
     n = sum(p.numel() for p in model.parameters())
     with_tokenizer = f", tokenizer {Path(tokenizer).name}" if tokenizer else "; no tokenizer (pass --tokenizer)"
     print(f"wrote {args.out} ({n:,} parameters, hidden {model.config.hidden_size}, "

@@ -264,6 +264,12 @@ def load_hf_state(directory) -> dict[str, torch.Tensor]:
     return experts_from_hf(state)
 
 
+# safetensors' dtype names (a file's header) as torch dtypes
+_STORED = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
 class HFTensors:
     """The tensors of an HF directory read one at a time by orthon's names (a routed-expert stack
     assembled from its per-expert tensors when asked for): what a sharded model loads from without any
@@ -294,6 +300,21 @@ class HFTensors:
             return torch.stack([self._get(f"{prefix}.{e}.down_proj.weight") for e in experts])
         return torch.stack([torch.cat([self._get(f"{prefix}.{e}.gate_proj.weight"),
                                        self._get(f"{prefix}.{e}.up_proj.weight")]) for e in experts])
+
+    def metas(self) -> dict[str, torch.Tensor]:
+        """Every tensor as it is stored, on the meta device (shape and dtype from the files' headers: nothing
+        read), under the directory's own names."""
+        out = {}
+        for path in sorted(set(self.where.values())):
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    for key in f.keys():
+                        if self.where[key] == path:
+                            view = f.get_slice(key)
+                            out[key] = torch.empty(view.get_shape(), dtype=_STORED[view.get_dtype()], device="meta")
+            except (SafetensorError, OSError, KeyError) as exc:
+                raise CheckpointError(f"{path}: unreadable header ({type(exc).__name__}: {exc})") from None
+        return out
 
     def _get(self, name: str) -> torch.Tensor:
         if name not in self.where:

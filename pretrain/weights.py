@@ -244,6 +244,29 @@ def load_weights(directory, device="cpu", dtype: torch.dtype | None = None, **ru
     return model
 
 
+def copy_weights(source, directory, *, dtype: torch.dtype | None = None,
+                 max_shard_bytes: int = hf_io.DEFAULT_SHARD_BYTES, tokenizer=None, **runtime_fields) -> GLMForCausalLM:
+    """Write the weights directory (or HF ``glm_moe_dsa`` checkpoint) ``source`` again as ``directory``, cast
+    to ``dtype`` (None: each tensor as stored) and re-sharded, one safetensors shard in memory at a time:
+    every tensor is checked against the config from the files' headers first (present, of its shape;
+    layers past num_hidden_layers dropped), then read when its shard is written. ``runtime_fields``
+    override the sidecar's options. Returns the model on the meta device (its config, its parameters)."""
+    model = meta_model(load_config(source), load_runtime(source, **runtime_fields))
+    tensors = hf_io.HFTensors(source)
+    stored = hf_io.experts_to_hf(hf_io.check_state(model, hf_io.experts_from_hf(tensors.metas())))
+    sizes = {name: t.numel() * hf_io.written_dtype(name, t.dtype, dtype).itemsize for name, t in stored.items()}
+    head = hf_io.head_name(model.config)
+    config = hf_io.config_with_dtype(model.config, hf_io.written_dtype(head, stored[head].dtype, dtype))
+
+    def shard(names):
+        return hf_io.to_hf({name: tensors.read(name) for name in names}, dtype)
+
+    with writing_weights_dir(directory, model.runtime, tokenizer) as tmp:
+        hf_io.write_hf_shards(tmp, [lambda names=names: shard(names)
+                                    for names in hf_io.plan_shards(sizes, max_shard_bytes)], config)
+    return model
+
+
 @torch.no_grad()
 def load_into(model: GLMForCausalLM, directory) -> None:
     """The weights of ``directory`` into ``model`` as built (on its device; FSDP2-sharded or not), one

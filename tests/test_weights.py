@@ -188,6 +188,59 @@ def test_cli_export_casts_and_reshards_import_converts_the_old_layout(tmp_path):
     assert out.returncode == 2 and "not a runtime option" in out.stderr
 
 
+def test_export_and_import_copy_a_shard_at_a_time(tmp_path, monkeypatch):
+    """`orthon export` / `import` (copy_weights) never load the model: the tensors are checked from the
+    files' headers, each read once when its output shard is written, and the result equals the model cast
+    as a save casts it. An MTP layer past num_hidden_layers is dropped; a mis-shaped tensor is named before
+    anything is written."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    import orthon.pretrain.hf_io as hf_io
+    from orthon.pretrain.weights import copy_weights
+
+    model = small_model("moe")
+    randomize_router_bias(model)
+    source = save_weights(model, tmp_path / "src")
+    save_file({"model.layers.9.eh_proj.weight": torch.ones(4, 4)}, str(source / "extra.safetensors"))
+    index = json.loads((source / hf_io.INDEX_NAME).read_text()) if (source / hf_io.INDEX_NAME).is_file() else None
+    if index is None:  # one file: make it an index of two, as a checkpoint with an MTP layer ships
+        weight_map = {k: hf_io.SINGLE_NAME for k in safe_open(str(source / hf_io.SINGLE_NAME), "pt").keys()}
+        index = {"metadata": {}, "weight_map": weight_map}
+    index["weight_map"]["model.layers.9.eh_proj.weight"] = "extra.safetensors"
+    (source / hf_io.INDEX_NAME).write_text(json.dumps(index))
+
+    reads = []
+    real_get = hf_io.HFTensors._get
+    monkeypatch.setattr(hf_io.HFTensors, "_get", lambda self, name: reads.append(name) or real_get(self, name))
+    monkeypatch.setattr(hf_io, "load_hf_state", lambda *a: pytest.fail("the whole model was loaded"))
+    copied = copy_weights(source, tmp_path / "out", dtype=torch.bfloat16, max_shard_bytes=20_000)
+    monkeypatch.undo()
+    expected = hf_io.to_hf(model.state_dict(), torch.bfloat16)
+    assert sorted(reads) == sorted(expected) and copied.config == model.config
+    files = sorted((tmp_path / "out").glob("model-*.safetensors"))
+    assert len(files) > 3
+    got = {}
+    for path in files:
+        with safe_open(str(path), "pt") as f:
+            shard = {k: f.get_tensor(k) for k in f.keys()}
+        nbytes = sum(t.numel() * t.element_size() for t in shard.values())
+        assert nbytes <= 20_000 or len(shard) == 1, (path.name, nbytes)
+        got.update(shard)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+    assert got["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert load_weights(tmp_path / "out").runtime == model.runtime
+
+    name = "model.layers.0.self_attn.o_proj.weight"
+    with safe_open(str(source / index["weight_map"][name]), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, str(source / index["weight_map"][name]))
+    with pytest.raises(CheckpointError, match=f"tensor {name}: shape"):
+        copy_weights(source, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_a_runs_final_dir_is_hf_layout_that_transformers_loads(tmp_path):
     pytest.importorskip("transformers")
     from pretrain_support import make_stores, orthon, write_recipe
