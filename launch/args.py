@@ -82,7 +82,8 @@ def check_rl_fits(model_config, recipe, command: str) -> None:
     """RL and post-training: one trainer rank's training state (``check_model_fits``, over the Ray trainer
     ranks where the cluster runs), and the whole model in one process wherever a part needs it: the
     in-process engine, the tensors gathered on trainer rank 0 for the engines (the shared path; disk and
-    distributed hand the ranks' shards over a part at a time, or by delta each rank's rows), the KL reference."""
+    distributed hand the ranks' shards over a part at a time, or by delta each rank's rows), the KL reference
+    where the ranks do not shard the policy (it is placed as the policy)."""
     cluster = recipe.rl.cluster
     check_model_fits(model_config, recipe.train, command, cluster.trainer_ranks if cluster.enabled else None)
     whole = []
@@ -91,7 +92,9 @@ def check_rl_fits(model_config, recipe, command: str) -> None:
     elif cluster.gathers_whole:
         whole.append(f"weight_sync {cluster.weight_sync} gathers the whole model on trainer rank 0; disk or "
                      f"distributed hand it over a part at a time")
-    if recipe.rl.loss.kl_coef > 0:
+    world = (cluster.trainer_ranks if cluster.enabled else None) or int(os.environ.get("WORLD_SIZE", "1"))
+    sharded = world > 1 and (recipe.train.parallel == "fsdp" or recipe.train.expert_parallel > 1)
+    if recipe.rl.loss.kl_coef > 0 and not sharded:  # sharded, it is placed as the policy
         whole.append("the KL reference model is loaded whole")
     if whole:
         check_weights_fit(model_config, f"{command} ({'; '.join(whole)})")

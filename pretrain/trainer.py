@@ -416,6 +416,29 @@ class Trainer:
             return None
         return open_step_log(self.run_dir / "samples.jsonl", resume_step)  # cut back as the metrics are
 
+    def frozen_copy(self, source) -> GLMForCausalLM:
+        """A frozen model of the policy's architecture holding the weights of ``source`` (a weights
+        directory or a run), placed as the policy is: under FSDP2 built on the meta device and sharded
+        before it has memory, the experts spread under expert parallelism (no rank holds all of it; its
+        forward is a collective, as the policy's), whole on each rank otherwise. A KL reference, a
+        distillation teacher."""
+        source = init_source(source, self.recipe.model)
+        fsdp = self.cfg.parallel == "fsdp" and self.world > 1
+        sharded_build = fsdp and not self.recipe.model.tie_word_embeddings
+        with on_meta_device() if sharded_build else nullcontext():
+            model = GLMForCausalLM(self.recipe.model, runtime=dataclasses.replace(self.recipe.runtime))
+        model.requires_grad_(False)
+        if not sharded_build:
+            load_into(model, source)
+            model.to(self.device)
+        mesh = expert_parallel.shard_experts(model, self.expert_parallel, self.device) if self.expert_mesh else None
+        if fsdp:
+            parallel.wrap(model, "fsdp", mesh, self.cfg.fsdp_shard_ranks)
+        if sharded_build:
+            model.to_empty(device=self.device)
+            load_into(model, source)
+        return model.eval()
+
     @property
     def holds_shards(self) -> bool:
         """No rank holds the whole model: FSDP2 shards it, or expert parallelism spreads the experts."""

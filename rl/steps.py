@@ -97,11 +97,8 @@ class PolicyStep(SampleStep):
                  dp_schedule=None):
         """``opd``: the OPDConfig when distilling; form 2 reads each sample's teacher_log_probs, form 1
         needs ``teachers`` ({set name: frozen model}) for the teachers' full distributions.
-        ``dp_schedule``: the DPScheduleConfig (default: its defaults)."""
-        if loss_cfg.kl_coef > 0 and reference is None:
-            raise ValueError("PolicyStep: kl_coef > 0 needs a reference model")
-        if opd is not None and opd.form == "kl_penalty" and not teachers:
-            raise ValueError("PolicyStep: OPD form kl_penalty needs the teacher models")
+        ``dp_schedule``: the DPScheduleConfig (default: its defaults). ``reference`` may be set after
+        construction (RLTrainer places it as the policy, once its Trainer exists)."""
         super().__init__(dp_schedule)
         self.cfg, self.reference, self.opd, self.teachers = loss_cfg, reference, opd, teachers or {}
         self.mismatch_max = 0.0
@@ -119,6 +116,10 @@ class PolicyStep(SampleStep):
         return sum(1 for s in samples if any(s.loss_mask))
 
     def begin(self, trainer, batch) -> None:
+        if self.cfg.kl_coef > 0 and self.reference is None:
+            raise ValueError("PolicyStep: kl_coef > 0 needs a reference model")
+        if self.opd is not None and self.opd.form == "kl_penalty" and not self.teachers:
+            raise ValueError("PolicyStep: OPD form kl_penalty needs the teacher models")
         super().begin(trainer, batch)
         self.mismatch_max = 0.0
 

@@ -65,19 +65,17 @@ class RLTrainer:
         self.run_dir = Path(recipe.train.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         policy = recipe.train.init_from
-        reference = None
-        if self.cfg.loss.kl_coef > 0:
-            reference = load_weights(policy).eval().requires_grad_(False)
         opd, teachers = self.cfg.opd, None
         if opd is not None and opd.form == "kl_penalty":
             from orthon.rl.distill import teacher_model
 
             teachers = {t.name: teacher_model(t.weights) for t in opd.teachers}
-        step = PolicyStep(self.cfg.loss, reference, opd=opd, teachers=teachers, dp_schedule=self.cfg.dp_schedule)
+        step = PolicyStep(self.cfg.loss, opd=opd, teachers=teachers, dp_schedule=self.cfg.dp_schedule)
         self.trainer = Trainer(recipe, self.run_dir, log, step=step, with_data=False)
         self.model, self.rank, self.log = self.trainer.model, self.trainer.rank, self.trainer.log
-        if reference is not None:
-            reference.to(self.trainer.device)
+        if self.cfg.loss.kl_coef > 0:  # the policy's start, frozen, placed as the policy (sharded where it is)
+            step.reference = self.trainer.frozen_copy(policy)
+            self.log(f"KL reference: {policy}, {'sharded as the policy' if self.trainer.holds_shards else 'whole'}")
         own_engines = engine is None and rollout is None
         # Every rank generates a share of each synchronous round where each holds the whole model; else
         # rank 0 alone (see the module docstring).

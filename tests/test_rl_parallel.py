@@ -24,7 +24,7 @@ def first_letter_reward(response: str, label) -> float:
 
 
 def _run(tmp_path, pre, name, nproc, iterations=ITERATIONS, total_steps=0, resume=False, parallel="ddp", mode="sync",
-         experts=1):
+         experts=1, kl_coef=0.0):
     run = tmp_path / name
     path = _recipe(tmp_path, run, iterations, total_steps=total_steps, name=f"{name}.yaml")
     recipe = yaml.safe_load(path.read_text())
@@ -35,6 +35,8 @@ def _run(tmp_path, pre, name, nproc, iterations=ITERATIONS, total_steps=0, resum
     recipe["rl"]["mode"] = mode
     recipe["rl"]["dp_schedule"] = {"micro_batch_tokens": 96}
     recipe["rl"]["reward"] = {"name": "test_rl_parallel.first_letter_reward"}
+    if kl_coef:
+        recipe["rl"].setdefault("loss", {})["kl_coef"] = kl_coef
     path.write_text(yaml.safe_dump(recipe))
     out = orthon("rl", "-c", path, *(["--resume"] if resume else ["--from", pre]), nproc=nproc)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -99,6 +101,20 @@ def test_two_ranks_train_what_one_does(setup, parallel, experts):
         assert {k: v for k, v in a.items() if k not in differ} == {k: v for k, v in b.items() if k not in differ}
     assert not _trained_apart(w1, w2, _weights(pre / "final"))
     assert any(not torch.equal(w1[name], w2[name]) for name in w1)  # round-off differs: two ranks summed
+
+
+def test_a_kl_reference_placed_as_the_policy_trains_as_one_process(setup):
+    """kl_coef > 0 under FSDP2 on two ranks: the frozen reference is built sharded as the policy is (no rank
+    loads it whole; its forward runs on both ranks together) and the run ends where one process's does; the
+    KL term changed that end (a run without it ends elsewhere)."""
+    tmp, pre, (_, _, plain) = setup
+    _, one, w1 = _run(tmp, pre, "one_kl", 1, kl_coef=1.0)
+    out, two, w2 = _run(tmp, pre, "two_kl_fsdp", 2, parallel="fsdp", kl_coef=1.0)
+    assert "sharded as the policy" in out.stdout + out.stderr
+    start = _weights(pre / "final")
+    assert [r["reward_mean"] for r in one] == [r["reward_mean"] for r in two]
+    assert not _trained_apart(w1, w2, start)
+    assert _trained_apart(plain, w1, start)
 
 
 def test_two_ranks_train_asynchronously(setup):

@@ -121,7 +121,7 @@ def test_kl_gradient_per_token_by_hand():
 
 def test_kl_needs_a_reference():
     with pytest.raises(ValueError, match="reference"):
-        PolicyStep(LossConfig(kl_coef=0.1))
+        PolicyStep(LossConfig(kl_coef=0.1)).begin(None, [])
 
 
 def test_micro_batches_and_ranks_leave_the_gradient_unchanged():
