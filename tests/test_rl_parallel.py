@@ -103,13 +103,14 @@ def test_two_ranks_train_what_one_does(setup, parallel, experts):
     assert any(not torch.equal(w1[name], w2[name]) for name in w1)  # round-off differs: two ranks summed
 
 
-def test_a_kl_reference_placed_as_the_policy_trains_as_one_process(setup):
-    """kl_coef > 0 under FSDP2 on two ranks: the frozen reference is built sharded as the policy is (no rank
-    loads it whole; its forward runs on both ranks together) and the run ends where one process's does; the
-    KL term changed that end (a run without it ends elsewhere)."""
+@pytest.mark.parametrize("experts", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_kl_reference_placed_as_the_policy_trains_as_one_process(setup, experts):
+    """kl_coef > 0 under FSDP2 on two ranks (and expert parallelism): the frozen reference is built sharded as
+    the policy is (no rank loads it whole; its forward runs on both ranks together) and the run ends where
+    one process's does; the KL term changed that end (a run without it ends elsewhere)."""
     tmp, pre, (_, _, plain) = setup
-    _, one, w1 = _run(tmp, pre, "one_kl", 1, kl_coef=1.0)
-    out, two, w2 = _run(tmp, pre, "two_kl_fsdp", 2, parallel="fsdp", kl_coef=1.0)
+    _, one, w1 = _run(tmp, pre, f"one_kl_{experts}", 1, kl_coef=1.0)
+    out, two, w2 = _run(tmp, pre, f"two_kl_fsdp_{experts}", 2, parallel="fsdp", experts=experts, kl_coef=1.0)
     assert "sharded as the policy" in out.stdout + out.stderr
     start = _weights(pre / "final")
     assert [r["reward_mean"] for r in one] == [r["reward_mean"] for r in two]
