@@ -83,7 +83,8 @@ def check_rl_fits(model_config, recipe, command: str) -> None:
     ranks where the cluster runs), and the whole model in one process wherever a part needs it: the
     in-process engine, the tensors gathered on trainer rank 0 for the engines (the shared path; disk and
     distributed hand the ranks' shards over a part at a time, or by delta each rank's rows), the KL reference
-    where the ranks do not shard the policy (it is placed as the policy)."""
+    and OPD teachers where the ranks do not shard the policy (those of its architecture are placed as the
+    policy; a teacher of another is loaded whole everywhere)."""
     cluster = recipe.rl.cluster
     check_model_fits(model_config, recipe.train, command, cluster.trainer_ranks if cluster.enabled else None)
     whole = []
@@ -96,6 +97,16 @@ def check_rl_fits(model_config, recipe, command: str) -> None:
     sharded = world > 1 and (recipe.train.parallel == "fsdp" or recipe.train.expert_parallel > 1)
     if recipe.rl.loss.kl_coef > 0 and not sharded:  # sharded, it is placed as the policy
         whole.append("the KL reference model is loaded whole")
+    opd = recipe.rl.opd
+    for teacher in opd.teachers if opd is not None and opd.form == "kl_penalty" else ():
+        from orthon.pretrain.trainer import other_fields, weights_path
+        from orthon.pretrain.weights import load_config
+
+        if other_fields(teacher.weights, model_config):  # another architecture: whole in every process
+            check_weights_fit(load_config(weights_path(teacher.weights)),
+                              f"{command} (the OPD teacher {teacher.name} is loaded whole)")
+        elif not sharded:
+            whole.append(f"the OPD teacher {teacher.name} is loaded whole")
     if whole:
         check_weights_fit(model_config, f"{command} ({'; '.join(whole)})")
 

@@ -67,14 +67,24 @@ def _all_reduce_dict(sums: dict[str, float], device) -> dict[str, float]:
     return dict(zip(keys, total.tolist()))
 
 
+def weights_path(source) -> Path:
+    """The weights directory of ``source``: a run directory's final/, or the weights directory itself."""
+    path = Path(source)
+    return path / "final" if (path / "final").is_dir() else path
+
+
+def other_fields(source, config) -> list[str]:
+    """The architecture fields in which the model of ``source`` differs from ``config`` (token ids aside)."""
+    saved = load_config(weights_path(source))
+    return [f.name for f in dataclasses.fields(config)
+            if f.name not in TOKEN_ID_FIELDS and getattr(saved, f.name) != getattr(config, f.name)]
+
+
 def init_source(source, config) -> Path:
     """The weights directory of ``source`` (a run directory's final/, or a weights directory), checked to
     hold the model ``config`` describes."""
-    path = Path(source)
-    path = path / "final" if (path / "final").is_dir() else path
-    saved = load_config(path)
-    differ = [f.name for f in dataclasses.fields(config)
-              if f.name not in TOKEN_ID_FIELDS and getattr(saved, f.name) != getattr(config, f.name)]
+    path = weights_path(source)
+    differ = other_fields(path, config)
     if differ:
         raise ConfigError(f"train.init_from: {source} holds another model (model.{', model.'.join(differ)} differ)")
     return path

@@ -35,7 +35,7 @@ from orthon.core.metrics import MetricsLogger, moving_average, plot_curves, read
 from orthon.core.step_loop import stop_if_signalled
 from orthon.engine.in_process import InProcessEngine
 from orthon.pretrain.gathered_weights import gathered_parts
-from orthon.pretrain.trainer import Trainer
+from orthon.pretrain.trainer import Trainer, other_fields
 from orthon.pretrain.weights import load_weights
 from orthon.rl.logprobs import sample_log_probs
 from orthon.rl.loss import grpo_advantages
@@ -65,17 +65,14 @@ class RLTrainer:
         self.run_dir = Path(recipe.train.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         policy = recipe.train.init_from
-        opd, teachers = self.cfg.opd, None
-        if opd is not None and opd.form == "kl_penalty":
-            from orthon.rl.distill import teacher_model
-
-            teachers = {t.name: teacher_model(t.weights) for t in opd.teachers}
-        step = PolicyStep(self.cfg.loss, opd=opd, teachers=teachers, dp_schedule=self.cfg.dp_schedule)
+        step = PolicyStep(self.cfg.loss, opd=self.cfg.opd, dp_schedule=self.cfg.dp_schedule)
         self.trainer = Trainer(recipe, self.run_dir, log, step=step, with_data=False)
         self.model, self.rank, self.log = self.trainer.model, self.trainer.rank, self.trainer.log
-        if self.cfg.loss.kl_coef > 0:  # the policy's start, frozen, placed as the policy (sharded where it is)
-            step.reference = self.trainer.frozen_copy(policy)
-            self.log(f"KL reference: {policy}, {'sharded as the policy' if self.trainer.holds_shards else 'whole'}")
+        # The frozen models the loss reads: the KL reference (the policy's start) and OPD form 1's teachers.
+        if self.cfg.loss.kl_coef > 0:
+            step.reference = self._frozen("KL reference", policy)
+        if self.cfg.opd is not None and self.cfg.opd.form == "kl_penalty":
+            step.teachers = {t.name: self._frozen(f"teacher {t.name}", t.weights) for t in self.cfg.opd.teachers}
         own_engines = engine is None and rollout is None
         # Every rank generates a share of each synchronous round where each holds the whole model; else
         # rank 0 alone (see the module docstring).
@@ -127,6 +124,19 @@ class RLTrainer:
         finally:
             self.shared_rollouts.stop()
         return distributed.broadcast_object(result)
+
+    def _frozen(self, what: str, weights) -> torch.nn.Module:
+        """A frozen model of ``weights``: placed as the policy where it has the policy's architecture (sharded
+        where the policy is: no rank loads it whole), else whole in each process (shared by the runs of one)."""
+        if other_fields(weights, self.recipe.model):
+            from orthon.rl.distill import teacher_model
+
+            model, where = teacher_model(weights).to(self.trainer.device), "whole (another architecture)"
+        else:
+            model, where = self.trainer.frozen_copy(weights), "placed as the policy" + (
+                ": sharded" if self.trainer.holds_shards else "")
+        self.log(f"{what}: {weights}, {where}")
+        return model
 
     def _from_rank_zero(self, fn):
         """``fn()``'s result as rank 0 computes it, on every rank (rank 0 alone runs ``fn``)."""

@@ -1,4 +1,5 @@
 """What the command line prints when things go wrong: one line, never a traceback."""
+import json
 import signal
 import subprocess
 import sys
@@ -66,7 +67,7 @@ def test_a_model_too_large_to_load_whole_is_refused_before_reading_weights(tmp_p
     assert "743.91B parameters need about 11,902.6 GB to post-train (stage sft)" in _one_line(proc)
 
 
-def test_rl_refuses_a_policy_whose_whole_weights_cannot_reach_the_engines(monkeypatch):
+def test_rl_refuses_a_policy_whose_whole_weights_cannot_reach_the_engines(monkeypatch, tmp_path):
     """1,024 FSDP2 trainer ranks of 40 GB hold GLM-5's training state (11.6 GB each), but on the shared path
     the engines take the weights gathered whole on trainer rank 0: 4 bytes a parameter in its RAM (2 TB
     here). On disk or distributed, with deltas or without, the ranks hand each version over a part at a time
@@ -96,6 +97,26 @@ def test_rl_refuses_a_policy_whose_whole_weights_cannot_reach_the_engines(monkey
     for path in ("disk", "distributed"):
         for delta in (True, False):
             args.check_rl_fits(model, cluster(weight_sync=path, delta=delta), "train with RL")
+    # OPD form 1's teachers: one of the policy's architecture is placed as the policy (sharded: not
+    # refused), whole under DDP's trainer ranks (refused, named); one of another architecture is whole
+    # everywhere, weighed by its own size.
+    from orthon.rl.config import OPDConfig, TeacherConfig
+    from orthon.pretrain import hf_io
+
+    same, small = tmp_path / "same", tmp_path / "small"
+    for directory, config in ((same, model), (small, load_recipe(ROOT / "configs/tiny.yaml").model)):
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps(hf_io.config_with_dtype(config, None)))
+
+    def distilling(teachers, parallel="fsdp"):
+        opd = OPDConfig(form="kl_penalty", teachers=[TeacherConfig(name=p.name, weights=str(p)) for p in teachers])
+        return replace(recipe, rl=replace(recipe.rl, opd=opd), train=replace(recipe.train, parallel=parallel))
+
+    args.check_rl_fits(model, distilling([same, small]), "distil")
+    monkeypatch.setattr(args, "check_model_fits", lambda *a, **k: None)  # DDP's training state aside
+    with pytest.raises(ConfigError, match=r"\(the OPD teacher same is loaded whole\)"):
+        args.check_rl_fits(model, replace(distilling([same]), train=replace(recipe.train, parallel="ddp",
+                                                                            expert_parallel=1)), "distil")
     monkeypatch.setenv("WORLD_SIZE", "1024")  # torchrun's ranks, each with an in-process engine
     with pytest.raises(ConfigError, match=r"\(the in-process engine holds the whole model\)"):
         args.check_rl_fits(model, replace(recipe, rl=replace(recipe.rl, cluster=replace(recipe.rl.cluster, enabled=False))),
