@@ -7,13 +7,14 @@ safetensors) plus orthon's sidecar (orthon.json), so neither command converts be
         a fresh copy of a run's model (SRC: a run directory, its final/ is used, or a weights
         directory), cast and re-sharded for publishing, with its tokenizer (the run's, the weights
         directory's own, or --tokenizer), one safetensors shard in memory at a time; transformers loads
-        DIR as it loads SRC, and `orthon generate DIR` samples from it. --step: the model of the run's checkpoint of that step
-        instead (its newest that verifies with ``latest``), read one shard at a time
-        (orthon.pretrain.checkpoint_export): an intermediate step, or a model too large for final/.
+        DIR as it loads SRC, and `orthon generate DIR` samples from it. --step: the model of the run's
+        checkpoint of that step instead (its newest that verifies with ``latest``), read one shard at a
+        time (orthon.pretrain.checkpoint_export): an intermediate step, or a model too large for final/.
     orthon import SRC --out DIR [--set sparse_impl=gather ...] [--tokenizer PATH]
         check an HF glm_moe_dsa directory (config orthon supports, every tensor present with its
-        shape, from the files' headers) and write it as an orthon weights directory, a shard at a time, the sidecar holding
-        orthon's own model fields (defaults, or --set), with SRC's tokenizer if it has one. SRC may
+        shape, from the files' headers) and write it as an orthon weights directory, a shard at a time,
+        the sidecar holding orthon's own model fields (defaults, or --set), with SRC's tokenizer if it
+        has one. SRC may
         also be a weights directory in the old orthon layout (recipe.yaml + model.safetensors), which
         this converts (in place when DIR = SRC).
 """

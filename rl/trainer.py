@@ -96,7 +96,7 @@ class RLTrainer:
             rollout.roll_round = self.shared_rollouts.roll
         self.weight_sync = weight_sync or self._update_engine
         self.sync_form = sync_form
-        self._shard_deltas: ShardDelta | None = None  # where the ranks hold shards and sync by delta
+        self._deltas: ShardDelta | None = None  # this rank's, where the ranks hold shards and sync by delta
         self.weight_version = 0  # of the weights the engines hold; every sync adds one
         self.iteration = 0
 
@@ -243,9 +243,9 @@ class RLTrainer:
 
     def _shard_delta(self) -> ShardDelta:
         """Each rank's ShardDelta, planned on every rank together at the first full copy."""
-        if self._shard_deltas is None:
-            self._shard_deltas = ShardDelta(self.model, self.rank)
-        return self._shard_deltas
+        if self._deltas is None:
+            self._deltas = ShardDelta(self.model, self.rank)
+        return self._deltas
 
     def _stream_shard_deltas(self, directory: Path):
         """Every rank's delta of its rows to the engines (rank 0 hands the files over in rank order); None
