@@ -11,7 +11,7 @@ its level before the hand-over (VmHWM), i.e. what the hand-over itself holds at 
 parts and final/ gather an expert stack larger than a part a few experts at a time (FSDP2 splits it by
 expert rows).
 
-    python bench/gathered_weights.py [--hidden 1024] [--experts 32] [--part-mb 16]
+    python bench/gathered_weights.py [--hidden 1024] [--experts 32] [--part-mb 16] [--expert-parallel 2]
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def _model(hidden: int, experts: int):
     return GLMForCausalLM(cfg)
 
 
-def _worker(rank, port, way, hidden, experts, part_bytes, out_dir):
+def _worker(rank, port, way, hidden, experts, part_bytes, out_dir, expert_parallel=1):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -58,7 +58,10 @@ def _worker(rank, port, way, hidden, experts, part_bytes, out_dir):
         model = _model(hidden, experts)
         params = sum(p.numel() for p in model.parameters())
         largest = max(p.numel() * p.element_size() for p in model.parameters())  # an expert stack
-        parallel.wrap(model, "fsdp")
+        from orthon.pretrain.expert_parallel import shard_experts
+
+        mesh = shard_experts(model, expert_parallel, torch.device("cpu")) if expert_parallel > 1 else None
+        parallel.wrap(model, "fsdp", mesh)
         dist.barrier()
         _rss_peak_reset()
         base = _status_kb("VmRSS")
@@ -124,11 +127,11 @@ def _delta_sync(model, rank: int, way: str, out_dir: str) -> int:
     return rows.write(Path(out_dir), 1, final=rank == 1).stat().st_size
 
 
-def measure(way: str, hidden: int, experts: int, part_bytes: int) -> dict:
+def measure(way: str, hidden: int, experts: int, part_bytes: int, expert_parallel: int = 1) -> dict:
     from orthon.core.net import free_port
 
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(free_port(), way, hidden, experts, part_bytes, out), nprocs=2, join=True)
+        mp.spawn(_worker, args=(free_port(), way, hidden, experts, part_bytes, out, expert_parallel), nprocs=2, join=True)
         return json.loads(Path(out, "result.json").read_text())
 
 
@@ -136,12 +139,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--expert-parallel", type=int, default=1, choices=(1, 2),
+                        help="2: the experts spread over the two ranks too (FSDP2 over expert parallelism)")
     parser.add_argument("--part-mb", type=int, default=16)
     args = parser.parse_args()
     print(cpu_kind())
     figures = {}
     for way in WAYS:
-        figures[way] = measure(way, args.hidden, args.experts, args.part_mb << 20)
+        figures[way] = measure(way, args.hidden, args.experts, args.part_mb << 20, args.expert_parallel)
         f = figures[way]
         print(f"{way}: rank 0 peak +{f['peak_mb']:7.1f} MB in {f['s']:.2f} s "
               f"({f['params'] / 1e6:.1f}M parameters, {f['params'] * 4 / 2**20:.0f} MB in fp32; the largest "
