@@ -111,13 +111,13 @@ class WeightSync:
         self.group = None  # the distributed path's process group
         self._members: tuple[str, ...] = ()
         self._shared = None
-        self.shard_base: int | None = None  # the version the ranks' ShardDeltas are taken from, once every engine holds it
+        self.shard_base: int | None = None  # the version every engine holds that the ranks' deltas start from
 
     def form(self, version: int, full: bool = False) -> SyncForm | None:
         """What trainer ranks that hold shards hand over as ``version`` (see the module docstring); None:
         the tensors gathered whole (the shared path). ``full``: a whole copy, not a delta (an engine holds
         another version)."""
-        if self.cfg.weight_sync == "shared":
+        if self.cfg.gathers_whole:
             return None
         if self.cfg.delta and not full and self.shard_base is not None:
             return SyncForm(delta_directory=self._directory(version).with_name(f"delta-v{version:08d}"))
