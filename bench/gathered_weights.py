@@ -115,12 +115,13 @@ def _delta_sync(model, rank: int, way: str, out_dir: str) -> int:
 
     if way == "delta_whole":
         encoder = DeltaEncoder()
-        if (state := gathered()) is not None:
+        state = gathered()
+        if state is not None:
             encoder.reset(state, 0)
-        del state
+        del state  # the encoder keeps its own copy
         step()
-        payload = encoder.encode(state, 1) if (state := gathered()) is not None else None
-        return payload.nbytes if payload is not None else 0
+        state = gathered()
+        return encoder.encode(state, 1).nbytes if state is not None else 0
     rows = ShardDelta(model, rank)
     rows.reset(0)
     step()

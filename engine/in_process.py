@@ -125,13 +125,14 @@ class InProcessEngine:
         streamed weight sync sends, and SGLang takes), or both."""
         version = None if version is None else _check_version(version)
         targets = self._targets()
+        if isinstance(weights, WeightDelta):  # its row pieces (NAME[a:b]) as views of those rows
+            targets.update(row_views(targets, getattr(weights, "names", ())))
         if isinstance(weights, (str, os.PathLike)):
             items = list(self._read_weights(Path(weights)).items())
         elif isinstance(weights, WeightDelta) and hasattr(weights, "apply_in_place"):
             return self._apply_delta_in_place(weights, version, targets)
         elif isinstance(weights, WeightDelta):
             self._check_delta_base(weights)
-            targets.update(row_views(targets, getattr(weights, "names", ())))
             with self._lock:
                 produced = weights.apply_to(targets)
             items = list(produced.items() if isinstance(produced, Mapping) else produced)
@@ -180,7 +181,7 @@ class InProcessEngine:
             raise ValueError(f"update_weights: version {version} given for a delta to version {target_version}")
         with self._lock:
             self._check_delta_base(delta)
-            delta.apply_in_place({**targets, **row_views(targets, getattr(delta, "names", ()))})
+            delta.apply_in_place(targets)
             self._fused = None
             if getattr(delta, "final", True):  # else more parts of the version follow: it holds the base still
                 new = version if version is not None else target_version

@@ -93,15 +93,15 @@ def check_rl_fits(model_config, recipe, command: str) -> None:
     elif cluster.gathers_whole:
         whole.append(f"weight_sync {cluster.weight_sync} gathers the whole model on trainer rank 0; disk or "
                      f"distributed hand it over a part at a time")
+    from orthon.pretrain.trainer import holds_shards, other_fields, weights_path
+    from orthon.pretrain.weights import load_config
+
     world = (cluster.trainer_ranks if cluster.enabled else None) or int(os.environ.get("WORLD_SIZE", "1"))
-    sharded = world > 1 and (recipe.train.parallel == "fsdp" or recipe.train.expert_parallel > 1)
+    sharded = holds_shards(recipe.train, world)
     if recipe.rl.loss.kl_coef > 0 and not sharded:  # sharded, it is placed as the policy
         whole.append("the KL reference model is loaded whole")
     opd = recipe.rl.opd
     for teacher in opd.teachers if opd is not None and opd.form == "kl_penalty" else ():
-        from orthon.pretrain.trainer import other_fields, weights_path
-        from orthon.pretrain.weights import load_config
-
         if other_fields(teacher.weights, model_config):  # another architecture: whole in every process
             check_weights_fit(load_config(weights_path(teacher.weights)),
                               f"{command} (the OPD teacher {teacher.name} is loaded whole)")

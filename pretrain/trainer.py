@@ -80,6 +80,12 @@ def other_fields(source, config) -> list[str]:
             if f.name not in TOKEN_ID_FIELDS and getattr(saved, f.name) != getattr(config, f.name)]
 
 
+def holds_shards(train, world: int) -> bool:
+    """No rank holds the whole model: FSDP2 shards it, or expert parallelism spreads the experts (``train``:
+    the TrainConfig, over ``world`` ranks)."""
+    return world > 1 and (train.parallel == "fsdp" or train.expert_parallel > 1)
+
+
 def init_source(source, config) -> Path:
     """The weights directory of ``source`` (a run directory's final/, or a weights directory), checked to
     hold the model ``config`` describes."""
@@ -451,8 +457,8 @@ class Trainer:
 
     @property
     def holds_shards(self) -> bool:
-        """No rank holds the whole model: FSDP2 shards it, or expert parallelism spreads the experts."""
-        return self.world > 1 and (self.cfg.parallel == "fsdp" or self.expert_parallel > 1)
+        """No rank holds the whole model (``holds_shards``)."""
+        return holds_shards(self.cfg, self.world)
 
     def whole_state(self) -> dict | None:
         """The model's state dict gathered from the ranks' shards (a collective: every rank calls it; CPU
