@@ -6,9 +6,9 @@
    leave the same weights. GLM-5's two latent norms use eps 1e-6 and megatron has one epsilon for every
    norm, so the torch model is compared with those two set to rms_norm_eps (and, for the record, as GLM-5
    has them).
-2. step time: a mid-sized GLM-5-shaped model, fp32 weights, bf16 autocast (the torch backend's
-   ``train.precision: bf16``), forward + backward + Muon + Split step, megatron-core against the torch
-   backend in the same run.
+2. step time: a mid-sized GLM-5-shaped model in bf16 (the torch backend: fp32 weights under autocast, its
+   ``train.precision: bf16``; megatron-core: bf16 parameters, its own bf16 mode), forward + backward +
+   Muon + Split step, megatron-core against the torch backend in the same run.
 
 Run through bench/gpu_check.sh (which skips without CUDA); ends with one JSON line, exit code 1 when a
 parity check fails.
@@ -101,8 +101,10 @@ def parity(device) -> dict:
 
 
 def time_steps(device, steps: int, batch: int, seq: int, shape: dict = MID, bf16: bool = True) -> dict:
-    """Median step time (forward + backward + Muon + Split) of both backends on the mid-sized model, under
-    bf16 autocast (megatron's layers re-enter CUDA autocast in their backward, so a CPU run takes fp32)."""
+    """Median step time (forward + backward + Muon + Split) of both backends on the mid-sized model, each in
+    its own bf16 training: the torch backend's fp32 weights under bf16 autocast (``train.precision: bf16``),
+    megatron-core's bf16 parameters (its ``bf16`` mode; its MoE router does not run under torch.autocast:
+    the sigmoid top-k's scatter meets two dtypes). bf16=False: both fp32."""
     import contextlib
 
     from orthon.backends.megatron.model import MegatronOptions
@@ -111,7 +113,8 @@ def time_steps(device, steps: int, batch: int, seq: int, shape: dict = MID, bf16
     from orthon.pretrain.config import ModelConfig
 
     config = ModelConfig(**shape)
-    options = MegatronOptions(params_dtype="fp32", token_dispatcher="alltoall" if device.type == "cuda" else "allgather")
+    options = MegatronOptions(params_dtype="bf16" if bf16 else "fp32",
+                              token_dispatcher="alltoall" if device.type == "cuda" else "allgather")
     ours, gpt, _ = megatron_pair(config, options, device)
     del _
     cfg, schedule = OptimConfig(), ScheduleConfig(peak_lr=1e-3, floor_lr=1e-3, warmup_tokens=0, total_tokens=10**9)
@@ -129,8 +132,7 @@ def time_steps(device, steps: int, batch: int, seq: int, shape: dict = MID, bf16
         opt_ours.zero_grad(set_to_none=True)
 
     def step_theirs():
-        with autocast:
-            loss = gpt(inputs, position, None, labels=labels).float().mean()
+        loss = gpt(inputs, position, None, labels=labels).float().mean()
         loss.backward()
         opt_theirs.step()
         opt_theirs.zero_grad(set_to_none=True)
@@ -184,7 +186,8 @@ def main() -> int:
     if not args.skip_timing:
         timing = time_steps(device, args.steps, args.batch, args.seq)
         tok = timing["tokens"]
-        print(f"step time ({timing['params_m']}M parameters, {args.batch} x {args.seq} tokens, bf16 autocast, "
+        print(f"step time ({timing['params_m']}M parameters, {args.batch} x {args.seq} tokens, bf16 (torch: autocast; "
+              f"megatron: bf16 parameters), "
               f"Muon + Split): megatron-core {timing['megatron_step_s'] * 1e3:.1f} ms ({tok / timing['megatron_step_s']:,.0f} "
               f"tok/s), torch backend {timing['torch_step_s'] * 1e3:.1f} ms ({tok / timing['torch_step_s']:,.0f} tok/s)")
         figures.update(timing)

@@ -26,7 +26,13 @@ def init_distributed() -> tuple[int, int, torch.device]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda and local_rank >= torch.cuda.device_count():
+        # cuda:LOCAL_RANK would fail later as an "invalid device ordinal" deep inside torch.
+        raise OrthonError(f"local rank {local_rank} has no GPU: this node shows {torch.cuda.device_count()} CUDA "
+                          f"device(s); start at most that many processes a node (--nproc-per-node), or hide the GPUs "
+                          f"(CUDA_VISIBLE_DEVICES=) to run every rank on the CPU over gloo")
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():

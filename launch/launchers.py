@@ -4,6 +4,7 @@ runs; ``orthon launch`` prints them (one line a node) or runs this node's. The s
 ``orthon.launch.sbatch``, the HCCL rank table ``orthon.launch.rank_table``."""
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 import shlex
@@ -95,7 +96,8 @@ def torchrun_argv(orthon: list[str], nnodes: int = 1, nproc_per_node: int = 1, r
 
     ``stop_grace``: seconds torchrun waits, after forwarding a SIGTERM to its workers, before it kills them
     (``--shutdown-timeout``; torchrun's own default is 30 s, 0 keeps it): the time a run stopped by the
-    signal has to finish its step and write a checkpoint (``train.stop_signals``)."""
+    signal has to finish its step and write a checkpoint (``train.stop_signals``). An older torchrun without
+    the flag (torch 2.11's) always waits its 30 s: the flag is left out there rather than refused by it."""
     positive(nnodes, "nnodes")
     positive(nproc_per_node, "nproc-per-node")
     if max_restarts < 0:
@@ -116,9 +118,17 @@ def torchrun_argv(orthon: list[str], nnodes: int = 1, nproc_per_node: int = 1, r
         argv += [f"--rdzv-backend={rdzv_backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}"]
     if max_restarts:
         argv.append(f"--max-restarts={max_restarts}")
-    if stop_grace:
+    if stop_grace and torchrun_takes_shutdown_timeout():
         argv.append(f"--shutdown-timeout={stop_grace}")
     return argv + ORTHON_MODULE + list(orthon)
+
+
+@functools.cache
+def torchrun_takes_shutdown_timeout() -> bool:
+    """Whether this torch's torchrun has ``--shutdown-timeout`` (2.13's does, 2.11's does not)."""
+    from torch.distributed.run import get_args_parser
+
+    return any("--shutdown-timeout" in action.option_strings for action in get_args_parser()._actions)
 
 
 # ------------------------------------------------------------------ msrun

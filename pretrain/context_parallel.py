@@ -27,6 +27,10 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from orthon.core.errors import ConfigError
 
+# The differentiable gather along dim 0: all_gather_single_autograd in newer torch (2.13), only the general
+# all_gather_tensor_autograd in older ones (2.11): the same collective, the same backward (a reduce-scatter).
+_all_gather_rows = getattr(funcol, "all_gather_single_autograd", funcol.all_gather_tensor_autograd)
+
 CONTEXT_MESH_DIMS = ("context_replicas", "context")
 
 
@@ -83,7 +87,7 @@ class ContextShard:
         """Every rank's rows of t (B, T_local, D), in sequence order: (B, T, D); differentiable (the
         gradient of each rank's rows is summed over the ranks that used them)."""
         # Gathered along dim 0 (positions first): one contiguous block per rank, no chunk-and-concatenate.
-        rows = funcol.all_gather_single_autograd(t.transpose(0, 1).contiguous(), gather_dim=0, group=self.group)
+        rows = _all_gather_rows(t.transpose(0, 1).contiguous(), gather_dim=0, group=self.group)
         return rows.index_select(0, self.order).transpose(0, 1)
 
 

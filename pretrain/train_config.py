@@ -39,6 +39,9 @@ class TrainConfig:
     spike_window: int = 128
     moe_bias_rate: float = 1e-3  # aux-loss-free balancing: bias step per optimizer step
     seed: int = 0
+    # The same bits on every run of the recipe, resumed ones too, on a GPU as on the CPU: torch's
+    # deterministic kernels and a fixed cuBLAS workspace (slower; the CPU's kernels are deterministic already).
+    deterministic: bool = False
     parallel: Literal["ddp", "fsdp"] = "ddp"  # how to shard when launched on more than one rank
     # FSDP2 as HSDP: shard within groups of this many consecutive ranks (a node's GPUs, say) and keep a copy
     # per group, so the all-gathers stay inside a group and only the gradients' all-reduce crosses them.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import random
 import time
 from contextlib import nullcontext
@@ -46,12 +47,36 @@ CONFIG_NAME = "config.yaml"
 
 
 def _rng_state() -> dict:
-    # Only torch draws random numbers during training (data order comes from the sampler's position).
-    return {"torch": torch.get_rng_state().tolist()}
+    # Only torch draws random numbers during training (data order comes from the sampler's position): its
+    # CPU generator and, on a GPU, this rank's device's.
+    state = {"torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
+    return state
 
 
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+
+
+def use_deterministic_kernels() -> None:
+    """``train.deterministic``: every run of a recipe, and a resumed one, the same bits on a GPU too (the CPU
+    kernels already are): torch's deterministic kernels (an op without one warns, naming itself, rather
+    than stopping the run) and cuBLAS with a fixed workspace (read when its first handle is made)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+
+
+_DEVICES_TOLD: set[torch.device] = set()
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({torch.get_num_threads()} threads)"
 
 
 def _hybrid_optimizer(model, recipe):
@@ -118,6 +143,11 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.rank, self.world, self.device = distributed.init_distributed()
         self.log = log if self.rank == 0 else (lambda *_: None)
+        if self.cfg.deterministic:
+            use_deterministic_kernels()
+        if self.device not in _DEVICES_TOLD:  # once a process: mid-training builds a Trainer a stage
+            _DEVICES_TOLD.add(self.device)
+            self.log(f"device: {describe_device(self.device)}{', deterministic kernels' if self.cfg.deterministic else ''}")
         torch.manual_seed(self.cfg.seed)
         random.seed(self.cfg.seed)
         np.random.seed(self.cfg.seed)

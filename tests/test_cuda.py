@@ -106,3 +106,46 @@ def test_engine_greedy_on_cuda_equals_cpu_and_log_probs_agree():
     for a, b in zip(on_cpu, on_gpu):
         assert a.tokens == b.tokens
         assert (a.log_probs - b.log_probs).abs().max() < 1e-4
+
+
+def test_a_local_rank_past_the_gpus_is_named(monkeypatch):
+    from orthon.core.distributed import init_distributed
+    from orthon.core.errors import OrthonError
+
+    monkeypatch.setenv("LOCAL_RANK", str(torch.cuda.device_count()))
+    with pytest.raises(OrthonError, match=f"local rank {torch.cuda.device_count()} has no GPU"):
+        init_distributed()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_pretraining_run_on_cuda_resumes_bit_identical(tmp_path, precision):
+    """The CLI's run on the GPU (its grouped-GEMM experts under bf16), deterministic kernels on: stopped at
+    step 4 and resumed to 8, it logs the losses of the run that went straight to 8, bit for bit."""
+    from pretrain_support import losses, make_stores, orthon, write_recipe
+
+    stores = make_stores(tmp_path / "data")
+    train = {"checkpoint_interval": 4, "eval_interval": 4, "deterministic": True, "precision": precision}
+    straight = orthon("pretrain", "-c", write_recipe(tmp_path / "a.yaml", stores, tmp_path / "a",
+                                                    train={**train, "max_steps": 8}))
+    assert "device: cuda:0 (" in straight.stdout and "deterministic kernels" in straight.stdout, straight.stdout
+    orthon("pretrain", "-c", write_recipe(tmp_path / "b.yaml", stores, tmp_path / "b", train={**train, "max_steps": 4}))
+    orthon("pretrain", "--resume", tmp_path / "b", "train.max_steps=8")
+    want, got = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert sorted(want) == list(range(1, 9)) and got == want
+    assert want[8] < want[1]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_rl_on_cuda_trains(tmp_path, mode):
+    """`orthon rl` on the GPU: the engine generates there (in a thread beside training when async), the
+    policy trains there, and the weights it saves moved from the start."""
+    from test_rl_loop import _pretrain_dir
+    from test_rl_parallel import ITERATIONS, _run, _weights
+
+    pre = _pretrain_dir(tmp_path)
+    out, records, weights = _run(tmp_path, pre, "gpu", nproc=1, mode=mode)
+    assert "device: cuda:0 (" in out.stdout, out.stdout
+    assert len(records) == ITERATIONS and all(r["trained_samples"] > 0 for r in records)
+    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in records)
+    start = _weights(pre / "final")
+    assert max((weights[k].float() - start[k].float()).abs().max().item() for k in start) > 1e-4
