@@ -70,7 +70,7 @@ def train(model, opt, batches, rank=0, world=1):
 def optim_config(setting):
     """"fp32" / "bf16": standard Newton-Schulz in that dtype; "gram": Gram Newton-Schulz (bf16 input, the
     device's compute dtype) on the blocks where it pays (q_b's 3 x 16 heads; odd and the experts: standard)."""
-    return OptimConfig(ns_method="gram") if setting == "gram" else OptimConfig(ns_dtype=setting)
+    return OptimConfig(ns_method="gram", gram_dtype="fp32") if setting == "gram" else OptimConfig(ns_dtype=setting)
 
 
 def reference(ns_dtype):

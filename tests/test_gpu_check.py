@@ -14,7 +14,7 @@ from pretrain_support import ROOT
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the script runs the check")
 def test_skips_cleanly_without_cuda():
     proc = subprocess.run(["bash", str(ROOT / "bench/gpu_check.sh")], capture_output=True, text=True,
-                          env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
+                          env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == (f"gpu_check: skipped: no CUDA device (torch {torch.__version__}: "
                            f"torch.cuda.is_available() is False)\n")

@@ -99,8 +99,11 @@ def test_async_crash_and_resume_loses_and_repeats_nothing(tmp_path):
 
 def test_debug_modes_save_rollouts_then_train_on_them(tmp_path):
     pre = _pretrain_dir(tmp_path)
+    # A reward a random policy earns about half the time: groups with an advantage, on any CPU's numbers
+    # (the task's own reward is 0 for nearly every answer of a random model).
+    reward = {"name": "test_rl_parallel.first_letter_reward"}
     saver, trained = _trainer(tmp_path / "a", pre, 2, mode="sync", debug="rollout_only",
-                              rollouts_dir=str(tmp_path / "rollouts"))
+                              rollouts_dir=str(tmp_path / "rollouts"), reward=reward)
     before = [p.clone() for p in saver.model.parameters()]
     saver.fit()
     assert trained == [] and all(torch.equal(p, q) for p, q in zip(before, saver.model.parameters()))
@@ -109,10 +112,15 @@ def test_debug_modes_save_rollouts_then_train_on_them(tmp_path):
     saved = [json.loads(line) for f in files for line in f.read_text().splitlines()]
     assert len(saved) == 2 * 3 * 2  # iterations x prompts x G
     trainer, trained = _trainer(tmp_path / "b", pre, 2, mode="sync", debug="train_only",
-                                rollouts_dir=str(tmp_path / "rollouts"))
+                                rollouts_dir=str(tmp_path / "rollouts"), reward=reward)
     trainer.fit()
     assert trained == list(dict.fromkeys(s["instance_id"] for s in saved))
-    assert any(not torch.equal(p, q) for p, q in zip(before, trainer.model.parameters()))
+    # The saved groups train: the weights move exactly when some group's rewards differ (an advantage).
+    rewards = {}
+    for s in saved:
+        rewards.setdefault(s["instance_id"], set()).add(s["reward"])
+    advantaged = any(len(r) > 1 for r in rewards.values())
+    assert advantaged == any(not torch.equal(p, q) for p, q in zip(before, trainer.model.parameters()))
     # Nothing saved for an iteration: a clear error naming the file.
     missing, _ = _trainer(tmp_path / "c", pre, 3, mode="sync", debug="train_only", rollouts_dir=str(tmp_path / "rollouts"))
     with pytest.raises(DataError, match="iteration_000002.jsonl"):
