@@ -35,7 +35,7 @@ from orthon.optim.newton_schulz import (
     DEFAULT_COEFFICIENTS,
     DEFAULT_EPS,
     DEFAULT_STEPS,
-    NS_BATCH_ELEMENTS,
+    ns_batch_elements,
     bf16_gemm_is_native,
     newton_schulz,
     ns_dtype,
@@ -222,8 +222,8 @@ class Muon(torch.optim.Optimizer):
         return self.bf16_matmul == "emulated"
 
     def _newton_schulz(self, stack: Tensor, item: MatrixWork) -> Tensor:
-        """Either method on a stack of blocks, in pieces of about NS_BATCH_ELEMENTS (a large expert stack
-        too: its GEMMs stay in cache; batching is per block, so pieces change no result)."""
+        """Either method on a stack of blocks, in pieces of about ``ns_batch_elements`` (a large expert stack
+        too: on a CPU its GEMMs stay in cache; batching is per block, so pieces change no result)."""
         steps, coefficients, eps, dtype, method, gram_dtype = item.ns_key
         emulate = self._emulate_bf16(stack.device)
 
@@ -232,7 +232,7 @@ class Muon(torch.optim.Optimizer):
                 return orthogonalise_gram_or_standard(piece, steps, coefficients, eps, dtype, gram_dtype)
             return newton_schulz(piece, steps, coefficients, dtype, eps, emulate_bf16=emulate)
 
-        per_piece = max(1, NS_BATCH_ELEMENTS // (stack.shape[-2] * stack.shape[-1]))
+        per_piece = max(1, ns_batch_elements(stack.device) // (stack.shape[-2] * stack.shape[-1]))
         if stack.shape[0] <= per_piece:
             return run(stack)
         return torch.cat([run(piece) for piece in stack.split(per_piece)])
@@ -284,7 +284,7 @@ class Muon(torch.optim.Optimizer):
 
 def orthogonalise_local(work: list[MatrixWork], ns: Callable[[Tensor, MatrixWork], Tensor]) -> list[Tensor]:
     """Orthogonalise every item here: batched Newton-Schulz calls per block shape and setting, each on
-    about NS_BATCH_ELEMENTS (whole items; large ones alone, unstacked)."""
+    about ``ns_batch_elements`` (whole items; large ones alone, unstacked)."""
     for item in work:
         if item.sharded:
             raise RuntimeError(
@@ -315,12 +315,12 @@ def group_by_block(work: list[MatrixWork]) -> dict[tuple, list[int]]:
 
 
 def batch_parts(work: list[MatrixWork], indices: list[int]) -> list[list[int]]:
-    """``indices`` cut into consecutive runs of at most NS_BATCH_ELEMENTS elements (at least one item each)."""
+    """``indices`` cut into consecutive runs of at most ``ns_batch_elements`` (at least one item each)."""
     parts: list[list[int]] = [[]]
     size = 0
     for i in indices:
         n = work[i].update.numel()
-        if parts[-1] and size + n > NS_BATCH_ELEMENTS:
+        if parts[-1] and size + n > ns_batch_elements(work[i].update.device):
             parts.append([])
             size = 0
         parts[-1].append(i)

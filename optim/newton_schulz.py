@@ -37,6 +37,15 @@ DEFAULT_EPS = 1e-7
 # normalisation), the tiny model's set 73.6 against 75.7 ms. Batching is per matrix, so pieces change
 # no result.
 NS_BATCH_ELEMENTS = 1 << 20
+# On a GPU the cache argument is gone and launches are the cost: a 1024 x 4096 block's products take
+# microseconds, so one block a call left an H200 at 0.21 of its bf16 GEMM rate (bench/muon_step.py,
+# 24 x 1024^2 + 24 x 1024 x 4096). There a piece holds many blocks (64M elements: 128 MB in bf16).
+NS_BATCH_ELEMENTS_GPU = 1 << 26
+
+
+def ns_batch_elements(device: torch.device | str) -> int:
+    """Matrix elements per batched Newton-Schulz call on ``device``."""
+    return NS_BATCH_ELEMENTS if torch.device(device).type == "cpu" else NS_BATCH_ELEMENTS_GPU
 
 NS_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -149,3 +149,33 @@ def test_rl_on_cuda_trains(tmp_path, mode):
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in records)
     start = _weights(pre / "final")
     assert max((weights[k].float() - start[k].float()).abs().max().item() for k in start) > 1e-4
+
+
+def test_newton_schulz_takes_many_large_blocks_a_call_on_cuda():
+    """On the CPU a piece is ~1M elements (cache); on a GPU launches cost more than cache misses, so the
+    24 blocks of 512 x 2048 (the bench's set at a quarter size) go in one call, and each block's update is
+    its own Newton-Schulz (the same as stepping it alone)."""
+    from torch import nn
+
+    from orthon.optim.muon import Muon, orthogonalise_local
+
+    calls = []
+
+    def counting(work, ns):
+        return orthogonalise_local(work, lambda stack, item: calls.append(tuple(stack.shape)) or ns(stack, item))
+
+    start = [torch.randn(512, 2048, device="cuda") for _ in range(24)]
+    grads = [torch.randn_like(w) for w in start]
+
+    def stepped(indices, orthogonaliser=None):
+        params = [nn.Parameter(start[i].clone()) for i in indices]
+        for p, i in zip(params, indices):
+            p.grad = grads[i].clone()
+        kwargs = {"orthogonaliser": orthogonaliser} if orthogonaliser else {}
+        Muon(params, lr=0.01, ns_dtype="fp32", **kwargs).step()
+        return [p.detach() for p in params]
+
+    together = stepped(range(24), counting)
+    assert calls == [(24, 512, 2048)]
+    for i in range(0, 24, 7):
+        torch.testing.assert_close(together[i], stepped([i])[0], atol=1e-5, rtol=0)
