@@ -25,11 +25,13 @@ def check_shard_ranks(shard_ranks: int, world: int) -> None:
         raise ConfigError(f"train.fsdp_shard_ranks = {shard_ranks} does not divide the {world} ranks")
 
 
-def wrap(model: nn.Module, mode: str, expert_mesh=None, shard_ranks: int = 0) -> nn.Module:
+def wrap(model: nn.Module, mode: str, expert_mesh=None, shard_ranks: int = 0,
+         param_dtype: torch.dtype | None = None) -> nn.Module:
     """DDP, or FSDP2 (fully_shard each DSA indexer, each decoder layer, then the root); the model itself when alone.
     ``expert_mesh``: the model is expert-parallel (orthon.pretrain.expert_parallel): DDP leaves the expert
     stacks alone, FSDP2 shards each Experts module over its mesh column first. ``shard_ranks``: FSDP2 as
-    HSDP, sharded within groups of that many consecutive ranks, replicated across them (0: all ranks)."""
+    HSDP, sharded within groups of that many consecutive ranks, replicated across them (0: all ranks).
+    ``param_dtype``: FSDP2 gathers the parameters in it and reduces the gradients in fp32 (None: as stored)."""
     if not is_distributed():
         return model
     if mode == "ddp":
@@ -46,10 +48,14 @@ def wrap(model: nn.Module, mode: str, expert_mesh=None, shard_ranks: int = 0) ->
         if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
             return DistributedDataParallel(model, forward_sync_buffers=False)
         return DistributedDataParallel(model, broadcast_buffers=False)
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
+    # Layer inputs stay as they come (cast_forward_inputs off): the residual stream keeps its dtype, and
+    # autocast casts what a matmul takes.
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False) \
+        if param_dtype is not None else MixedPrecisionPolicy()
     if expert_mesh is not None:
-        shard_over_replicas(model, expert_mesh)  # the layers' fully_shard then leaves the experts to it
+        shard_over_replicas(model, expert_mesh, policy)  # the layers' fully_shard then leaves the experts to it
     mesh = None
     world = dist.get_world_size()
     if 0 < shard_ranks < world:
@@ -63,11 +69,14 @@ def wrap(model: nn.Module, mode: str, expert_mesh=None, shard_ranks: int = 0) ->
             # Its own unit, gathered by the methods the model calls: mid-training's indexer KL differentiates
             # the indexer outside its layer's forward and backward (orthon.midtrain.indexer_objective), and
             # its own unit lets FSDP2 gather it alone there, not the whole layer.
+            # Gathered as stored: a unit that some steps never run (the indexer outside DSA) trips FSDP2's
+            # fp32 gradient reduction of a bf16 gather (torch 2.13: it reads the gathered parameter that
+            # was never made); the indexer is about 1% of the parameters and its matmuls run under autocast.
             fully_shard(indexer, mesh=mesh)
             for method in ("queries", "keys"):
                 register_fsdp_forward_method(indexer, method)
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 

@@ -43,6 +43,11 @@ class TrainConfig:
     # deterministic kernels and a fixed cuBLAS workspace (slower; the CPU's kernels are deterministic already).
     deterministic: bool = False
     parallel: Literal["ddp", "fsdp"] = "ddp"  # how to shard when launched on more than one rank
+    # FSDP2's dtype for the gathered parameters: bf16 halves the bytes of every all-gather and of the
+    # gathered layers (torchtitan's default) and rounds the weights each forward sees to bf16, as autocast
+    # does for matmuls but for norms and routers too; gradients are reduced in fp32 and the optimizer steps
+    # the fp32 shards. Needs precision bf16. fp32: gathered as stored, autocast casting per op.
+    fsdp_param_dtype: Literal["fp32", "bf16"] = "fp32"
     # FSDP2 as HSDP: shard within groups of this many consecutive ranks (a node's GPUs, say) and keep a copy
     # per group, so the all-gathers stay inside a group and only the gradients' all-reduce crosses them.
     # 0: shard over all ranks. It divides the world size.
@@ -82,6 +87,10 @@ class TrainConfig:
                      "max_nonfinite_skips", "profile_from_step", "fsdp_shard_ranks"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.fsdp_param_dtype == "bf16" and (self.parallel != "fsdp" or self.precision != "bf16"):
+            raise ConfigError(f"fsdp_param_dtype: bf16 gathers FSDP2's parameters in bf16 for a bf16 forward; it "
+                              f"needs parallel: fsdp and precision: bf16 (got parallel: {self.parallel}, precision: "
+                              f"{self.precision})")
         if self.fsdp_shard_ranks and self.parallel != "fsdp":
             raise ConfigError(f"fsdp_shard_ranks: HSDP groups are an FSDP2 setting (parallel: fsdp); got parallel: "
                               f"{self.parallel} with fsdp_shard_ranks: {self.fsdp_shard_ranks}")

@@ -268,7 +268,8 @@ class Trainer:
 
     def _wrap(self) -> None:
         self.wrapped = None  # an old DDP wrapper's reducer (and its gradient hooks) goes first
-        self.wrapped = parallel.wrap(self.model, self.cfg.parallel, self.expert_mesh, self.cfg.fsdp_shard_ranks)
+        self.wrapped = parallel.wrap(self.model, self.cfg.parallel, self.expert_mesh, self.cfg.fsdp_shard_ranks,
+                                     torch.bfloat16 if self.cfg.fsdp_param_dtype == "bf16" else None)
         self._wrapped_for = self._trainable_names()
 
     def set_trainable(self, trainable) -> None:

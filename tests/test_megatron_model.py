@@ -148,3 +148,41 @@ def test_one_muon_split_step_matches_the_torch_backend(tiny, cpu_megatron):
         torch.testing.assert_close(after[name], value, atol=atol, rtol=0, msg=name)
         moved += not torch.equal(value, original.state_dict()[name])
     assert moved == 83 - 4 * 5 - 3  # all but the 4 layers x 5 indexer tensors (no gradient) and 3 router biases
+
+
+def test_bf16_parameters_step_through_fp32_main_weights(tiny, cpu_megatron):
+    """megatron's bf16 mode: build_optimizer steps fp32 copies (with megatron's tensor-parallel marks) and
+    writes them back rounded; the copies take the step an fp32 model from the same weights takes."""
+    import dataclasses
+
+    from orthon.backends.megatron.model import _build, load_megatron_state
+    from orthon.backends.megatron.optimizer import build_optimizer
+    from orthon.optim import OptimConfig, ScheduleConfig
+    from orthon.optim.main_weights import MainWeightsOptimizer
+
+    config, _ = tiny
+    _, full = cpu_megatron  # inside the fixture's megatron-on-CPU set-up
+    rounded = {k: v.bfloat16().float() for k, v in full.items()}
+    half = _build(config, dataclasses.replace(OPTIONS, params_dtype="bf16"))
+    load_megatron_state(half, rounded, config, OPTIONS)
+    whole = _build(config, OPTIONS)
+    load_megatron_state(whole, rounded, config, OPTIONS)
+    cfg = OptimConfig(ns_dtype="fp32")
+    schedule = ScheduleConfig(peak_lr=0.01, floor_lr=0.01, warmup_tokens=0, total_tokens=10**6)
+    opt_half, opt_whole = build_optimizer(half, config, cfg, schedule), build_optimizer(whole, config, cfg, schedule)
+    assert isinstance(opt_half, MainWeightsOptimizer) and not isinstance(opt_whole, MainWeightsOptimizer)
+    g = torch.Generator().manual_seed(0)
+    for p, q in zip(half.parameters(), whole.parameters()):
+        p.grad = (torch.randn(p.shape, generator=g) * 0.1).to(p.dtype)  # megatron keeps its norms in fp32
+        q.grad = p.grad.float()
+    for opt in (opt_half, opt_whole):
+        opt.set_tokens(1000)
+        opt.step()
+    mains = {id(p): main for p, main in opt_half.pairs}
+    assert len(mains) > 0.8 * len(list(half.parameters()))
+    for (name, p), q in zip(half.named_parameters(), whole.parameters()):
+        main = mains.get(id(p), p)  # an fp32 parameter is stepped as it is
+        assert main.dtype == torch.float32, name
+        assert getattr(main, "tensor_model_parallel", False) == getattr(p, "tensor_model_parallel", False), name
+        torch.testing.assert_close(main, q, atol=0, rtol=0, msg=name)  # the fp32 step, bit for bit
+        assert torch.equal(p, main.detach().to(p.dtype)), name

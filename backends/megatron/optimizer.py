@@ -114,16 +114,23 @@ class TensorParallelOrthogonaliser:
 
 def build_optimizer(gpt, model: ModelConfig, optim_cfg, schedule, tp: int = 1):
     """orthon's HybridOptimizer (Muon + Split / AdamW, one LR schedule) over ``gpt``'s parameters, with the
-    tensor-parallel orthogonaliser over megatron's TP and expert-TP groups."""
+    tensor-parallel orthogonaliser over megatron's TP and expert-TP groups. Parameters in bf16 (megatron's
+    bf16 mode, ``MegatronOptions.params_dtype``) are stepped through fp32 main weights
+    (orthon.optim.main_weights), as megatron's own mixed-precision optimizer does."""
     from megatron.core import parallel_state
 
     from orthon.optim.hybrid import build_optimizer as build_hybrid, route_by_config
+    from orthon.optim.main_weights import with_main_weights
 
     named = list(gpt.named_parameters())
     for name, p in named:
         if name.endswith(_GATE_UP):
             p.orthon_gate_up = True
-    plan = route_by_config(named, param_specs(named, model, tp), optim_cfg)
     orthogonaliser = TensorParallelOrthogonaliser(parallel_state.get_tensor_model_parallel_group(),
                                                   parallel_state.get_expert_tensor_parallel_group())
-    return build_hybrid(plan, optim_cfg, schedule, orthogonaliser=orthogonaliser)
+
+    def build(main):
+        plan = route_by_config(main, param_specs(main, model, tp), optim_cfg)
+        return build_hybrid(plan, optim_cfg, schedule, orthogonaliser=orthogonaliser)
+
+    return with_main_weights(named, build)
