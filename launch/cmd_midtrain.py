@@ -27,6 +27,9 @@ def register(parser, name):
     parser.add_argument("--eval", nargs="+", metavar="RUN", help="only evaluate these runs (pretraining, mid-training or stage dirs)")
     parser.add_argument("--out", help="where --eval writes its report (default: eval/ in the last RUN)")
     parser.add_argument("--no-eval", action="store_true", help="skip the evaluation after training")
+    parser.add_argument("--engine", metavar="URL",
+                        help="with --eval RUN: the passkey answers from the model served at URL (orthon serve or "
+                             "SGLang; for a model too large for this process), on RUN's tokenizer and held-out text")
     parser.add_argument("--checkpoints", action="store_true",
                         help="with --eval: measure every kept checkpoint of each RUN at its training length "
                              "(when the copy head formed; timeline.json / timeline.png)")
@@ -70,8 +73,18 @@ def run(args, name):
     from orthon.midtrain.config import LongEvalConfig
     from orthon.midtrain.stages import PLAN_NAME, load_plan, prepare, run_plan, stage_dir, stage_recipe
 
+    if args.engine and not (args.eval and len(args.eval) == 1 and not args.checkpoints):
+        raise ConfigError("--engine URL goes with --eval and one RUN (the run whose tokenizer and held-out text "
+                          "make the prompts for the model served at URL)")
     if args.eval:
         cfg = load_plan(args.config, args.overrides).eval if args.config else LongEvalConfig()
+        if args.engine:
+            from orthon.midtrain.eval import evaluate_served, write_report
+
+            out = args.out or Path(args.eval[0]) / "eval"
+            print(write_report({Path(args.eval[0]).name: evaluate_served(args.eval[0], args.engine, cfg)}, out))
+            print(f"report: {Path(out) / 'eval.txt'}, heat map: {Path(out) / 'eval.png'}")
+            return 0
         if args.checkpoints:
             from orthon.midtrain.timeline import run_timeline, write_timeline
             from orthon.pretrain.recipe import load_recipe

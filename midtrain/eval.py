@@ -158,11 +158,14 @@ def passkey_prompts(tokenizer, haystack: Haystack, cfg: LongEvalConfig, length: 
 
 
 @torch.no_grad()
-def passkey_scores(model, tokenizer, haystack: Haystack, cfg: LongEvalConfig, log=print) -> tuple[dict, dict]:
+def passkey_scores(model, tokenizer, haystack: Haystack, cfg: LongEvalConfig, log=print,
+                   engine: Engine | None = None) -> tuple[dict, dict]:
     """({length: {depth: accuracy}}, {length: {depth: answer NLL per key digit}}) over cfg.trials
-    random keys per cell; accuracy is greedy exact match, the NLL is teacher-forced (answer_nll)."""
+    random keys per cell; accuracy is greedy exact match, the NLL is teacher-forced (answer_nll).
+    ``engine``: the greedy answers come from it (a served model) instead of an in-process engine on
+    ``model``; with no ``model`` the NLL, which needs the weights, is left out ({})."""
     question = tokenizer.encode(cfg.question)
-    engine = InProcessEngine(model)  # packs its decode weights once for every cell
+    engine = engine or InProcessEngine(model)  # packs its decode weights once for every cell
     accuracy: dict[int, dict[float, float]] = {}
     per_digit: dict[int, dict[float, float]] = {}
     for length in cfg.lengths:
@@ -172,11 +175,13 @@ def passkey_scores(model, tokenizer, haystack: Haystack, cfg: LongEvalConfig, lo
             answers = greedy_continuations(engine, prompts, cfg.digits + 2)
             right = sum(answer_matches(tokenizer.decode(a), k) for a, k in zip(answers, keys))
             accuracy[length][depth] = right / cfg.trials
-            nats = answer_nll(model, prompts, question, needles)
-            per_digit[length][depth] = sum(nats) / (cfg.trials * cfg.digits)
+            if model is not None:
+                nats = answer_nll(model, prompts, question, needles)
+                per_digit[length][depth] = sum(nats) / (cfg.trials * cfg.digits)
         log(f"  passkey L={length}: " + " ".join(f"{d:.2f}:{a:.2f}" for d, a in accuracy[length].items())
-            + "  answer nats/digit " + " ".join(f"{v:.2f}" for v in per_digit[length].values()))
-    return accuracy, per_digit
+            + ("  answer nats/digit " + " ".join(f"{v:.2f}" for v in per_digit[length].values())
+               if per_digit[length] else ""))
+    return accuracy, (per_digit if model is not None else {})
 
 
 @torch.no_grad()
@@ -341,6 +346,27 @@ def evaluate_run(path, cfg: LongEvalConfig, log=print, attention: str = "saved")
             "heads": head_scores(model, haystack, cfg)}
 
 
+def evaluate_served(path, url: str, cfg: LongEvalConfig, log=print) -> dict:
+    """Passkey accuracy of the model served at ``url`` (``orthon serve`` or SGLang: the way to evaluate
+    a model no one process holds, GLM-5 at 200K) on the prompts of the run at ``path`` (its tokenizer and
+    held-out stores). Greedy answers only: what needs the weights (answer NLL, perplexity, indexer
+    recall, heads) is the in-process evaluation's."""
+    from orthon.data.tokenizer import load_tokenizer
+    from orthon.engine.client import HTTPEngine
+    from orthon.pretrain.recipe import load_recipe
+
+    run_dir, _ = resolve_run(path)
+    recipe = load_recipe(run_dir / "config.yaml")
+    if not recipe.data.tokenizer or not recipe.data.valid:
+        raise ValueError(f"{run_dir}: the run names no tokenizer or held-out stores (data.tokenizer, data.valid)")
+    tokenizer = load_tokenizer(recipe.data.tokenizer)
+    haystack = Haystack.from_valid(recipe.data.valid, cfg.haystack)
+    engine = HTTPEngine(url, timeout_s=3600.0)  # a 200K-token prefill takes its time
+    log(f"evaluating the model served at {engine.url} on {run_dir}'s prompts (trained at {recipe.data.seq_len} tokens)")
+    accuracy, _ = passkey_scores(None, tokenizer, haystack, cfg, log, engine=engine)
+    return {"run": str(run_dir), "served_by": engine.url, "train_seq_len": recipe.data.seq_len, "passkey": accuracy}
+
+
 def _recall_on_documents(model, recipe, cfg: LongEvalConfig, log) -> dict:
     """{"indexer_recall_documents": ...} on the run's held-out store cfg.recall_store; {} when none is
     asked for or the run has no store of that name (a pretraining run without the long documents)."""
@@ -374,14 +400,16 @@ def format_table(results: dict[str, dict]) -> str:
     lines = []
     for name, r in results.items():
         depths = list(next(iter(r["passkey"].values())).keys())
-        lines.append(f"{name}  ({r['run']}, trained at {r['train_seq_len']} tokens)")
+        served = f", served at {r['served_by']}" if "served_by" in r else ""
+        lines.append(f"{name}  ({r['run']}{served}, trained at {r['train_seq_len']} tokens)")
         lines.append("  passkey accuracy   " + "".join(f"d={d:<6.2f}" for d in depths) + "  mean")
         lines += _grid_rows(r["passkey"])
         if "passkey_answer_nll" in r:
             lines.append(f"  answer NLL, nats per key digit (chance ln 10 = {math.log(10):.2f})")
             lines += _grid_rows(r["passkey_answer_nll"])
-        lines.append("  perplexity by position  " + "  ".join(f"[{b['start']},{b['end']}): {b['ppl']:.2f}"
-                                                           for b in r["ppl_by_position"]))
+        if "ppl_by_position" in r:
+            lines.append("  perplexity by position  " + "  ".join(f"[{b['start']},{b['end']}): {b['ppl']:.2f}"
+                                                               for b in r["ppl_by_position"]))
         if r.get("indexer_recall"):
             lines.append("  indexer recall of the dense attention mass (best any k keys hold)  " + "  ".join(
                 f"L={L}: {x['recall']:.3f} ({x['oracle_recall']:.3f})" for L, x in r["indexer_recall"].items()))
@@ -404,7 +432,10 @@ def plot_report(results: dict[str, dict], out_png) -> None:
     plt = pyplot()
 
     n = len(results)
-    fig, axes = plt.subplots(1, n + 1, figsize=(4.2 * (n + 1), 3.8), dpi=110)
+    ppl = [(name, r) for name, r in results.items() if "ppl_by_position" in r]  # none for a served model
+    panels = n + bool(ppl)
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.8), dpi=110, squeeze=False)
+    axes = axes[0]
     for ax, (name, r) in zip(axes[:n], results.items()):
         lengths = list(r["passkey"].keys())
         depths = list(r["passkey"][lengths[0]].keys())
@@ -418,16 +449,17 @@ def plot_report(results: dict[str, dict], out_png) -> None:
         ax.set_xlabel("needle depth")
         ax.set_ylabel("context length")
         ax.set_title(f"passkey: {name}")
-    ax = axes[n]
-    for name, r in results.items():
-        mids = [(b["start"] + b["end"]) / 2 for b in r["ppl_by_position"]]
-        ax.plot(mids, [b["ppl"] for b in r["ppl_by_position"]], marker="o", label=name)
-        ax.axvline(r["train_seq_len"], linestyle="--", linewidth=0.8, color=ax.lines[-1].get_color())
-    ax.set_yscale("log")
-    ax.set_xlabel("position")
-    ax.set_ylabel("perplexity")
-    ax.set_title("perplexity by position\n(dashed: length trained at)")
-    ax.legend()
+    if ppl:
+        ax = axes[n]
+        for name, r in ppl:
+            mids = [(b["start"] + b["end"]) / 2 for b in r["ppl_by_position"]]
+            ax.plot(mids, [b["ppl"] for b in r["ppl_by_position"]], marker="o", label=name)
+            ax.axvline(r["train_seq_len"], linestyle="--", linewidth=0.8, color=ax.lines[-1].get_color())
+        ax.set_yscale("log")
+        ax.set_xlabel("position")
+        ax.set_ylabel("perplexity")
+        ax.set_title("perplexity by position\n(dashed: length trained at)")
+        ax.legend()
     save_figure(fig, out_png)
 
 

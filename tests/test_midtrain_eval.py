@@ -3,6 +3,7 @@ computation, and the report (table, JSON, heat map) from `orthon midtrain --eval
 import json
 import math
 import re
+import urllib.request
 
 import pytest
 import torch
@@ -208,3 +209,34 @@ def test_resolve_run_errors_name_the_directory(tmp_path):
 
     with pytest.raises(CheckpointError, match="not a run directory"):
         resolve_run(tmp_path)
+
+
+def test_eval_of_a_served_model_answers_as_the_in_process_one(run_dir, tmp_path):
+    """`--eval RUN --engine URL`: the passkey prompts of RUN go to `orthon serve` of RUN's weights; the
+    greedy answers, so the accuracy grid, are the in-process evaluation's; what needs the weights is left
+    out, and the report says where the model was served."""
+    from server_support import ServerProcess
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({"stages": [{"name": "a", "seq_len": 32, "tokens": 64}],
+                                    "eval": {"lengths": [32, 64], "depths": [0.0, 1.0], "trials": 3,
+                                             "ppl_length": 64, "ppl_buckets": 2, "ppl_samples": 2}}))
+    server = ServerProcess(run_dir / "final", tmp_path / "server.log").wait()
+    try:
+        assert run_cli("midtrain", ["--eval", str(run_dir), "-c", str(plan), "--engine", server.url,
+                                    "--out", str(tmp_path / "served")]) == 0
+        with urllib.request.urlopen(f"{server.url}/get_server_info") as answer:
+            assert json.load(answer)["batching"]["requests"] == 2 * 2 * 3  # lengths x depths x trials, all served
+    finally:
+        server.stop()
+    assert run_cli("midtrain", ["--eval", str(run_dir), "-c", str(plan), "--out", str(tmp_path / "local")]) == 0
+    served, local = (json.loads((tmp_path / d / "eval.json").read_text())["run"] for d in ("served", "local"))
+    assert served["passkey"] == local["passkey"] and served["served_by"] == server.url
+    assert set(served) == {"run", "served_by", "train_seq_len", "passkey"}
+    table = (tmp_path / "served" / "eval.txt").read_text()
+    assert f"served at {server.url}" in table and "perplexity" not in table
+    assert read_png(tmp_path / "served" / "eval.png").shape == (418, 462, 3)  # the heat map alone
+    from orthon.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--engine URL goes with --eval and one RUN"):
+        run_cli("midtrain", ["--eval", str(run_dir), str(run_dir), "--engine", server.url])
