@@ -2,11 +2,11 @@
 # Every CUDA check of the project in one run, for a lease of a GPU machine that must not be spent twice:
 # the CUDA tests (tests/test_cuda.py), the megatron-core backend against the torch backend
 # (bench/gpu_check.sh), Muon's Newton-Schulz on the GPU (bench/muon_step.py: standard, gram,
-# torch.optim.Muon), then the whole default test suite with the GPU visible (the Trainer, the engine and
-# the memory checks would place work on CUDA: the suite hides it, as its numbers are the CPU's), in the time
-# left of --budget seconds: on 16 cores about 200 s, and torch's version there is the machine's own.
+# torch.optim.Muon), the bf16 training step against transformers' on the GPU (bench/model_step.py),
+# then the default test suite (which hides the GPU: its numbers are the CPU's) in the time left of
+# --budget seconds: on 16 cores about 200 s, and torch's version there is the machine's own.
 #
-#   bash bench/cuda_checks.sh [--budget 420] [--only test_cuda,gpu_check,muon_step,suite] [-- SUITE PATHS]
+#   bash bench/cuda_checks.sh [--budget 420] [--only test_cuda,gpu_check,muon_step,model_step,suite] [-- SUITE PATHS]
 #
 # (a rerun of part of it: --only names the checks; the suite's pytest paths follow --, default tests/.)
 # Each check writes OUT/<name>.log (OUT: $OUT, else a new temporary folder) and one line to
@@ -17,7 +17,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
 BUDGET=420
-ONLY="env,test_cuda,gpu_check,muon_step,suite"
+ONLY="env,test_cuda,gpu_check,muon_step,model_step,suite"
 SUITE_PATHS=(tests)
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -65,6 +65,7 @@ check env 60 bash -c "nvidia-smi; $PY -c 'import torch; print(torch.__version__,
 check test_cuda 150 "$PY" -m pytest -p no:cacheprovider -q -rfEs tests/test_cuda.py
 check gpu_check 150 bash bench/gpu_check.sh --steps 5
 check muon_step 90 "$PY" bench/muon_step.py --device cuda --repeats 5
+check model_step 120 "$PY" bench/model_step.py --device cuda --precision bf16 --shapes 16x1024,4x4096 --repeats 5
 left=$((BUDGET - SECONDS))
 if [ "$left" -gt 60 ]; then
     # The suite hides the GPU itself (tests/conftest.py): its numbers are the CPU's. -vv against the

@@ -11,7 +11,7 @@ The two steps alternate one at a time (2 x repeats rounds); tokens/s are from ea
 the ratio is the median of the rounds' own ratios (each round's two steps ran seconds apart, under the
 same load).
 
-    python bench/model_step.py [--repeats 5] [--shapes 8x256,2x1024] [--precision fp32|bf16]
+    python bench/model_step.py [--repeats 5] [--shapes 8x256,2x1024] [--precision fp32|bf16] [--device cuda]
 """
 from __future__ import annotations
 
@@ -30,13 +30,16 @@ from common import cpu_kind, paired_ratio, paired_times, report, tiny_pair  # no
 
 def step_fn(model, ids, forward, precision="fp32"):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    cuda = ids.is_cuda
 
     def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
             loss = forward(model, ids)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if cuda:  # the step's kernels finished inside its timing
+            torch.cuda.synchronize()
 
     return step
 
@@ -58,11 +61,13 @@ def main():
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="bf16: both forwards under bf16 autocast (train.precision: bf16), fp32 weights")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (both models on the GPU)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"CPU: {cpu_kind()}")
+    device = torch.device(args.device)
+    print(f"CPU: {cpu_kind()}" + (f"; GPU: {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""))
     ours, theirs = tiny_pair()
-    ours.train(), theirs.train()
+    ours.to(device).train(), theirs.to(device).train()
     config = ours.config
     n_params = sum(p.numel() for p in ours.parameters())
     print(f"config: {n_params / 1e6:.2f}M parameters, hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
@@ -72,14 +77,14 @@ def main():
     print(f"{'batch x seq':<12}{'orthon tok/s':>14}{'hf tok/s':>12}{'ratio':>8}")
     for shape in args.shapes.split(","):
         b, t = (int(v) for v in shape.split("x"))
-        ids = torch.randint(0, config.vocab_size, (b, t + 1))
+        ids = torch.randint(0, config.vocab_size, (b, t + 1), device=device)
         tokens = b * t
         times = paired_times({"orthon": step_fn(ours, ids, orthon_forward, args.precision),
                               "hf": step_fn(theirs, ids, hf_forward, args.precision)}, 2 * args.repeats)
         o, h = (tokens / statistics.median(times[name]) for name in ("orthon", "hf"))
         ratio = paired_ratio(times["hf"], times["orthon"])
         print(f"{shape:<12}{o:>14,.0f}{h:>12,.0f}{ratio:>8.2f}")
-        suffix = shape if args.precision == "fp32" else f"{shape}_{args.precision}"
+        suffix = "_".join([shape] + [args.precision] * (args.precision != "fp32") + ["cuda"] * (device.type == "cuda"))
         figures[f"orthon_tokens_per_s_{suffix}"] = round(o, 1)
         figures[f"hf_tokens_per_s_{suffix}"] = round(h, 1)
         ratios[f"tokens_per_s_vs_hf_{suffix}"] = round(ratio, 3)
