@@ -11,7 +11,8 @@
 # (a rerun of part of it: --only names the checks; the suite's pytest paths follow --, default tests/.)
 # Each check writes OUT/<name>.log (OUT: $OUT, else a new temporary folder) and one line to
 # OUT/summary.txt: its exit code and seconds. Without CUDA it says why and exits 0. ORTHON_WHEELS=DIR
-# (default: .whl when it exists) installs the wheels in DIR first, for a machine without network.
+# (default: .whl when it exists) installs the wheels in DIR first, for a machine without network
+# (bench/cuda_wheels.sh downloads them; carry .whl with the run).
 set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
