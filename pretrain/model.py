@@ -277,8 +277,13 @@ class GLMForCausalLM(nn.Module):
 
     def max_attention_logit(self) -> float | None:
         """Largest attention logit of the last full forward over all layers (needs track_max_logit)."""
+        value = self.attention_logit_max()
+        return None if value is None else float(value)
+
+    def attention_logit_max(self) -> torch.Tensor | None:
+        """max_attention_logit as a tensor where the forward ran: reading it does not wait for the device."""
         values = [m.max_logit for m in self.modules() if isinstance(m, MLAttention) and m.max_logit is not None]
-        return float(torch.stack(values).max()) if values else None
+        return torch.stack(values).max() if values else None
 
     def moe_routers(self) -> list[Router]:
         return [m for m in self.modules() if isinstance(m, Router)]

@@ -71,14 +71,14 @@ class NextTokenStep(TrainStep):
         self.count = 1.0
         self.world = 1
         self.context = None
-        self.max_logit = -math.inf
+        self.max_logit: torch.Tensor | None = None  # on the device: no wait for it until the step's end
 
     def begin(self, trainer, batch) -> None:
         self.context = trainer.context
         labels = batch.labels if self.context is None else self.context.local(batch.labels)  # this rank's targets
         self.count = float(distributed.all_reduce_sum((labels != IGNORE_INDEX).sum().to(trainer.device).float()))
         self.world = trainer.world
-        self.max_logit = -math.inf
+        self.max_logit = None
 
     def lm_loss(self, model, micro) -> torch.Tensor:
         """Summed LM loss of a micro-batch (of this rank's positions, under context parallelism) through
@@ -89,15 +89,20 @@ class NextTokenStep(TrainStep):
         return out.loss
 
     def loss(self, model, micro):
+        # Metrics stay tensors until the step's end (one transfer then): a float() here would make the host
+        # wait for each micro-batch's forward before queuing its backward.
         lm = self.lm_loss(model, micro)
         if self.track_max_logit:
-            self.max_logit = max(self.max_logit, unwrap(model).max_attention_logit() or -math.inf)
-        return lm * (self.world / self.count), {"loss": float(lm.detach())}
+            latest = unwrap(model).attention_logit_max()
+            if latest is not None:
+                self.max_logit = latest if self.max_logit is None else torch.maximum(self.max_logit, latest)
+        return lm * (self.world / self.count), {"loss": lm.detach()}
 
     def end(self, trainer, sums):
         metrics = {"loss": sums["loss"] / self.count}
         if self.track_max_logit:  # over every rank's sequences (a rank sees its own, or its positions' part)
-            largest = distributed.all_reduce_max(torch.tensor([self.max_logit], device=trainer.device)).item()
+            mine = -math.inf if self.max_logit is None else self.max_logit.float()
+            largest = distributed.all_reduce_max(torch.tensor([mine], device=trainer.device)).item()
             if math.isfinite(largest):
                 metrics["max_attn_logit"] = largest
         return metrics

@@ -83,12 +83,21 @@ def _hybrid_optimizer(model, recipe):
     return build_for_model(model, recipe.optim, recipe.schedule)
 
 
-def _all_reduce_dict(sums: dict[str, float], device) -> dict[str, float]:
-    """Metric sums added over the ranks (every rank has the same keys)."""
-    if not sums or not distributed.is_distributed():
-        return sums
+def _add_metric(sums: dict, key: str, value) -> None:
+    """sums[key] += value in float64, a tensor staying one on its device (no wait for it)."""
+    value = value.detach().double() if torch.is_tensor(value) else float(value)
+    sums[key] = sums[key] + value if key in sums else value
+
+
+def _all_reduce_dict(sums: dict, device) -> dict[str, float]:
+    """Metric sums (floats or tensors) added over the ranks (every rank has the same keys), as floats: one
+    transfer from the device for all of them."""
+    if not sums:
+        return {}
     keys = sorted(sums)
-    total = distributed.all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=device))
+    total = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64).to(device) for k in keys])
+    if distributed.is_distributed():
+        total = distributed.all_reduce_sum(total)
     return dict(zip(keys, total.tolist()))
 
 
@@ -309,7 +318,7 @@ class Trainer:
         lr = self.set_lr()
         self.step_fn.begin(self, batch)
         micros = self.step_fn.micro_batches(batch, self.cfg.micro_batch_size, self.device)
-        sums: dict[str, float] = {}
+        sums: dict = {}
         autocast = self.autocast()
         for i, micro in enumerate(micros):
             with parallel.no_sync(self.wrapped, last=i == len(micros) - 1), autocast:
@@ -317,7 +326,7 @@ class Trainer:
                 if objective.requires_grad:
                     objective.backward()
             for key, value in micro_sums.items():
-                sums[key] = sums.get(key, 0.0) + value
+                _add_metric(sums, key, value)
         if self.expert_parallel > 1:
             expert_parallel.reduce_expert_grads(self.model, self.expert_mesh, self.cfg.parallel == "fsdp")
         sums = _all_reduce_dict(sums, self.device)
