@@ -290,3 +290,23 @@ def test_additive_topk_mask_opens_exactly_the_visible_selected_keys(docs):
     assert torch.all(mask[:, 0][~allowed] == float("-inf"))
     q, key = torch.randn(B, T, 3, 4), torch.randn(B, T, 3, 4)
     assert _max_logit(q, key, mask, 0.5) == _max_logit(q, key, allowed.unsqueeze(1), 0.5)
+
+
+def test_metric_sums_on_the_device_are_the_float_sums_bit_for_bit():
+    """The step adds its micro-batches' metrics as float64 tensors (read once, at the step's end): the
+    floats it logs are those of adding the values one by one as Python floats, in the same order."""
+    from orthon.pretrain.trainer import _add_metric, _all_reduce_dict
+
+    g = torch.Generator().manual_seed(0)
+    losses = (torch.rand(7, generator=g) * 1000).tolist()  # fp32 values, as a summed loss is
+    losses = [torch.tensor(v, dtype=torch.float32) for v in losses]
+    sums, expected = {}, 0.0
+    for i, value in enumerate(losses):
+        _add_metric(sums, "loss", value)
+        _add_metric(sums, "count", i + 1)  # a plain number beside the tensors
+        expected += float(value)
+    assert torch.is_tensor(sums["loss"]) and sums["loss"].dtype == torch.float64
+    out = _all_reduce_dict(sums, torch.device("cpu"))
+    assert out == {"count": 28.0, "loss": expected} and isinstance(out["loss"], float)
+    # In float32 the same sum rounds differently: the float64 accumulation is what keeps the old bits.
+    assert float(torch.stack(losses).sum()) != expected or float(sum(losses)) != expected
