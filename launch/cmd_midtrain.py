@@ -52,11 +52,15 @@ def _check_fit(runs: list[str]) -> None:
         check_weights_fit(load_config(resolve_run(run)[1]), f"evaluate {run}")
 
 
-def _evaluate(runs: list[str], cfg, out_dir) -> None:
-    from orthon.midtrain.eval import evaluate_runs, write_report
+def _evaluate(runs: list[str], cfg, out_dir, engine: str | None = None) -> None:
+    """The runs evaluated in this process, or (``engine``) the one run's prompts answered by a served model."""
+    from orthon.midtrain.eval import evaluate_runs, evaluate_served, write_report
 
-    _check_fit(runs)
-    results = evaluate_runs(_names(runs), cfg)
+    if engine:
+        results = {Path(runs[0]).name: evaluate_served(runs[0], engine, cfg)}
+    else:
+        _check_fit(runs)
+        results = evaluate_runs(_names(runs), cfg)
     print(write_report(results, out_dir))
     print(f"report: {Path(out_dir) / 'eval.txt'}, heat map: {Path(out_dir) / 'eval.png'}")
 
@@ -78,13 +82,6 @@ def run(args, name):
                           "make the prompts for the model served at URL)")
     if args.eval:
         cfg = load_plan(args.config, args.overrides).eval if args.config else LongEvalConfig()
-        if args.engine:
-            from orthon.midtrain.eval import evaluate_served, write_report
-
-            out = args.out or Path(args.eval[0]) / "eval"
-            print(write_report({Path(args.eval[0]).name: evaluate_served(args.eval[0], args.engine, cfg)}, out))
-            print(f"report: {Path(out) / 'eval.txt'}, heat map: {Path(out) / 'eval.png'}")
-            return 0
         if args.checkpoints:
             from orthon.midtrain.timeline import run_timeline, write_timeline
             from orthon.pretrain.recipe import load_recipe
@@ -96,7 +93,7 @@ def run(args, name):
                 print(write_timeline(run_timeline(run, cfg), out))
                 print(f"timeline: {out / 'timeline.json'}, {out / 'timeline.png'}")
             return 0
-        _evaluate(args.eval, cfg, args.out or Path(args.eval[-1]) / "eval")
+        _evaluate(args.eval, cfg, args.out or Path(args.eval[-1]) / "eval", args.engine)
         return 0
     if args.resume:
         # The run is where its plan.yaml is, whatever run_dir the plan recorded (a moved or copied run,

@@ -317,21 +317,27 @@ def resolve_run(path) -> tuple[Path, Path]:
     return path, path / "final"
 
 
-def evaluate_run(path, cfg: LongEvalConfig, log=print, attention: str = "saved") -> dict:
-    """Every measurement of this module on one run; ``attention`` "dense" / "sparse" overrides how the
-    saved model attends ("saved": as saved)."""
+def _run_inputs(path, cfg: LongEvalConfig):
+    """(run directory, its weights directory, its recipe, tokenizer, haystack of held-out text) of a run."""
     from orthon.data.tokenizer import load_tokenizer
     from orthon.pretrain.recipe import load_recipe
-    from orthon.pretrain.weights import load_weights
 
     run_dir, weights = resolve_run(path)
     recipe = load_recipe(run_dir / "config.yaml")
     if not recipe.data.tokenizer or not recipe.data.valid:
         raise ValueError(f"{run_dir}: the run names no tokenizer or held-out stores (data.tokenizer, data.valid)")
+    return run_dir, weights, recipe, load_tokenizer(recipe.data.tokenizer), Haystack.from_valid(recipe.data.valid,
+                                                                                                 cfg.haystack)
+
+
+def evaluate_run(path, cfg: LongEvalConfig, log=print, attention: str = "saved") -> dict:
+    """Every measurement of this module on one run; ``attention`` "dense" / "sparse" overrides how the
+    saved model attends ("saved": as saved)."""
+    from orthon.pretrain.weights import load_weights
+
+    run_dir, weights, recipe, tokenizer, haystack = _run_inputs(path, cfg)
     runtime = {} if attention == "saved" else {"sparse_attention": attention == "sparse"}
     model = load_weights(weights, **runtime).eval()
-    tokenizer = load_tokenizer(recipe.data.tokenizer)
-    haystack = Haystack.from_valid(recipe.data.valid, cfg.haystack)
     log(f"evaluating {run_dir} (trained at {recipe.data.seq_len} tokens, rope_theta {model.config.rope_theta:g}, "
         f"DSA {'on' if model.runtime.sparse_attention else 'off'}, IndexShare "
         f"{'on' if 'shared' in (model.config.indexer_types or []) else 'off'})")
@@ -351,16 +357,9 @@ def evaluate_served(path, url: str, cfg: LongEvalConfig, log=print) -> dict:
     a model no one process holds, GLM-5 at 200K) on the prompts of the run at ``path`` (its tokenizer and
     held-out stores). Greedy answers only: what needs the weights (answer NLL, perplexity, indexer
     recall, heads) is the in-process evaluation's."""
-    from orthon.data.tokenizer import load_tokenizer
     from orthon.engine.client import HTTPEngine
-    from orthon.pretrain.recipe import load_recipe
 
-    run_dir, _ = resolve_run(path)
-    recipe = load_recipe(run_dir / "config.yaml")
-    if not recipe.data.tokenizer or not recipe.data.valid:
-        raise ValueError(f"{run_dir}: the run names no tokenizer or held-out stores (data.tokenizer, data.valid)")
-    tokenizer = load_tokenizer(recipe.data.tokenizer)
-    haystack = Haystack.from_valid(recipe.data.valid, cfg.haystack)
+    run_dir, _, recipe, tokenizer, haystack = _run_inputs(path, cfg)
     engine = HTTPEngine(url, timeout_s=3600.0)  # a 200K-token prefill takes its time
     log(f"evaluating the model served at {engine.url} on {run_dir}'s prompts (trained at {recipe.data.seq_len} tokens)")
     accuracy, _ = passkey_scores(None, tokenizer, haystack, cfg, log, engine=engine)

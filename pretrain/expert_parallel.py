@@ -59,13 +59,13 @@ def experts_modules(model: nn.Module) -> list[Experts]:
     return [m for m in model.modules() if isinstance(m, Experts)]
 
 
-def shard_over_replicas(model: nn.Module, mesh: DeviceMesh, mp_policy=None) -> None:
-    """FSDP2 over each Experts module's column of ``mesh`` (gathered under ``mp_policy``, a
+def shard_over_replicas(model: nn.Module, mesh: DeviceMesh, mp_policy) -> None:
+    """FSDP2 over each Experts module's column of ``mesh`` (gathered under ``mp_policy``, the layers'
     MixedPrecisionPolicy): before the layers' own fully_shard, which then leaves these parameters to it."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     for module in experts_modules(model):
-        fully_shard(module, mesh=mesh[EXPERT_MESH_DIMS[0]], mp_policy=mp_policy or MixedPrecisionPolicy())
+        fully_shard(module, mesh=mesh[EXPERT_MESH_DIMS[0]], mp_policy=mp_policy)
 
 
 def expert_params(model: nn.Module) -> list[DTensor]:

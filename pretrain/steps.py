@@ -101,8 +101,9 @@ class NextTokenStep(TrainStep):
     def end(self, trainer, sums):
         metrics = {"loss": sums["loss"] / self.count}
         if self.track_max_logit:  # over every rank's sequences (a rank sees its own, or its positions' part)
-            mine = -math.inf if self.max_logit is None else self.max_logit.float()
-            largest = distributed.all_reduce_max(torch.tensor([mine], device=trainer.device)).item()
+            mine = (torch.full((1,), -math.inf, device=trainer.device) if self.max_logit is None
+                    else self.max_logit.float().reshape(1))
+            largest = distributed.all_reduce_max(mine).item()
             if math.isfinite(largest):
                 metrics["max_attn_logit"] = largest
         return metrics

@@ -161,9 +161,7 @@ class Trainer:
         random.seed(self.cfg.seed)
         np.random.seed(self.cfg.seed)
 
-        # FSDP2 over several ranks: built on the meta device and sharded before it has memory, so no rank ever
-        # holds the whole model (GLM-5's 744B parameters would not fit); the same values as a direct build.
-        sharded_build = self.cfg.parallel == "fsdp" and self.world > 1 and not recipe.model.tie_word_embeddings
+        sharded_build = self._builds_sharded()
         source = init_source(self.cfg.init_from, recipe.model) if self.cfg.init_from else None
         with on_meta_device() if sharded_build else nullcontext():
             self.model = GLMForCausalLM(recipe.model, runtime=dataclasses.replace(recipe.runtime))  # a copy: phases change it
@@ -480,7 +478,7 @@ class Trainer:
         distillation teacher."""
         source = init_source(source, self.recipe.model)
         fsdp = self.cfg.parallel == "fsdp" and self.world > 1
-        sharded_build = fsdp and not self.recipe.model.tie_word_embeddings
+        sharded_build = self._builds_sharded()
         with on_meta_device() if sharded_build else nullcontext():
             model = GLMForCausalLM(self.recipe.model, runtime=dataclasses.replace(self.recipe.runtime))
         model.requires_grad_(False)
@@ -494,6 +492,12 @@ class Trainer:
             model.to_empty(device=self.device)
             load_into(model, source)
         return model.eval()
+
+    def _builds_sharded(self) -> bool:
+        """FSDP2 over several ranks: a model is built on the meta device and sharded before it has memory, so
+        no rank ever holds the whole of it (GLM-5's 744B parameters would not fit); the same values as a
+        direct build. Not for tied embeddings: such a model is built whole."""
+        return self.cfg.parallel == "fsdp" and self.world > 1 and not self.recipe.model.tie_word_embeddings
 
     @property
     def holds_shards(self) -> bool:
