@@ -47,7 +47,7 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest", "transformers>=5.20"],
+        "test": ["pytest", "pytest-xdist", "transformers>=5.20"],
         "data": ["datasets", "sentencepiece", "tokenizers", "datasketch", "pyarrow"],
         "rl": ["ray", "zstandard", "xxhash", "math-verify", "sglang-router", "fastapi", "uvicorn"],
         "mindspore": ["mindspore"],

@@ -63,7 +63,7 @@ check() {  # check NAME SECONDS COMMAND...: run it, keep its log, note its exit 
 }
 
 check env 60 bash -c "nvidia-smi; $PY -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'; $PY -m pip list 2>/dev/null"
-check test_cuda 150 "$PY" -m pytest -p no:cacheprovider -q -rfEs tests/test_cuda.py
+check test_cuda 150 "$PY" -m pytest -p no:cacheprovider -n 0 -q -rfEs tests/test_cuda.py
 check gpu_check 150 bash bench/gpu_check.sh --steps 5
 check muon_step 90 "$PY" bench/muon_step.py --device cuda --repeats 5
 check model_step 120 "$PY" bench/model_step.py --device cuda --precision bf16 --shapes 16x1024,4x4096 --repeats 5

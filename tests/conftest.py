@@ -8,7 +8,12 @@ import torch
 # tests/ helpers (hf_reference) import as plain modules.
 sys.path.insert(0, str(Path(__file__).parent))
 
-torch.set_num_threads(2)
+# Two threads, or the cores' share of one xdist worker (`-n 2` on 2 cores: one each, so that two
+# workers' OpenMP teams never wait on each other's cores); the processes tests start inherit it.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
+os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+torch.set_num_threads(THREADS)
 
 
 def pytest_configure(config):
