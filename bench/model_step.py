@@ -25,6 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import cpu_kind, paired_ratio, paired_times, report, tiny_pair  # noqa: E402
 
+from orthon.pretrain.flops import ModelFlops  # noqa: E402
+
 
 
 
@@ -74,7 +76,9 @@ def main():
           f"{config.n_routed_experts} experts top-{config.num_experts_per_tok}, index_topk {config.index_topk}; "
           f"{args.threads} threads, {args.precision}")
     figures, ratios = {}, {}
-    print(f"{'batch x seq':<12}{'orthon tok/s':>14}{'hf tok/s':>12}{'ratio':>8}")
+    model_flops = ModelFlops.of(config)
+    # orthon's model FLOPs a second (orthon.pretrain.flops; the same model's count serves both sides).
+    print(f"{'batch x seq':<12}{'orthon tok/s':>14}{'hf tok/s':>12}{'ratio':>8}{'orthon TFLOP/s':>16}")
     for shape in args.shapes.split(","):
         b, t = (int(v) for v in shape.split("x"))
         ids = torch.randint(0, config.vocab_size, (b, t + 1), device=device)
@@ -83,10 +87,12 @@ def main():
                               "hf": step_fn(theirs, ids, hf_forward, args.precision)}, 2 * args.repeats)
         o, h = (tokens / statistics.median(times[name]) for name in ("orthon", "hf"))
         ratio = paired_ratio(times["hf"], times["orthon"])
-        print(f"{shape:<12}{o:>14,.0f}{h:>12,.0f}{ratio:>8.2f}")
+        tflops = o * model_flops.per_token(t, sparse=True) / 1e12
+        print(f"{shape:<12}{o:>14,.0f}{h:>12,.0f}{ratio:>8.2f}{tflops:>16.3f}")
         suffix = "_".join([shape] + [args.precision] * (args.precision != "fp32") + ["cuda"] * (device.type == "cuda"))
         figures[f"orthon_tokens_per_s_{suffix}"] = round(o, 1)
         figures[f"hf_tokens_per_s_{suffix}"] = round(h, 1)
+        figures[f"orthon_model_tflops_{suffix}"] = round(tflops, 4)
         ratios[f"tokens_per_s_vs_hf_{suffix}"] = round(ratio, 3)
     report("model_step", figures, ratios)
 

@@ -47,7 +47,8 @@ def run_steps(trainer: Any, metrics_log: Any, progress_label: str | None,
                     metrics_log.log(trainer.step, **{k: v for k, v in last.items() if v is not None})
                 if bar is not None:
                     bar.update(last["batch_tokens"])
-                    bar.set_postfix(loss=f"{last['loss']:.3f}", step=trainer.step)
+                    mfu = {"mfu": f"{last['mfu_pct']:.1f}%"} if "mfu_pct" in last else {}
+                    bar.set_postfix(loss=f"{last['loss']:.3f}", step=trainer.step, **mfu)
                 if cfg.checkpoint_interval and trainer.step % cfg.checkpoint_interval == 0:
                     trainer.save_checkpoint()
                 stop_if_signalled(received, getattr(trainer, "device", None), trainer.step,

@@ -7,6 +7,8 @@ plug-in owns the loss:
 - ``begin(trainer, batch)``: once per optimizer step, before any micro-batch: phase switches, and the
   step's global normalisers (collectives are allowed here: every rank calls it).
 - ``micro_batches(batch, size, device)``: the step's batch cut into micro-batches on the device.
+- ``sequence_lengths(micro)``: the lengths of the sequences a micro-batch trains on (the step's model
+  FLOPs, orthon.pretrain.flops).
 - ``loss(model, micro)``: (objective to backward, already divided by the step's global normaliser;
   metric sums of this micro-batch). ``model`` is the data-parallel wrapper, so the forward goes
   through it and DDP / FSDP2 reduce the gradients.
@@ -45,6 +47,10 @@ class TrainStep:
     def micro_batches(self, batch, size: int, device) -> list:
         n = batch.input_ids.shape[0]
         return [batch.slice(i, i + size).to(device) for i in range(0, n, size)]
+
+    def sequence_lengths(self, micro) -> list[int]:
+        rows, length = micro.input_ids.shape
+        return [length] * rows
 
     def loss(self, model, micro) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError

@@ -62,6 +62,10 @@ class TrainConfig:
     # length is a multiple of twice it. Data parallelism then runs over world / context_parallel groups.
     context_parallel: int = 1
     track_max_logit: bool = True  # log the largest attention logit (the Muon Split claim)
+    # The device's peak TFLOP/s for the step metric mfu_pct (model FLOPs a second over this peak; the
+    # model FLOPs are orthon.pretrain.flops'). 0: a known GPU's dense bf16 peak (orthon.core.device_stats),
+    # and no MFU where there is none (CPUs, unlisted GPUs); tflops_per_device is logged either way.
+    peak_tflops: float = 0.0
     log_sample_ids: bool = False  # write every consumed sample id to samples.jsonl
     progress: bool = True
     progress_label: str = "pretrain"  # the progress bar's and loss plot's name for this run
@@ -97,5 +101,7 @@ class TrainConfig:
         check_stop_signals(self.stop_signals)
         if self.spike_sigma < 0:
             raise ConfigError(f"spike_sigma: must be >= 0 (0 = off), got {self.spike_sigma}")
+        if self.peak_tflops < 0:
+            raise ConfigError(f"peak_tflops: must be >= 0 (0 = the device's own, where known), got {self.peak_tflops}")
         if self.grad_clip < 0:
             raise ConfigError(f"grad_clip: must be >= 0 (0 = off), got {self.grad_clip}")

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from orthon.core import distributed
 from orthon.core.config import to_dict
+from orthon.core.device_stats import peak_flops, step_memory
 from orthon.core.errors import ConfigError
 from orthon.core.files import atomic_write_bytes
 from orthon.core.metrics import MetricsLogger, open_step_log, plot_training, read_metrics
@@ -37,6 +38,7 @@ from orthon.optim.newton_schulz import bf16_gemm_is_native
 from orthon.pretrain import context_parallel, expert_parallel, parallel
 from orthon.pretrain.checkpoint import Checkpointer
 from orthon.pretrain.config import TOKEN_ID_FIELDS
+from orthon.pretrain.flops import ModelFlops
 from orthon.pretrain.gathered_weights import save_gathered
 from orthon.pretrain.model import GLMForCausalLM, on_meta_device
 from orthon.pretrain.moe import update_expert_bias
@@ -209,6 +211,8 @@ class Trainer:
         self.step, self.tokens = 0, 0
         self.guard = StepGuard(self.cfg.max_nonfinite_skips, self.cfg.spike_sigma, self.cfg.spike_window, self.log)
         self.total_tokens = self.cfg.total_tokens or recipe.schedule.total_tokens
+        self.model_flops = ModelFlops.of(recipe.model)
+        self.peak_flops = peak_flops(self.device, self.cfg.peak_tflops)
 
     # ------------------------------------------------------------ state
     def resume(self, step: int | None = None) -> dict | None:
@@ -318,6 +322,7 @@ class Trainer:
         micros = self.step_fn.micro_batches(batch, self.cfg.micro_batch_size, self.device)
         sums: dict = {}
         autocast = self.autocast()
+        lengths = []
         for i, micro in enumerate(micros):
             with parallel.no_sync(self.wrapped, last=i == len(micros) - 1), autocast:
                 objective, micro_sums = self.step_fn.loss(self.wrapped, micro)
@@ -325,9 +330,12 @@ class Trainer:
                     objective.backward()
             for key, value in micro_sums.items():
                 _add_metric(sums, key, value)
+            lengths += self.step_fn.sequence_lengths(micro)
+        _add_metric(sums, "model_flops", self._model_flops(lengths))
         if self.expert_parallel > 1:
             expert_parallel.reduce_expert_grads(self.model, self.expert_mesh, self.cfg.parallel == "fsdp")
         sums = _all_reduce_dict(sums, self.device)
+        flops = sums.pop("model_flops")
         step_metrics = self.step_fn.end(self, sums)
         grad_norm = self._clip_and_norm()
         skipped = self.guard.skip(self.step + 1, grad_norm, step_metrics.get("loss"))
@@ -346,10 +354,21 @@ class Trainer:
                    "micro_batches": len(micros)}
         if tokens:
             metrics.update(batch_tokens=tokens, tokens=self.tokens, tokens_per_s=tokens / elapsed)
+        metrics["tflops_per_device"] = flops / self.world / elapsed / 1e12
+        if self.peak_flops:
+            metrics["mfu_pct"] = 100.0 * flops / self.world / elapsed / self.peak_flops
+        metrics.update(step_memory(self.device))
         metrics.update(balance)
         if self.guard.total:
             metrics["skipped_steps"] = self.guard.total
         return metrics
+
+    def _model_flops(self, lengths: list[int]) -> float:
+        """This rank's share of the model FLOPs of training on sequences of ``lengths`` (its micro-batches);
+        context parallelism splits each sequence over its group's ranks."""
+        indexer_trains = any(p.requires_grad for name, p in self.model.named_parameters() if ".indexer." in name)
+        flops = self.model_flops.sequences(lengths, self.model.runtime.sparse_attention, indexer_trains)
+        return flops * self.data_world / self.world
 
     def _clip_and_norm(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]

@@ -81,6 +81,9 @@ class SampleStep(TrainStep):
         """This rank's micro-batches of ``begin``'s plan (``size``, train.micro_batch_size, is in it)."""
         return [[self.trainable[i] for i in part] for part in self.plan.samples_for_rank(self.rank)]
 
+    def sequence_lengths(self, micro) -> list[int]:
+        return [len(self.sample(item).tokens) - 1 for item in micro]  # inputs: every token but the last
+
     def loss(self, model, micro):
         if not micro:  # a rank without samples this step: one at weight 0 (see the module docstring)
             objective, _ = self.micro_loss(model, self.trainable[:1])

@@ -161,7 +161,7 @@ class RLTrainer:
             # updates' now, before the first changes the weights. Groups the iteration dropped are never
             # scored, where the engine's rescore scored every sample it generated.
             self._rescore([s for batch in batches[1:] for s, _ in batch])
-        stats, sums, tokens = {}, {}, 0.0
+        stats, sums, tokens, flops, seconds = {}, {}, 0.0, 0.0, 0.0
         for k, batch in enumerate(batches):
             trained = sum(s.response_length for s, _ in batch)
             self.trainer.step_fn.rescore_in_forward = self.trainer_rescores and k == 0
@@ -181,8 +181,14 @@ class RLTrainer:
             # the worst rank balance and padding.
             for key in ("micro_batches", "oversized_samples"):
                 stats[key] = stats.get(key, 0) + metrics[key]
-            for key in ("dp_balance", "padding_fraction"):
+            for key in ("dp_balance", "padding_fraction", "memory_peak_gib"):
                 stats[key] = max(stats.get(key, 0.0), metrics[key])
+            flops += metrics["tflops_per_device"] * metrics["step_time_s"]
+            seconds += metrics["step_time_s"]
+        # The updates' model FLOPs a second a device (and utilisation), over their time together.
+        stats["tflops_per_device"] = flops / seconds
+        if self.trainer.peak_flops:
+            stats["mfu_pct"] = 100.0 * flops * 1e12 / seconds / self.trainer.peak_flops
         stats.update({k: v / max(tokens, 1.0) for k, v in sums.items()})
         stats["trained_tokens"] = tokens
         return stats

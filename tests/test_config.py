@@ -73,6 +73,13 @@ def test_model_info_reports_glm5_size():
     active = int(out.split(" total, ")[1].split(" active")[0].replace(",", ""))
     assert 740e9 < total < 748e9  # published: 744B
     assert 39e9 < active < 43e9  # published: 40B (39.9B without embedding and head)
+    # Its training FLOPs a token at 4K (orthon.pretrain.flops, pinned in tests/test_flops.py): 303 GFLOP dense
+    from orthon.pretrain.config import ModelConfig
+    from orthon.pretrain.flops import ModelFlops
+
+    flops = ModelFlops.of(ModelConfig())
+    dense, sparse = flops.per_token(4096) / 1e9, flops.per_token(4096, sparse=True) / 1e9
+    assert 300 < dense < 310 and f"at 4,096 tokens (data.seq_len): {dense:,.3f} GFLOP dense, {sparse:,.3f} with DSA" in out
 
 
 def test_cli_config_error_exit_code():

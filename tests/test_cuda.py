@@ -133,6 +133,16 @@ def test_a_pretraining_run_on_cuda_resumes_bit_identical(tmp_path, precision):
     want, got = losses(tmp_path / "a"), losses(tmp_path / "b")
     assert sorted(want) == list(range(1, 9)) and got == want
     assert want[8] < want[1]
+    # The GPU's step metrics: the allocator's peak, and MFU where the device's peak is known.
+    from orthon.core.device_stats import bf16_peak_flops
+    from orthon.core.metrics import read_metrics
+
+    step = next(r for r in read_metrics(tmp_path / "a" / "metrics.jsonl") if r.get("step") == 8 and "loss" in r)
+    assert 0 < step["memory_peak_pct"] < 100 and step["cuda_alloc_retries"] == 0
+    peak = bf16_peak_flops(torch.cuda.get_device_name())
+    assert ("mfu_pct" in step) == (peak is not None)
+    if peak:
+        assert step["mfu_pct"] == pytest.approx(100 * step["tflops_per_device"] * 1e12 / peak, rel=1e-9)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -14,6 +14,10 @@ from plot_support import cycle_colour, pixels_of, read_png
 from pretrain_support import MODEL, orthon
 from test_data_support import train_tiny_tokenizer
 
+# An iteration's figures that differ between runs of the same arithmetic: wall times, and what depends on
+# them or on the process (FLOPs a second, peak memory).
+TIMED = ("iteration_time_s", "wait_s", "train_s", "sync_s", "eval_s", "tflops_per_device", "memory_peak_gib")
+
 
 def _pretrain_dir(tmp_path):
     run = tmp_path / "pre"
@@ -109,7 +113,7 @@ def test_resumed_run_equals_uninterrupted(tmp_path):
     orthon("rl", "-c", _recipe(tmp_path, whole, 4, total_steps=4, name="whole.yaml"), "--from", pre)
     orthon("rl", "-c", _recipe(tmp_path, split, 2, total_steps=4, name="split.yaml"), "--from", pre)
     orthon("rl", "-c", _recipe(tmp_path, split, 4, total_steps=4, name="split.yaml"), "--resume")
-    drop = ("iteration_time_s", "wait_s", "train_s", "sync_s", "eval_s")  # wall times
+    drop = TIMED
     a = [{k: v for k, v in r.items() if k not in drop} for r in _records(whole)]
     b = [{k: v for k, v in r.items() if k not in drop} for r in _records(split)]
     assert [r["step"] for r in b] == [r["step"] for r in a] == [0, 1, 2, 3, 4]
@@ -154,7 +158,7 @@ def test_a_checkpoint_from_before_the_rollout_manager_resumes(tmp_path):
 
     out = orthon("rl", "-c", _recipe(tmp_path, split, 4, total_steps=4, name="split.yaml"), "--resume")
     assert "resumed RL at iteration 2" in out.stdout + out.stderr
-    drop = ("iteration_time_s", "wait_s", "train_s", "sync_s", "eval_s")
+    drop = TIMED
     a, b = ([{k: v for k, v in r.items() if k not in drop} for r in _records(run)] for run in (whole, split))
     assert b == a
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from orthon.data.tokenizer import load_tokenizer
+from orthon.pretrain.flops import ModelFlops
 from orthon.pretrain.logprobs import sequence_log_probs
 from orthon.rl.sample import Sample, SampleStatus
 from orthon.core.config import build
@@ -60,13 +61,15 @@ def _steps(trainer) -> int:
 def test_updates_per_iteration_take_that_many_steps(tmp_path):
     trainer = _trainer(tmp_path, "a", updates_per_iteration=2)
     # Before each optimizer step, the mean |logp - rollout logp| of its batch under the weights it starts from.
-    diffs, train_step = [], trainer.trainer.train_step
+    diffs, flops, train_step = [], [], trainer.trainer.train_step
 
     def recording(batch, tokens):
         with torch.no_grad():
             lp = sequence_log_probs(trainer.model, [s.tokens for s, _ in batch], [s.response_length for s, _ in batch])
         diffs.append(float((lp.log_probs - torch.stack([s.rollout_log_probs for s, _ in batch])).abs().mean()))
-        return train_step(batch, tokens=tokens)
+        metrics = train_step(batch, tokens=tokens)
+        flops.append((metrics["tflops_per_device"] * 1e12 * metrics["step_time_s"], len(batch), metrics["step_time_s"]))
+        return metrics
 
     trainer.trainer.train_step = recording
     stats = trainer.train_on(_groups(trainer, [[1, 0, 0, 1], [0, 1, 1, 1], [1, 0, 0, 0], [0, 0, 1, 1]]))
@@ -76,6 +79,11 @@ def test_updates_per_iteration_take_that_many_steps(tmp_path):
     assert stats["logp_mismatch_max"] == 0.0
     assert diffs[0] < 1e-6 and diffs[1] > 1e-4
     assert stats["logp_abs_diff"] == pytest.approx((diffs[0] + diffs[1]) / 2, rel=1e-3)
+    # Each step's model FLOPs: its samples' 8 input tokens each (9 tokens, the last one only a target).
+    per_sample = ModelFlops.of(trainer.recipe.model).sequences([8])
+    assert [(pytest.approx(f, rel=1e-9), n) for f, n, _ in flops] == [(per_sample * 8, 8)] * 2
+    # The iteration's figure: both updates' FLOPs over their time together.
+    assert stats["tflops_per_device"] == pytest.approx(per_sample * 16 / 1e12 / sum(t for *_, t in flops), rel=1e-9)
 
 
 def test_the_trainer_rescores_what_the_engine_would(tmp_path):

@@ -11,6 +11,7 @@ import torch
 from pretrain_support import make_stores, orthon, write_recipe
 from orthon.core.errors import ConfigError, DivergedError
 from orthon.core.step_guard import StepGuard
+from orthon.pretrain.flops import ModelFlops
 from orthon.pretrain.recipe import load_recipe
 from orthon.pretrain.steps import NextTokenStep
 from orthon.pretrain.trainer import Trainer
@@ -146,9 +147,13 @@ def test_the_mindspore_backend_skips_them_too(tmp_path):
     after_weights, after_optimizer = state()
     assert all(np.array_equal(a, b) for a, b in zip(weights, after_weights))
     assert _equal(after_optimizer, optimizer) and optimizer["momentum"] and optimizer["exp_avg"]
-    trainer.train_step()
+    third = trainer.train_step()
     assert not all(np.array_equal(a, p.asnumpy()) for a, p in zip(weights, trainer.params))
     assert all(np.isfinite(p.asnumpy()).all() for p in trainer.params)
+    # Its step metrics carry the torch Trainer's model FLOPs (orthon.pretrain.flops) and memory.
+    flops = ModelFlops.of(recipe.model).sequences([recipe.data.seq_len] * (third["batch_tokens"] // recipe.data.seq_len))
+    assert third["tflops_per_device"] * 1e12 * third["step_time_s"] == pytest.approx(flops, rel=1e-9)
+    assert third["memory_peak_gib"] > 0.1 and "mfu_pct" not in third  # no peak given: no MFU
 
 
 def test_spikes_are_skipped_and_a_lasting_change_is_not():

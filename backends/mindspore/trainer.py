@@ -24,11 +24,13 @@ from orthon.backends.mindspore.distributed import DataParallel, local_device_id
 from orthon.backends.mindspore.optim import HybridOptimizer
 from orthon.backends.mindspore.runtime import ms, place
 from orthon.backends.mindspore.weights import build, save_hf
+from orthon.core.device_stats import step_memory
 from orthon.core.metrics import MetricsLogger, plot_training, read_metrics
 from orthon.core.step_guard import StepGuard
 from orthon.core.step_loop import run_steps
 from orthon.data.loader import IGNORE_INDEX, open_training_data
 from orthon.optim import batch_size_at, lr_at
+from orthon.pretrain.flops import ModelFlops
 
 ops = ms.ops
 
@@ -39,6 +41,18 @@ def _int32(t) -> ms.Tensor:
 
 def global_norm(grads) -> float:
     return math.sqrt(sum(float((g * g).sum()) for g in grads))
+
+
+def device_memory() -> dict[str, float]:
+    """The step's memory metric: the device's peak reserved bytes since the last call (Ascend, GPU), or the
+    process's peak resident set (CPU, where MindSpore's memory statistics stay 0)."""
+    if ms.get_context("device_target") == "CPU":
+        import torch
+
+        return step_memory(torch.device("cpu"))
+    peak = ms.runtime.max_memory_reserved()
+    ms.runtime.reset_peak_memory_stats()
+    return {"memory_peak_gib": peak / 2**30}
 
 
 class MindSporeTrainer:
@@ -73,6 +87,7 @@ class MindSporeTrainer:
         self.step, self.tokens = 0, 0
         self.guard = StepGuard(self.cfg.max_nonfinite_skips, self.cfg.spike_sigma, self.cfg.spike_window, self.log)
         self.total_tokens = self.cfg.total_tokens or recipe.schedule.total_tokens
+        self.model_flops = ModelFlops.of(recipe.model)
 
     def _loss(self, input_ids, labels, doc_ids, cos, sin):
         return self.model.loss_and_loads(input_ids, labels, cos, sin, doc_ids)
@@ -147,6 +162,13 @@ class MindSporeTrainer:
                    "micro_batches": len(micros)}
         if tokens:
             metrics.update(batch_tokens=tokens, tokens=self.tokens, tokens_per_s=tokens / elapsed)
+            # Model FLOPs as the torch Trainer's (dense attention: this backend's); MFU against
+            # train.peak_tflops, the one source of an Ascend NPU's peak here.
+            tflops = self.model_flops.per_token(self.seq_len) * tokens / self.world / elapsed / 1e12
+            metrics["tflops_per_device"] = tflops
+            if self.cfg.peak_tflops:
+                metrics["mfu_pct"] = 100.0 * tflops / self.cfg.peak_tflops
+        metrics.update(device_memory())
         if imbalance is not None:
             metrics["moe_load_max_over_mean"] = imbalance
         if self.guard.total:
