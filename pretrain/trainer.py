@@ -354,9 +354,10 @@ class Trainer:
                    "micro_batches": len(micros)}
         if tokens:
             metrics.update(batch_tokens=tokens, tokens=self.tokens, tokens_per_s=tokens / elapsed)
-        metrics["tflops_per_device"] = flops / self.world / elapsed / 1e12
+        per_device = flops / self.world / elapsed  # model FLOPs a second (orthon.pretrain.flops)
+        metrics["tflops_per_device"] = per_device / 1e12
         if self.peak_flops:
-            metrics["mfu_pct"] = 100.0 * flops / self.world / elapsed / self.peak_flops
+            metrics["mfu_pct"] = 100.0 * per_device / self.peak_flops
         metrics.update(step_memory(self.device))
         metrics.update(balance)
         if self.guard.total:

@@ -178,7 +178,7 @@ class RLTrainer:
                     sums[key] = sums.get(key, 0.0) + metrics[key] * n
             tokens += n
             # The DP schedule: micro-batches per rank and oversized samples summed over the updates,
-            # the worst rank balance and padding.
+            # the worst rank balance, padding and peak memory.
             for key in ("micro_batches", "oversized_samples"):
                 stats[key] = stats.get(key, 0) + metrics[key]
             for key in ("dp_balance", "padding_fraction", "memory_peak_gib"):
