@@ -313,9 +313,11 @@ class Trainer:
         """One optimizer step on ``batch`` (default: the next batch of the recipe's data, sized by the
         batch ramp); ``tokens`` is what the step consumes globally (for the schedule)."""
         start = time.perf_counter()
+        data_time = None
         if batch is None:
             n_seqs = self.batch_sequences()
             batch, tokens = self.data.next_batch(n_seqs), n_seqs * self.seq_len
+            data_time = time.perf_counter() - start  # a data pipeline that cannot keep up shows here first
             self.sample_ids = batch.sample_ids
         lr = self.set_lr()
         self.step_fn.begin(self, batch)
@@ -359,6 +361,8 @@ class Trainer:
         if self.peak_flops:
             metrics["mfu_pct"] = 100.0 * per_device / self.peak_flops
         metrics.update(step_memory(self.device))
+        if data_time is not None:
+            metrics["data_time_s"] = data_time
         metrics.update(balance)
         if self.guard.total:
             metrics["skipped_steps"] = self.guard.total

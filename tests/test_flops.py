@@ -1,6 +1,8 @@
-"""Model FLOPs (orthon.pretrain.flops), the devices' peaks and the step metrics built on them."""
+"""Model FLOPs (orthon.pretrain.flops), the devices' peaks and the step metrics built on them (and the step's
+wait for its data)."""
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -87,6 +89,12 @@ def test_a_steps_metrics_hold_its_model_flops(tmp_path):
     assert metrics["tflops_per_device"] * 1e12 * metrics["step_time_s"] == pytest.approx(flops, rel=1e-9)
     assert metrics["mfu_pct"] == pytest.approx(100 * metrics["tflops_per_device"] / 0.5, rel=1e-12)
     assert metrics["memory_peak_gib"] > 0.1  # torch alone holds more
+    # The wait for the batch: a data pipeline slowed by 0.3 s shows it, inside the step's time.
+    next_batch = trainer.data.next_batch
+    trainer.data.next_batch = lambda n: (time.sleep(0.3), next_batch(n))[1]
+    slow = trainer.train_step()
+    assert slow["step_time_s"] > slow["data_time_s"] >= 0.3
+    assert metrics["data_time_s"] < 0.3
     # Mid-training's indexer stage: sparse attention on, the indexers trained (longer than index_topk).
     trainer.model.runtime.sparse_attention = True
     trainer.model.set_indexers_trainable(True)
