@@ -12,9 +12,9 @@ a causal query is charged for all n keys of its sequence, as in those formulas).
 - 6 H (qk_head_dim + v_head_dim) per key and layer: MLA's scores and weighted values in its per-head form
   (the absorbed form computes the same products another way), over the n keys of its sequence, or the
   index_topk selected ones where DSA's sparse attention selects (n > index_topk);
-- where DSA selects or mid-training fits the indexer, each layer with its own indexer (IndexShare's shared layers reuse one): its three
-  projections and its scores, 2 n_idx d_idx per key over all n keys, forward only when it just selects,
-  with its backward (3x) where mid-training fits it.
+- where DSA selects or mid-training fits the indexer, each layer with its own indexer (IndexShare's
+  shared layers reuse one): its three projections and its scores, 2 n_idx d_idx per key over all n
+  keys, forward only when it just selects, with its backward (3x) where mid-training fits it.
 """
 from __future__ import annotations
 
@@ -41,8 +41,7 @@ class ModelFlops:
     def of(cls, config: ModelConfig) -> ModelFlops:
         from orthon.pretrain.model_info import parameter_counts  # builds the model on the meta device
 
-        counts = parameter_counts(config)
-        c = config
+        counts, c = parameter_counts(config), config
         return cls(
             matmul_parameters=sum(counts[k]["active"] for k in MATMUL_COMPONENTS if k in counts),
             layers=c.num_hidden_layers,
