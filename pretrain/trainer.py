@@ -371,7 +371,7 @@ class Trainer:
     def _model_flops(self, lengths: list[int]) -> float:
         """This rank's share of the model FLOPs of training on sequences of ``lengths`` (its micro-batches);
         context parallelism splits each sequence over its group's ranks."""
-        indexer_trains = any(p.requires_grad for name, p in self.model.named_parameters() if ".indexer." in name)
+        indexer_trains = any(p.requires_grad for indexer in self.model.indexers() for p in indexer.parameters())
         flops = self.model_flops.sequences(lengths, self.model.runtime.sparse_attention, indexer_trains)
         return flops * self.data_world / self.world
 
