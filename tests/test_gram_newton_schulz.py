@@ -20,6 +20,9 @@ from orthon.optim.gram_newton_schulz import (
     gram_newton_schulz_flops,
     gram_pays,
     orthogonalise_gram_or_standard,
+    symmetric_matmul,
+    symmetric_panels,
+    symmetric_product_flops,
 )
 from orthon.optim.newton_schulz import DEFAULT_COEFFICIENTS, bf16_gemm_is_native, newton_schulz, newton_schulz_flops
 
@@ -99,19 +102,29 @@ def test_a_lone_matrix_has_its_normalisation_folded_into_the_gemms(rows, cols, m
     # the first Q X), rounded once. Same map as the divided form (a batch of two), to bf16 round-off.
     import orthon.optim.gram_newton_schulz as gram_module
 
-    scales = []
-    product = gram_module._scaled_product
+    scales, alphas = [], []
+    product, matmul = gram_module._scaled_product, gram_module.symmetric_matmul
     monkeypatch.setattr(gram_module, "_scaled_product", lambda u, v, s: scales.append(s) or product(u, v, s))
+
+    def spy(u, v, panels, alpha=1.0, addend=None, beta=0.0):
+        if addend is None:  # X X^T and the products of R, P, Q
+            alphas.append(alpha)
+        return matmul(u, v, panels, alpha, addend, beta)
+
+    monkeypatch.setattr(gram_module, "symmetric_matmul", spy)
     x, factors = gradient_like(2, rows, cols)
     exact = exact_newton_schulz(factors)
     divided = gram_newton_schulz(x.float())
-    assert scales and all(s is None for s in scales)
-    scales.clear()
-    lone = torch.cat([gram_newton_schulz(x[i: i + 1].float()) for i in range(2)])
+    assert scales and all(s is None for s in scales) and set(alphas) == {1.0}
+    scales.clear(), alphas.clear()
+    lone = [gram_newton_schulz(x[i: i + 1].float()) for i in range(2)]
+    first_alphas = alphas[: len(alphas) // 2]
+    lone = torch.cat(lone)
     norm = x[0].float().bfloat16().float().norm().item()
     # Per matrix: R_0 with 1/|X|^2, the first Q X (at the restart before step 3) with 1/|X|.
-    assert scales[0] == pytest.approx(1 / norm**2, rel=1e-2) and scales[1] == pytest.approx(1 / norm, rel=1e-2)
-    assert [s is not None for s in scales] == [True, True, False] * 2  # the last Q X: X already scaled
+    assert first_alphas[0] == pytest.approx(1 / norm**2, rel=1e-2) and set(first_alphas[1:]) == {1.0}
+    assert scales[0] == pytest.approx(1 / norm, rel=1e-2)
+    assert [s is not None for s in scales] == [True, False] * 2  # the last Q X: X already scaled
     # Measured: 0.033-0.034 from the exact iteration against 0.039-0.040 divided (one rounding fewer).
     # A scale left out of R_0 or of Q X, or applied once too often, is far off (a wrong polynomial or
     # an output scaled by |X|).
@@ -167,6 +180,63 @@ def test_restarts_keep_bf16_stable():
     assert singular_band(restarted)[1] < 1.25
 
 
+@pytest.mark.parametrize("kernel", [True, False])
+def test_symmetric_products_are_the_full_products_mirrored(kernel, monkeypatch):
+    # An n x n product known to be symmetric, computed in row panels (each from its diagonal block on) and
+    # mirrored: the full product's values (fp32 round-off), the blocks below the diagonal ones exactly the
+    # transposes of those above. 100 rows in 3 panels of 33, 33, 34: uneven bounds. The mirror by the C
+    # kernel (fp32 and bf16 words) and by torch's copies.
+    import orthon.optim.gram_newton_schulz as gram_module
+
+    if not kernel:
+        monkeypatch.setattr(gram_module.mirror_kernel, "load", lambda: None)
+    elif gram_module.mirror_kernel.load() is None:
+        pytest.skip(f"mirror kernel unavailable: {gram_module.mirror_kernel.why_unavailable}")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 100, 70, generator=gen)
+    r = torch.bmm(x, x.mT)
+    r = (r + r.mT) / 2  # exactly symmetric, as the iteration's R is
+    p = 0.5 * r + 0.1 * torch.bmm(r, r)  # a polynomial in R: commutes with it
+    b, c = DEFAULT_COEFFICIENTS[1:]
+    cases = [
+        (symmetric_matmul(x, x.mT, 3), torch.bmm(x, x.mT)),  # X X^T
+        (symmetric_matmul(x, x.mT, 3, alpha=0.25), 0.25 * torch.bmm(x, x.mT)),  # with the folded scale
+        (symmetric_matmul(r, r, 3, alpha=c, addend=r, beta=b), b * r + c * torch.bmm(r, r)),  # P's b R + c R^2
+        (symmetric_matmul(r, p, 3), torch.bmm(r, p)),  # R P, Q P
+    ]
+    for panelled, full in cases:
+        for lo, hi in ((33, 66), (66, 100)):
+            assert torch.equal(panelled[:, lo:hi, :lo], panelled[:, :lo, lo:hi].mT)
+        torch.testing.assert_close(panelled, full, rtol=1e-5, atol=1e-4 * full.abs().max().item())
+    half = symmetric_matmul(x.bfloat16(), x.bfloat16().mT, 3)
+    assert torch.equal(half[:, 33:, :33], half[:, :33, 33:].mT) and torch.equal(half[:, 66:, 33:66], half[:, 33:66, 66:].mT)
+    torch.testing.assert_close(half.float(), torch.bmm(x, x.mT), rtol=0.02, atol=0.3)
+    # One panel is the plain batched GEMM.
+    assert torch.equal(symmetric_matmul(r, p, 1), torch.bmm(r, p))
+    assert symmetric_product_flops(100, 70, 3) == 2 * 70 * (33 * 100 + 33 * 67 + 34 * 34)
+
+
+def test_gram_with_symmetric_products_is_the_same_map(monkeypatch):
+    # A 1024-row block (4 panels where the CPU has no AMX), in this CPU's compute dtype: the panelled
+    # iteration and the full products' agree to round-off and are as near the exact iteration.
+    import orthon.optim.gram_newton_schulz as gram_module
+
+    x, factors = gradient_like(1, 1024, 1536)
+    exact = exact_newton_schulz(factors)
+    dtype = gram_compute_dtype("auto", "cpu")
+    outs = {}
+    for amx in (True, False):
+        monkeypatch.setattr(gram_module, "_cpu_has_amx", lambda amx=amx: amx)
+        outs[amx] = gram_newton_schulz(x.float(), dtype=dtype)
+    full, panelled = outs[True], outs[False]
+    tolerance = 0.02 if dtype == torch.bfloat16 else 1e-4
+    assert relative(panelled, full.double()) < tolerance
+    assert relative(panelled, exact) <= relative(full, exact) + tolerance / 4
+    lo, hi = singular_band(exact)
+    out_lo, out_hi = singular_band(panelled)
+    assert lo - 0.05 <= out_lo and out_hi <= hi + 0.05, (out_lo, out_hi, lo, hi)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not bf16_gemm_is_native("cpu"), reason="bf16 GEMM emulated on this CPU (about 1 GFLOP/s): "
                     "these blocks would take over 20 minutes; the fast suite checks the same numerics on smaller ones")
@@ -181,7 +251,10 @@ def test_gram_bf16_on_large_glm5_blocks(rows, cols, count):
         assert lo - 0.05 <= out_lo and out_hi <= hi + 0.05
 
 
-def test_flop_counts_by_hand():
+def test_flop_counts_by_hand(monkeypatch):
+    import orthon.optim.gram_newton_schulz as gram_module
+
+    monkeypatch.setattr(gram_module, "_cpu_has_amx", lambda: True)  # full products (as on GPUs)
     n, m = 1024, 4096
     # Standard: 5 x (X X^T, R^2, P X) = 5 (4 n^2 m + 2 n^3) = 90 n^3 here.
     assert newton_schulz_flops(n, m) == 90 * n**3
@@ -203,6 +276,19 @@ def test_flop_counts_by_hand():
     assert block_flops(n, m, 5, "standard") == 90 * n**3 == block_flops(n, m, 5, "gram", "fp16", "cuda") + 30 * n**3
     assert block_flops(n, n, 5, "gram", "bf16") == 30 * n**3  # square: standard
     assert block_flops(256, 512, 5, "gram", "bf16") == newton_schulz_flops(256, 512)  # below the threshold
+    # Symmetric products in 4 row panels of 256 (CPUs without AMX, n >= 1024): an n x n product over K costs
+    # 2 K (256 n + 256 (3n/4) + 256 (n/2) + 256 (n/4)) = 2 K n^2 (10/16). Gram at 1024 x 4096: its two X X^T
+    # and 14 n x n products at 10/16, its two Q X in full: 2 (2 n^2 m) (10/16 + 1) + 14 (2 n^3) (10/16).
+    assert symmetric_panels(n, "cpu") == 1 and symmetric_panels(n, "cuda") == 1
+    monkeypatch.setattr(gram_module, "_cpu_has_amx", lambda: False)
+    assert [symmetric_panels(k, "cpu") for k in (512, 1023, 1024, 2048, 6144)] == [1, 1, 4, 8, 8]
+    assert symmetric_panels(n, "cuda") == 1
+    assert symmetric_product_flops(n, m, 4) == 2 * m * n * n * 10 // 16
+    assert gram_newton_schulz_flops(n, m, 5, (3,), panels=4) == 87 * n**3 // 2  # 43.5 n^3, was 60
+    assert block_flops(n, m, 5, "gram", "bf16") == 87 * n**3 // 2
+    # The square block's standard products (restarted every step): X X^T and R^2 in panels, P X full.
+    assert block_flops(n, n, 5, "gram", "bf16") == 5 * (2 * n**3) * (10 + 10 + 16) // 16  # 22.5 n^3, was 30
+    assert block_flops(n, n, 5, "standard") == 30 * n**3  # standard: torch.optim.Muon's products
 
 
 def test_compute_dtype_and_restarts_per_device():
