@@ -34,14 +34,15 @@ FLOPs on 1024 x 4096. fp32 needs no restart.
 
 Symmetric products. R, P and Q are polynomials in R_0, so they commute and every
 n x n product above (X X^T, R^2, R P, P (R P), Q P) is symmetric. On CPUs whose
-GEMMs run on vector units (no AMX), for n >= 1024, only the upper part of each
-product's row panels is multiplied, n/256 panels of at most 8 (panel i: its rows
-times the columns from its diagonal block on), and the lower triangle is its
-mirror: (k+1)/2k of the FLOPs with k panels (0.625 at n = 1024). Measured on an AMD EPYC with AVX512-BF16 (bf16, one thread),
-the iteration on a 1024 x 4096 block took 0.71 of the time of full products, on a
-1024^2 block (restarted every step: X X^T and R^2 of its three products) 0.84, on
-2048 x 8192 0.73; at n = 512 (2 panels) it gained at one thread and lost at two,
-so full products run below 1024. An earlier measurement on an AMX Xeon found
+GEMMs run on vector units (no AMX), for n >= 1024, each product is computed as
+n/256 row panels (at most 8), each panel's rows times the columns from its
+diagonal block on, and the blocks below the diagonal blocks are mirrored from
+above (a C kernel): (k+1)/2k of the FLOPs with k panels, 0.625 at n = 1024.
+Measured on an AMD EPYC with AVX512-BF16 (bf16, one thread), the iteration on a
+1024 x 4096 block took 0.71 of the time of full products, on a 1024^2 block
+(restarted every step: X X^T and R^2 of its three products) 0.84, on 2048 x 8192
+0.73; at n = 512 (2 panels) it gained at one thread and lost at two, so smaller
+blocks keep full products. An earlier measurement on an AMX Xeon found
 block-triangle products slower than one full bf16 GEMM there: AMX CPUs and GPUs
 keep the full products.
 
@@ -63,7 +64,6 @@ import torch
 from torch import Tensor
 
 from orthon.core.native import NativeLibrary
-
 from orthon.optim.newton_schulz import (
     DEFAULT_COEFFICIENTS,
     DEFAULT_EPS,
@@ -72,6 +72,8 @@ from orthon.optim.newton_schulz import (
     check_arguments,
     newton_schulz_flops,
 )
+
+log = logging.getLogger(__name__)
 
 NS_METHODS = ("standard", "gram")  # Muon's ns_method: which Newton-Schulz form runs
 GRAM_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -104,9 +106,6 @@ def symmetric_panels(n: int, device: torch.device | str) -> int:
     if torch.device(device).type != "cpu" or n < SYMMETRIC_MIN_ROWS or _cpu_has_amx():
         return 1
     return min(SYMMETRIC_MAX_PANELS, n // SYMMETRIC_PANEL_ROWS)
-
-
-log = logging.getLogger(__name__)
 
 
 def _declare_mirror(lib: ctypes.CDLL) -> None:

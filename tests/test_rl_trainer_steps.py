@@ -74,9 +74,11 @@ def test_updates_per_iteration_take_that_many_steps(tmp_path):
     trainer.trainer.train_step = recording
     stats = trainer.train_on(_groups(trainer, [[1, 0, 0, 1], [0, 1, 1, 1], [1, 0, 0, 0], [0, 0, 1, 1]]))
     assert _steps(trainer) == 2 and len(diffs) == 2
-    # The first step runs on the rollout's weights: no mismatch; the second is off-policy, and the logged
-    # mean is over both steps' tokens (2 groups x 4 samples x 4 tokens each): half the second step's.
-    assert stats["logp_mismatch_max"] == 0.0
+    # The first step runs on the rollout's weights: no mismatch beyond round-off (its micro-batches of 3 are
+    # not the rescoring batch of 16, and on AVX-512 CPUs the GEMMs then round differently: 4.8e-7 seen); the
+    # second is off-policy, and the logged mean is over both steps' tokens (2 groups x 4 samples x 4 tokens
+    # each): half the second step's.
+    assert stats["logp_mismatch_max"] < 1e-6
     assert diffs[0] < 1e-6 and diffs[1] > 1e-4
     assert stats["logp_abs_diff"] == pytest.approx((diffs[0] + diffs[1]) / 2, rel=1e-3)
     # Each step's model FLOPs: its samples' 8 input tokens each (9 tokens, the last one only a target).
