@@ -13,10 +13,10 @@ Newton-Schulz", 2026):
 
 Two n x m products (R_0 and the final Q X) replace the 2 per step, at the cost
 of up to 4 n x n products per step; on a 1024 x 4096 block that is 60 n^3
-instead of 90 n^3 FLOPs. ``gram_pays`` says where it pays (aspect ratio
-2.5 and up: fewer FLOPs from 1.5, but not yet less time); elsewhere the gram
-method restarts before every step, which is standard Newton-Schulz's products
-(see ``orthogonalise_gram_or_standard``).
+instead of 90 n^3 FLOPs. ``gram_method_restarts`` says where it pays (aspect
+ratio 2.5 and up; 2 in bf16 on CPUs without AMX; fewer FLOPs from 1.5, but not
+yet less time); elsewhere the gram method restarts before every step, which is
+standard Newton-Schulz's products (see ``orthogonalise_gram_or_standard``).
 
 Half precision. Rounding errors in R are not corrected by the iteration (the
 standard form recomputes X X^T from X every step): an eigenvalue of R pushed
@@ -80,8 +80,12 @@ GRAM_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bflo
 GRAM_DTYPE_NAMES = ("auto", *GRAM_DTYPES)
 # Gram runs where it needs at most this fraction of standard's FLOPs. Its n x n products run at a lower
 # GEMM rate than standard's n x m ones and it makes more calls: at 0.88 (24 blocks of 512 x 256, bf16,
-# one CPU thread) it measured 12% slower than standard, at 0.74 (768 x 256) 20% faster.
+# one CPU thread) it measured 12% slower than standard on the AMX Xeon, at 0.74 (768 x 256) 20% faster.
 GRAM_MAX_FLOP_FRACTION = 0.8
+# In bf16 on CPUs without AMX (AVX512-BF16) the n x n products keep the wide ones' rate: on the AMD EPYC
+# (Zen 4, one thread) the same 512 x 256 blocks (0.88) took 0.81-0.87 of standard's time, 1024 x 512
+# 0.83, but 384 x 256 (0.97) 1.02. (fp32 there, MKL's AVX2 code: 512 x 256 without restarts, 0.84, 1.07.)
+GRAM_MAX_FLOP_FRACTION_BF16_VECTOR = 0.9
 # Largest Frobenius norm whose normalisation is folded into the GEMMs (X X^T of the raw matrix is formed,
 # so bound its entries far below bf16's and fp32's range); larger inputs are divided first.
 FOLD_MAX_NORM = 1e12
@@ -225,11 +229,29 @@ def gram_newton_schulz_flops(rows: int, cols: int, steps: int = DEFAULT_STEPS,
             + square * symmetric_product_flops(n, n, panels))
 
 
-def gram_pays(rows: int, cols: int, steps: int = DEFAULT_STEPS, restarts: tuple[int, ...] = ()) -> bool:
-    """Whether Gram Newton-Schulz is worth running on a rows x cols block: at most GRAM_MAX_FLOP_FRACTION
-    of standard's FLOPs (aspect ratio >= 2.5 with one restart in 5 steps)."""
+def gram_max_flop_fraction(dtype: torch.dtype, device: torch.device | str) -> float:
+    """The largest fraction of standard's FLOPs at which Gram runs, for ``dtype`` on ``device``."""
+    if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and not _cpu_has_amx():
+        return GRAM_MAX_FLOP_FRACTION_BF16_VECTOR
+    return GRAM_MAX_FLOP_FRACTION
+
+
+def gram_pays(rows: int, cols: int, steps: int = DEFAULT_STEPS, restarts: tuple[int, ...] = (),
+              max_fraction: float = GRAM_MAX_FLOP_FRACTION) -> bool:
+    """Whether Gram Newton-Schulz is worth running on a rows x cols block: at most ``max_fraction`` of
+    standard's FLOPs (at 0.8: aspect ratio >= 2.5 with one restart in 5 steps; at 0.9: >= 2)."""
     gram = gram_newton_schulz_flops(rows, cols, steps, restarts)
-    return gram <= GRAM_MAX_FLOP_FRACTION * newton_schulz_flops(rows, cols, steps)
+    return gram <= max_fraction * newton_schulz_flops(rows, cols, steps)
+
+
+def gram_method_restarts(rows: int, cols: int, steps: int, compute: torch.dtype,
+                         device: torch.device | str) -> tuple[int, ...]:
+    """The restarts Muon's gram method runs a rows x cols block with in ``compute`` on ``device``: the
+    dtype's (``default_restarts``) where Gram pays, else before every step (standard's products)."""
+    restarts = default_restarts(steps, compute)
+    if gram_pays(rows, cols, steps, restarts, gram_max_flop_fraction(compute, device)):
+        return restarts
+    return tuple(range(1, steps))
 
 
 def block_flops(rows: int, cols: int, steps: int = DEFAULT_STEPS, ns_method: str = "standard",
@@ -237,9 +259,7 @@ def block_flops(rows: int, cols: int, steps: int = DEFAULT_STEPS, ns_method: str
     """FLOPs Muon computes orthogonalising one rows x cols block under ``ns_method`` on ``device``."""
     if ns_method != "gram":
         return newton_schulz_flops(rows, cols, steps)
-    restarts = default_restarts(steps, gram_compute_dtype(gram_dtype, device))
-    if not gram_pays(rows, cols, steps, restarts):
-        restarts = tuple(range(1, steps))  # standard's products (orthogonalise_gram_or_standard)
+    restarts = gram_method_restarts(rows, cols, steps, gram_compute_dtype(gram_dtype, device), device)
     return gram_newton_schulz_flops(rows, cols, steps, restarts, symmetric_panels(min(rows, cols), device))
 
 
@@ -338,7 +358,7 @@ def orthogonalise_gram_or_standard(
     """Muon's ``ns_method: gram`` on a stack of same-shaped blocks ``(n, rows, cols)``, in the device's
     compute dtype (``gram_compute_dtype``).
 
-    Gram Newton-Schulz where it pays for this block shape (``gram_pays``). Elsewhere the same iteration
+    Gram Newton-Schulz where it pays for this block shape and device (``gram_method_restarts``). Elsewhere the same iteration
     restarted before every step, which is standard Newton-Schulz's products (X X^T, R^2, P X) with
     P = a I + b R + c R^2 formed as one matrix: no product copies an addend as baddbmm's "a X + ..." does
     (one pass over X a step less; one more rounding of P's diagonal). Both round the input to ``ns_dtype``
@@ -346,7 +366,5 @@ def orthogonalise_gram_or_standard(
     """
     rows, cols = stack.shape[-2:]
     compute = gram_compute_dtype(gram_dtype, stack.device)
-    restarts = default_restarts(steps, compute)
-    if not gram_pays(rows, cols, steps, restarts):
-        restarts = tuple(range(1, steps))
+    restarts = gram_method_restarts(rows, cols, steps, compute, stack.device)
     return gram_newton_schulz(stack, steps, coefficients, compute, eps, restarts, input_dtype=ns_dtype)

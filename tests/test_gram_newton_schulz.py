@@ -16,6 +16,7 @@ from orthon.optim.gram_newton_schulz import (
     block_flops,
     default_restarts,
     gram_compute_dtype,
+    gram_method_restarts,
     gram_newton_schulz,
     gram_newton_schulz_flops,
     gram_pays,
@@ -291,6 +292,27 @@ def test_flop_counts_by_hand(monkeypatch):
     assert block_flops(n, n, 5, "standard") == 30 * n**3  # standard: torch.optim.Muon's products
 
 
+def test_where_gram_pays_by_dtype_and_device(monkeypatch):
+    # From 0.8 of standard's FLOPs (aspect ratio 2.5), or 0.9 (ratio 2) in bf16 on a CPU without AMX, where
+    # the 512 x 256 expert blocks measured 0.81-0.87 of standard's time (1.12 on the AMX Xeon).
+    import orthon.optim.gram_newton_schulz as gram_module
+
+    expert, tall, near_square = (512, 256), (768, 256), (384, 256)  # 0.88, 0.74, 0.97 of standard's FLOPs
+    bf16, every_step = torch.bfloat16, (1, 2, 3, 4)
+    for amx in (True, False):
+        monkeypatch.setattr(gram_module, "_cpu_has_amx", lambda amx=amx: amx)
+        assert gram_method_restarts(*tall, 5, bf16, "cpu") == (3,)
+        assert gram_method_restarts(*expert, 5, bf16, "cpu") == (every_step if amx else (3,))
+        assert gram_method_restarts(*near_square, 5, bf16, "cpu") == every_step
+        assert gram_method_restarts(*expert, 5, torch.float32, "cpu") == every_step  # fp32: 0.84, 1.07 measured
+        assert gram_method_restarts(*expert, 5, torch.float16, "cuda") == every_step
+        assert block_flops(*expert, 5, "gram", "bf16") == gram_newton_schulz_flops(
+            *expert, 5, (3,) if not amx else every_step)
+    x = torch.randn(3, *expert)  # the method runs what the rule says
+    assert torch.equal(orthogonalise_gram_or_standard(x, gram_dtype="bf16"),
+                       gram_newton_schulz(x, dtype=bf16, restarts=(3,)))
+
+
 def test_compute_dtype_and_restarts_per_device():
     assert gram_compute_dtype("auto", "cuda") == torch.float16
     assert gram_compute_dtype("auto", "cpu") == (torch.bfloat16 if bf16_gemm_is_native("cpu") else torch.float32)
@@ -303,9 +325,13 @@ def test_compute_dtype_and_restarts_per_device():
 
 
 @pytest.mark.parametrize("rows, cols, count", [(*KVB_HEAD, 4), (256, 256, 6), (512, 256, 4)])
-def test_gram_method_runs_standard_products_restarted_every_step_where_gram_does_not_save(rows, cols, count):
+def test_gram_method_runs_standard_products_restarted_every_step_where_gram_does_not_save(rows, cols, count,
+                                                                                         monkeypatch):
     # Where gram_pays says no, the gram method restarts before every step: standard Newton-Schulz's
     # products with P = aI + bR + cR^2 formed once (no addend copied per product).
+    import orthon.optim.gram_newton_schulz as gram_module
+
+    monkeypatch.setattr(gram_module, "_cpu_has_amx", lambda: True)  # Gram from 0.8 of standard's FLOPs
     assert not gram_pays(rows, cols, 5, default_restarts(5, torch.bfloat16))
     x, factors = gradient_like(count, rows, cols)
     out = orthogonalise_gram_or_standard(x.float(), gram_dtype="bf16")
