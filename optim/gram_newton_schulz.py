@@ -358,11 +358,11 @@ def orthogonalise_gram_or_standard(
     """Muon's ``ns_method: gram`` on a stack of same-shaped blocks ``(n, rows, cols)``, in the device's
     compute dtype (``gram_compute_dtype``).
 
-    Gram Newton-Schulz where it pays for this block shape and device (``gram_method_restarts``). Elsewhere the same iteration
-    restarted before every step, which is standard Newton-Schulz's products (X X^T, R^2, P X) with
-    P = a I + b R + c R^2 formed as one matrix: no product copies an addend as baddbmm's "a X + ..." does
-    (one pass over X a step less; one more rounding of P's diagonal). Both round the input to ``ns_dtype``
-    first, so distributed Muon, which sends updates in it, computes what one rank does.
+    Gram Newton-Schulz where it pays for this block shape and device (``gram_method_restarts``). Elsewhere
+    the same iteration restarted before every step, which is standard Newton-Schulz's products (X X^T, R^2,
+    P X) with P = a I + b R + c R^2 formed as one matrix: no product copies an addend as baddbmm's
+    "a X + ..." does (one pass over X a step less; one more rounding of P's diagonal). Both round the input
+    to ``ns_dtype`` first, so distributed Muon, which sends updates in it, computes what one rank does.
     """
     rows, cols = stack.shape[-2:]
     compute = gram_compute_dtype(gram_dtype, stack.device)
