@@ -37,6 +37,15 @@ def bf16_peak_flops(device_name: str) -> float | None:
     return next((peak for pattern, peak in BF16_PEAK_FLOPS if re.search(pattern, device_name)), None)
 
 
+def throughput_metrics(flops_per_s: float, peak: float | None) -> dict[str, float]:
+    """The step metrics of a device's model FLOPs a second: tflops_per_device and, where the device's peak
+    FLOP/s is known, mfu_pct."""
+    metrics = {"tflops_per_device": flops_per_s / 1e12}
+    if peak:
+        metrics["mfu_pct"] = 100.0 * flops_per_s / peak
+    return metrics
+
+
 def step_memory(device: torch.device) -> dict[str, float]:
     """The memory a step took, for its metrics. CUDA: the caching allocator's peak reserved bytes since the
     previous call (the peak is reset here), also as a percentage of the device's memory, and its count of

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from orthon.core import distributed
 from orthon.core.config import to_dict
-from orthon.core.device_stats import peak_flops, step_memory
+from orthon.core.device_stats import peak_flops, step_memory, throughput_metrics
 from orthon.core.errors import ConfigError
 from orthon.core.files import atomic_write_bytes
 from orthon.core.metrics import MetricsLogger, open_step_log, plot_training, read_metrics
@@ -356,10 +356,7 @@ class Trainer:
                    "micro_batches": len(micros)}
         if tokens:
             metrics.update(batch_tokens=tokens, tokens=self.tokens, tokens_per_s=tokens / elapsed)
-        per_device = flops / self.world / elapsed  # model FLOPs a second (orthon.pretrain.flops)
-        metrics["tflops_per_device"] = per_device / 1e12
-        if self.peak_flops:
-            metrics["mfu_pct"] = 100.0 * per_device / self.peak_flops
+        metrics.update(throughput_metrics(flops / self.world / elapsed, self.peak_flops))  # orthon.pretrain.flops
         metrics.update(step_memory(self.device))
         if data_time is not None:
             metrics["data_time_s"] = data_time

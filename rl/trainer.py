@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from orthon.core import distributed
+from orthon.core.device_stats import throughput_metrics
 from orthon.core.errors import DataError
 from orthon.core.files import atomic_write_text
 from orthon.core.interrupts import stop_signals_recorded
@@ -186,9 +187,7 @@ class RLTrainer:
             flops += metrics["tflops_per_device"] * metrics["step_time_s"]
             seconds += metrics["step_time_s"]
         # The updates' model FLOPs a second a device (and utilisation), over their time together.
-        stats["tflops_per_device"] = flops / seconds
-        if self.trainer.peak_flops:
-            stats["mfu_pct"] = 100.0 * flops * 1e12 / seconds / self.trainer.peak_flops
+        stats.update(throughput_metrics(flops * 1e12 / seconds, self.trainer.peak_flops))
         stats.update({k: v / max(tokens, 1.0) for k, v in sums.items()})
         stats["trained_tokens"] = tokens
         return stats

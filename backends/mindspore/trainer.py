@@ -24,7 +24,7 @@ from orthon.backends.mindspore.distributed import DataParallel, local_device_id
 from orthon.backends.mindspore.optim import HybridOptimizer
 from orthon.backends.mindspore.runtime import ms, place
 from orthon.backends.mindspore.weights import build, save_hf
-from orthon.core.device_stats import step_memory
+from orthon.core.device_stats import step_memory, throughput_metrics
 from orthon.core.metrics import MetricsLogger, plot_training, read_metrics
 from orthon.core.step_guard import StepGuard
 from orthon.core.step_loop import run_steps
@@ -164,10 +164,8 @@ class MindSporeTrainer:
             metrics.update(batch_tokens=tokens, tokens=self.tokens, tokens_per_s=tokens / elapsed)
             # Model FLOPs as the torch Trainer's (dense attention: this backend's); MFU against
             # train.peak_tflops, the one source of an Ascend NPU's peak here.
-            tflops = self.model_flops.per_token(self.seq_len) * tokens / self.world / elapsed / 1e12
-            metrics["tflops_per_device"] = tflops
-            if self.cfg.peak_tflops:
-                metrics["mfu_pct"] = 100.0 * tflops / self.cfg.peak_tflops
+            flops_per_s = self.model_flops.per_token(self.seq_len) * tokens / self.world / elapsed
+            metrics.update(throughput_metrics(flops_per_s, self.cfg.peak_tflops * 1e12))
         metrics.update(device_memory())
         if imbalance is not None:
             metrics["moe_load_max_over_mean"] = imbalance
