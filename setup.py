@@ -33,7 +33,7 @@ setup(
     packages=list(package_dirs()),
     package_dir=package_dirs(),
     package_data={"orthon.engine": ["decode_kernels.c"],  # built at run time
-                  "orthon.optim": ["mirror_kernels.c"],
+                  "orthon.optim": ["symmetric_kernels.c"],
                   "orthon.pretrain": ["sparse_kernels.c", "fused_kernels.c", "simd_math.h"]},
     install_requires=[
         # torch is pinned by the README's install line (CPU wheel); a range here

@@ -13,6 +13,7 @@ parallel region takes its thread count from the caller (``torch.get_num_threads(
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -25,14 +26,26 @@ from pathlib import Path
 from typing import Callable
 
 
-def cpu_has_avx2_fma() -> bool:
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset[str]:
+    """The x86-64 CPU's feature flags (/proc/cpuinfo); empty elsewhere."""
     if platform.machine() not in ("x86_64", "AMD64"):
-        return False
+        return frozenset()
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return " avx2" in flags and " fma" in flags
+        return frozenset()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def cpu_has_avx2_fma() -> bool:
+    return {"avx2", "fma"} <= cpu_flags()
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """Whether the CPU has AVX512-BF16 (VDPBF16PS: bf16 pairs multiplied and summed into fp32)."""
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags()
 
 
 def build(source: Path, openmp: bool = False) -> ctypes.CDLL:

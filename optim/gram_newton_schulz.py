@@ -33,18 +33,22 @@ stay within 1.5x of standard's error everywhere, at 70 n^3 instead of 60 n^3
 FLOPs on 1024 x 4096. fp32 needs no restart.
 
 Symmetric products. R, P and Q are polynomials in R_0, so they commute and every
-n x n product above (X X^T, R^2, R P, P (R P), Q P) is symmetric. On CPUs whose
-GEMMs run on vector units (no AMX), for n >= 1024, each product is computed as
-n/256 row panels (at most 8), each panel's rows times the columns from its
-diagonal block on, and the blocks below the diagonal blocks are mirrored from
-above (a C kernel): (k+1)/2k of the FLOPs with k panels, 0.625 at n = 1024.
-Measured on an AMD EPYC with AVX512-BF16 (bf16, one thread), the iteration on a
-1024 x 4096 block took 0.71 of the time of full products, on a 1024^2 block
-(restarted every step: X X^T and R^2 of its three products) 0.84, on 2048 x 8192
-0.73; at n = 512 (2 panels) it gained at one thread and lost at two, so smaller
-blocks keep full products. An earlier measurement on an AMX Xeon found
-block-triangle products slower than one full bf16 GEMM there: AMX CPUs and GPUs
-keep the full products.
+n x n product above (X X^T, R^2, R P, P (R P), Q P) is symmetric: only the part
+on and above the diagonal needs computing, the rest is mirrored. In bf16 on CPUs
+with AVX512-BF16 and no AMX, a C kernel (optim/symmetric_kernels.c) computes them
+for n a multiple of 32: 8 x 32 tiles from row 0 to the diagonal tile, bf16 pairs
+accumulated in fp32 and rounded once, as oneDNN's bf16 GEMM on the same CPU (equal
+to torch's products bit for bit at inner sizes up to 512 there); 0.56 of the
+FLOPs at n = 256, 0.52 at 1024. Measured on an AMD EPYC (Zen 4, one thread)
+against torch's full bf16 products: 11 x 256^2 products 0.72-0.76 of the time,
+256 x 512 0.71, 1024 x 4096 0.52 (and 0.81 of the 256-row panels below). Elsewhere
+(fp32 on CPUs without AMX) for n >= 1024 each product is computed by torch's
+GEMMs as n/256 row panels (at most 8), each panel's rows times the columns from
+its diagonal block on, the blocks below the diagonal blocks mirrored (a C
+kernel): (k+1)/2k of the FLOPs with k panels; at n = 512 (2 panels) that gained
+at one thread and lost at two, so smaller blocks keep full products. On an AMX
+Xeon block-triangle products measured slower than one full bf16 GEMM: AMX CPUs
+and GPUs keep the full products.
 
 The input is rounded to ``input_dtype`` first (bf16: what standard Newton-Schulz
 and torch.optim.Muon see, and what distributed Muon sends) and Frobenius-
@@ -63,7 +67,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from orthon.core.native import NativeLibrary
+from orthon.core.native import NativeLibrary, cpu_has_avx512_bf16
 from orthon.optim.newton_schulz import (
     DEFAULT_COEFFICIENTS,
     DEFAULT_EPS,
@@ -93,10 +97,13 @@ FOLD_MAX_NORM = 1e12
 HALF_PRECISION_RESTART_EVERY = 3
 
 
-# Symmetric products (see the module docstring): from this n on, in panels of this many rows, at most this many.
+# Symmetric products (see the module docstring), by torch's GEMMs: from this n on, in panels of this many
+# rows, at most this many.
 SYMMETRIC_MIN_ROWS = 1024
 SYMMETRIC_PANEL_ROWS = 256
 SYMMETRIC_MAX_PANELS = 8
+# By the bf16 kernel (CPUs with AVX512-BF16 and no AMX): tiles of this many columns, for n a multiple of it.
+KERNEL_TILE = 32
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,28 +112,40 @@ def _cpu_has_amx() -> bool:
     return bool(probe()) if probe is not None else False
 
 
-def symmetric_panels(n: int, device: torch.device | str) -> int:
-    """Row panels of the symmetric n x n products on ``device``; 1 means full products."""
+def _declare_kernels(lib: ctypes.CDLL) -> None:
+    pointer, long = ctypes.c_void_p, ctypes.c_long
+    lib.mirror_blocks_2.argtypes = lib.mirror_blocks_4.argtypes = [pointer, long, pointer, long, ctypes.c_int]
+    lib.symmetric_gemm_bf16.argtypes = ([pointer, long, long] * 2 + [long, long, long, ctypes.c_float, pointer,
+                                        long, long, ctypes.c_float, pointer, long, long, ctypes.c_int])
+
+
+symmetric_kernels = NativeLibrary(Path(__file__).with_name("symmetric_kernels.c"), "ORTHON_SYMMETRIC_KERNELS",
+                                  "the symmetric products' kernels",
+                                  "torch's GEMMs and strided copies compute them (the same values up to "
+                                  "round-off, 1.2-1.4x the time in bf16)", log, _declare_kernels, openmp=True)
+
+
+def symmetric_kernel_applies(n: int, device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether the bf16 kernel computes the symmetric n x n products: bf16 on a CPU with AVX512-BF16 and no
+    AMX (there oneDNN's tiles are faster than any vector code), n a multiple of ``KERNEL_TILE``."""
+    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and n % KERNEL_TILE == 0
+            and cpu_has_avx512_bf16() and not _cpu_has_amx() and symmetric_kernels.load() is not None)
+
+
+def symmetric_panels(n: int, device: torch.device | str, dtype: torch.dtype) -> int:
+    """Row panels of the symmetric n x n products in ``dtype`` on ``device``; 1 means full products. The
+    bf16 kernel's column tiles count as panels of their width: the same triangle of FLOPs."""
+    if symmetric_kernel_applies(n, device, dtype):
+        return n // KERNEL_TILE
     if torch.device(device).type != "cpu" or n < SYMMETRIC_MIN_ROWS or _cpu_has_amx():
         return 1
     return min(SYMMETRIC_MAX_PANELS, n // SYMMETRIC_PANEL_ROWS)
 
 
-def _declare_mirror(lib: ctypes.CDLL) -> None:
-    args = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
-    lib.mirror_blocks_2.argtypes = lib.mirror_blocks_4.argtypes = args
-
-
-mirror_kernel = NativeLibrary(Path(__file__).with_name("mirror_kernels.c"), "ORTHON_MIRROR_KERNEL",
-                              "the symmetric products' mirror kernel",
-                              "torch's strided copies mirror them (the same values, ~5% slower Gram steps)", log,
-                              _declare_mirror, openmp=True)
-
-
 def _mirror(out: Tensor, starts: list[int]) -> None:
     """Fill the blocks of ``out`` (b, n, n) below its diagonal blocks (bounds ``starts``) from those above."""
     cpu_words = out.device.type == "cpu" and out.is_contiguous() and out.element_size() in (2, 4)
-    lib = mirror_kernel.load() if cpu_words else None
+    lib = symmetric_kernels.load() if cpu_words else None
     if lib is None:
         for lo, hi in zip(starts[1:], starts[2:]):
             out[:, lo:hi, :lo].copy_(out[:, :lo, lo:hi].mT)
@@ -148,16 +167,20 @@ def symmetric_product_flops(n: int, inner: int, panels: int = 1) -> int:
 
 
 def symmetric_matmul(u: Tensor, v: Tensor, panels: int, alpha: float = 1.0, addend: Tensor | None = None,
-                     beta: float = 0.0) -> Tensor:
+                     beta: float = 0.0, v_symmetric: bool = False) -> Tensor:
     """alpha u @ v (+ beta addend) for stacks ``(b, n, k)`` x ``(b, k, n)`` whose result is known to be
-    symmetric. ``panels`` 1: one batched GEMM (bmm, or baddbmm with the scalars). More: per matrix, each
-    row panel times the columns from its diagonal block on, written in place; the blocks below the diagonal
-    ones mirrored from above."""
+    symmetric. ``panels`` 1: one batched GEMM (bmm, or baddbmm with the scalars). ``n // KERNEL_TILE``
+    where ``symmetric_kernel_applies``: the bf16 kernel, which reads v's columns as rows: those of v^T
+    (v = X^T), or, with ``v_symmetric`` (v exactly symmetric, as the kernel's results are), v's own
+    rows. Other counts: per matrix, each row panel times the columns from its diagonal block on, written
+    in place; the blocks below the diagonal ones mirrored from above."""
     if panels == 1:
         if addend is not None:
             return torch.baddbmm(addend, u, v, beta=beta, alpha=alpha)
         return torch.bmm(u, v) if alpha == 1.0 else torch.baddbmm(u.new_zeros(()), u, v, beta=0, alpha=alpha)
     n = u.shape[-2]
+    if panels == n // KERNEL_TILE and symmetric_kernel_applies(n, u.device, u.dtype):
+        return _kernel_product(u, v if v_symmetric and v.stride(-1) == 1 else v.mT, alpha, addend, beta)
     out = u.new_empty(u.shape[0], n, n)
     starts = _panel_starts(n, panels)
     for j in range(u.shape[0]):
@@ -169,6 +192,24 @@ def symmetric_matmul(u: Tensor, v: Tensor, panels: int, alpha: float = 1.0, adde
                 source = block if addend is None else addend[j, lo:hi, lo:]
                 torch.addmm(source, u[j, lo:hi], v[j, :, lo:], beta=beta, alpha=alpha, out=block)
     _mirror(out, starts)
+    return out
+
+
+def _rows(t: Tensor) -> Tensor:
+    """``t`` with unit stride along its rows (the kernel's layout), copied only if it has not."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _kernel_product(u: Tensor, w: Tensor, alpha: float, addend: Tensor | None, beta: float) -> Tensor:
+    """alpha u @ w^T (+ beta addend), known to be symmetric, by the bf16 kernel: u, w ``(b, n, k)``."""
+    u, w = _rows(u), _rows(w)
+    b, n, k = u.shape
+    out = u.new_empty(b, n, n)
+    d = None if addend is None else _rows(addend)
+    symmetric_kernels.load().symmetric_gemm_bf16(
+        u.data_ptr(), u.stride(0), u.stride(1), w.data_ptr(), w.stride(0), w.stride(1), b, n, k, alpha,
+        None if d is None else d.data_ptr(), 0 if d is None else d.stride(0), 0 if d is None else d.stride(1),
+        beta, out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads())
     return out
 
 
@@ -259,8 +300,9 @@ def block_flops(rows: int, cols: int, steps: int = DEFAULT_STEPS, ns_method: str
     """FLOPs Muon computes orthogonalising one rows x cols block under ``ns_method`` on ``device``."""
     if ns_method != "gram":
         return newton_schulz_flops(rows, cols, steps)
-    restarts = gram_method_restarts(rows, cols, steps, gram_compute_dtype(gram_dtype, device), device)
-    return gram_newton_schulz_flops(rows, cols, steps, restarts, symmetric_panels(min(rows, cols), device))
+    compute = gram_compute_dtype(gram_dtype, device)
+    restarts = gram_method_restarts(rows, cols, steps, compute, device)
+    return gram_newton_schulz_flops(rows, cols, steps, restarts, symmetric_panels(min(rows, cols), device, compute))
 
 
 def gram_newton_schulz(
@@ -328,7 +370,7 @@ def _iterate(x: Tensor, steps: int, a: float, b: float, c: float, restarts: tupl
     Q X are scaled inside their GEMMs, so no pass divides X (an n x m sweep, ~4% of a 1024 x 4096 step)
     and X X^T is rounded once, not after the division too. The n x n products are symmetric
     (``symmetric_matmul``)."""
-    panels = symmetric_panels(x.shape[-2], x.device)
+    panels = symmetric_panels(x.shape[-2], x.device, x.dtype)
     r = symmetric_matmul(x, x.mT, panels, alpha=1.0 if scale is None else scale * scale)
     q = None
     for step in range(steps):
@@ -337,13 +379,14 @@ def _iterate(x: Tensor, steps: int, a: float, b: float, c: float, restarts: tupl
             scale = None
             r = symmetric_matmul(x, x.mT, panels)
             q = None
-        p = symmetric_matmul(r, r, panels, alpha=c, addend=r, beta=b)
+        # R, P, R P and Q are symmetric: their rows are their columns (the kernel reads the right factor's).
+        p = symmetric_matmul(r, r, panels, alpha=c, addend=r, beta=b, v_symmetric=True)
         # P = a I + b R + c R^2 in one tensor: then plain products, no copy of an addend per product
         # (~10-30% faster than baddbmm's "+ a * X" forms, at one more bf16 rounding of P's diagonal).
         p.diagonal(dim1=-2, dim2=-1).add_(a)
         if _updates_r_after(step, steps, restarts):
-            r = symmetric_matmul(p, symmetric_matmul(r, p, panels), panels)  # P R P
-        q = p if q is None else symmetric_matmul(q, p, panels)
+            r = symmetric_matmul(p, symmetric_matmul(r, p, panels, v_symmetric=True), panels, v_symmetric=True)
+        q = p if q is None else symmetric_matmul(q, p, panels, v_symmetric=True)
     return _scaled_product(q, x, scale)
 
 

@@ -107,10 +107,10 @@ def test_a_lone_matrix_has_its_normalisation_folded_into_the_gemms(rows, cols, m
     product, matmul = gram_module._scaled_product, gram_module.symmetric_matmul
     monkeypatch.setattr(gram_module, "_scaled_product", lambda u, v, s: scales.append(s) or product(u, v, s))
 
-    def spy(u, v, panels, alpha=1.0, addend=None, beta=0.0):
+    def spy(u, v, panels, alpha=1.0, addend=None, beta=0.0, v_symmetric=False):
         if addend is None:  # X X^T and the products of R, P, Q
             alphas.append(alpha)
-        return matmul(u, v, panels, alpha, addend, beta)
+        return matmul(u, v, panels, alpha, addend, beta, v_symmetric)
 
     monkeypatch.setattr(gram_module, "symmetric_matmul", spy)
     x, factors = gradient_like(2, rows, cols)
@@ -190,9 +190,9 @@ def test_symmetric_products_are_the_full_products_mirrored(kernel, monkeypatch):
     import orthon.optim.gram_newton_schulz as gram_module
 
     if not kernel:
-        monkeypatch.setattr(gram_module.mirror_kernel, "load", lambda: None)
-    elif gram_module.mirror_kernel.load() is None:
-        pytest.skip(f"mirror kernel unavailable: {gram_module.mirror_kernel.why_unavailable}")
+        monkeypatch.setattr(gram_module.symmetric_kernels, "load", lambda: None)
+    elif gram_module.symmetric_kernels.load() is None:
+        pytest.skip(f"mirror kernel unavailable: {gram_module.symmetric_kernels.why_unavailable}")
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 100, 70, generator=gen)
     r = torch.bmm(x, x.mT)
@@ -218,11 +218,15 @@ def test_symmetric_products_are_the_full_products_mirrored(kernel, monkeypatch):
     assert symmetric_product_flops(100, 70, 3) == 2 * 70 * (33 * 100 + 33 * 67 + 34 * 34)
 
 
-def test_gram_with_symmetric_products_is_the_same_map(monkeypatch):
-    # A 1024-row block (4 panels where the CPU has no AMX), in this CPU's compute dtype: the panelled
-    # iteration and the full products' agree to round-off and are as near the exact iteration.
+@pytest.mark.parametrize("bf16_kernel", [True, False])
+def test_gram_with_symmetric_products_is_the_same_map(bf16_kernel, monkeypatch):
+    # A 1024-row block (where the CPU has no AMX: 4 panels of torch's GEMMs, or in bf16 with AVX512-BF16 the
+    # kernel's 32 column tiles), in this CPU's compute dtype: the symmetric products' iteration and the full
+    # products' agree to round-off and are as near the exact iteration.
     import orthon.optim.gram_newton_schulz as gram_module
 
+    if not bf16_kernel:
+        monkeypatch.setattr(gram_module, "cpu_has_avx512_bf16", lambda: False)
     x, factors = gradient_like(1, 1024, 1536)
     exact = exact_newton_schulz(factors)
     dtype = gram_compute_dtype("auto", "cpu")
@@ -281,16 +285,28 @@ def test_flop_counts_by_hand(monkeypatch):
     # Symmetric products in 4 row panels of 256 (CPUs without AMX, n >= 1024): an n x n product over K costs
     # 2 K (256 n + 256 (3n/4) + 256 (n/2) + 256 (n/4)) = 2 K n^2 (10/16). Gram at 1024 x 4096: its two X X^T
     # and 14 n x n products at 10/16, its two Q X in full: 2 (2 n^2 m) (10/16 + 1) + 14 (2 n^3) (10/16).
-    assert symmetric_panels(n, "cpu") == 1 and symmetric_panels(n, "cuda") == 1
+    bf16 = torch.bfloat16
+    assert symmetric_panels(n, "cpu", bf16) == 1 and symmetric_panels(n, "cuda", torch.float16) == 1
     monkeypatch.setattr(gram_module, "_cpu_has_amx", lambda: False)
-    assert [symmetric_panels(k, "cpu") for k in (512, 1023, 1024, 2048, 6144)] == [1, 1, 4, 8, 8]
-    assert symmetric_panels(n, "cuda") == 1
+    monkeypatch.setattr(gram_module, "cpu_has_avx512_bf16", lambda: False)
+    assert [symmetric_panels(k, "cpu", bf16) for k in (512, 1023, 1024, 2048, 6144)] == [1, 1, 4, 8, 8]
+    assert symmetric_panels(n, "cuda", bf16) == 1
     assert symmetric_product_flops(n, m, 4) == 2 * m * n * n * 10 // 16
     assert gram_newton_schulz_flops(n, m, 5, (3,), panels=4) == 87 * n**3 // 2  # 43.5 n^3, was 60
     assert block_flops(n, m, 5, "gram", "bf16") == 87 * n**3 // 2
     # The square block's standard products (restarted every step): X X^T and R^2 in panels, P X full.
     assert block_flops(n, n, 5, "gram", "bf16") == 5 * (2 * n**3) * (10 + 10 + 16) // 16  # 22.5 n^3, was 30
     assert block_flops(n, n, 5, "standard") == 30 * n**3  # standard: torch.optim.Muon's products
+    # The bf16 kernel (AVX512-BF16, no AMX): 32-column tiles, each from row 0 to its diagonal tile, for n a
+    # multiple of 32 in bf16 only. At 1024: 2 K * 32 * (1024 + 992 + ... + 32) = 2 K n^2 (33/64); Gram at
+    # 1024 x 4096: 2 (2 n^2 m) (33/64 + 1) + 14 (2 n^3) (33/64) = 38.6875 n^3.
+    monkeypatch.setattr(gram_module, "cpu_has_avx512_bf16", lambda: True)
+    monkeypatch.setattr(gram_module.symmetric_kernels, "load", lambda: object())  # built, wherever this runs
+    assert [symmetric_panels(k, "cpu", bf16) for k in (32, 48, 256, 1024)] == [1, 1, 8, 32]
+    assert symmetric_panels(1024, "cpu", torch.float32) == 4 and symmetric_panels(256, "cuda", bf16) == 1
+    assert symmetric_product_flops(n, m, 32) == 2 * m * n * n * 33 // 64
+    assert block_flops(n, m, 5, "gram", "bf16") == 2476 * n**3 // 64
+    assert block_flops(n, m, 5, "gram", "fp32") == gram_newton_schulz_flops(n, m, 5, (), panels=4)
 
 
 def test_where_gram_pays_by_dtype_and_device(monkeypatch):
@@ -308,7 +324,7 @@ def test_where_gram_pays_by_dtype_and_device(monkeypatch):
         assert gram_method_restarts(*expert, 5, torch.float32, "cpu") == every_step  # fp32: 0.84, 1.07 measured
         assert gram_method_restarts(*expert, 5, torch.float16, "cuda") == every_step
         assert block_flops(*expert, 5, "gram", "bf16") == gram_newton_schulz_flops(
-            *expert, 5, (3,) if not amx else every_step)
+            *expert, 5, (3,) if not amx else every_step, symmetric_panels(256, "cpu", bf16))
     x = torch.randn(3, *expert)  # the method runs what the rule says
     assert torch.equal(orthogonalise_gram_or_standard(x, gram_dtype="bf16"),
                        gram_newton_schulz(x, dtype=bf16, restarts=(3,)))
