@@ -103,7 +103,7 @@ SYMMETRIC_MIN_ROWS = 1024
 SYMMETRIC_PANEL_ROWS = 256
 SYMMETRIC_MAX_PANELS = 8
 # By the bf16 kernel (CPUs with AVX512-BF16 and no AMX): tiles of this many columns, for n a multiple of it.
-KERNEL_TILE = 32
+KERNEL_TILE = 32  # NR in symmetric_kernels.c
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,7 +116,7 @@ def _declare_kernels(lib: ctypes.CDLL) -> None:
     pointer, long = ctypes.c_void_p, ctypes.c_long
     lib.mirror_blocks_2.argtypes = lib.mirror_blocks_4.argtypes = [pointer, long, pointer, long, ctypes.c_int]
     lib.symmetric_gemm_bf16.argtypes = ([pointer, long, long] * 2 + [long, long, long, ctypes.c_float, pointer,
-                                        long, long, ctypes.c_float, pointer, long, long, ctypes.c_int])
+                                        long, long, ctypes.c_float, pointer, long, long, pointer, ctypes.c_int])
 
 
 symmetric_kernels = NativeLibrary(Path(__file__).with_name("symmetric_kernels.c"), "ORTHON_SYMMETRIC_KERNELS",
@@ -206,10 +206,12 @@ def _kernel_product(u: Tensor, w: Tensor, alpha: float, addend: Tensor | None, b
     b, n, k = u.shape
     out = u.new_empty(b, n, n)
     d = None if addend is None else _rows(addend)
+    threads = torch.get_num_threads()
+    panels = torch.empty(threads, (k + 1) // 2 * KERNEL_TILE, dtype=torch.int32)  # one packed panel of w a thread
     symmetric_kernels.load().symmetric_gemm_bf16(
         u.data_ptr(), u.stride(0), u.stride(1), w.data_ptr(), w.stride(0), w.stride(1), b, n, k, alpha,
         None if d is None else d.data_ptr(), 0 if d is None else d.stride(0), 0 if d is None else d.stride(1),
-        beta, out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads())
+        beta, out.data_ptr(), out.stride(0), out.stride(1), panels.data_ptr(), threads)
     return out
 
 

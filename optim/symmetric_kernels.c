@@ -19,7 +19,6 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 #define TILE 16
 
@@ -91,15 +90,15 @@ BF16 static void tile(const uint16_t* a, long lda, const uint32_t* panel, long k
 
 /* c[t] = alpha a[t] b[t]^T + beta d[t] (d may be NULL) for t < batch; a[t], b[t]: n x k, c[t], d[t]: n x n,
    row-major with the given row strides (ld*) and matrix strides (*_batch), in elements. Needs n % 32 == 0
-   (the caller checks). */
+   (the caller checks) and a workspace of threads x ceil(k/2) x NR words (one packed panel a thread). */
 BF16 void symmetric_gemm_bf16(const uint16_t* a, long a_batch, long lda, const uint16_t* b, long b_batch,
                               long ldb, long batch, long n, long k, float alpha, const uint16_t* d,
                               long d_batch, long ldd, float beta, uint16_t* c, long c_batch, long ldc,
-                              int threads) {
+                              uint32_t* workspace, int threads) {
     long blocks = n / NR;
     #pragma omp parallel num_threads(threads)
     {
-        uint32_t* panel = aligned_alloc(64, (size_t)((k + 1) / 2) * NR * sizeof(uint32_t));
+        uint32_t* panel = workspace + (size_t)omp_get_thread_num() * ((k + 1) / 2) * NR;
         /* dynamic: the column blocks near n hold the most tiles */
         #pragma omp for schedule(dynamic, 1)
         for (long unit = 0; unit < batch * blocks; unit++) {
@@ -109,7 +108,6 @@ BF16 void symmetric_gemm_bf16(const uint16_t* a, long a_batch, long lda, const u
                 tile(a + t * a_batch + i0 * lda, lda, panel, k, alpha,
                      d ? d + t * d_batch + i0 * ldd + j0 : NULL, ldd, beta, c + t * c_batch + i0 * ldc + j0, ldc);
         }
-        free(panel);
         /* below the diagonal: c[i][j] = c[j][i] for j < i, a row block of NR at a time, in TILE squares */
         #pragma omp for schedule(dynamic, 1)
         for (long unit = 0; unit < batch * blocks; unit++) {
