@@ -338,8 +338,9 @@ def gram_newton_schulz(
     if transposed:
         x = x.mT  # the Gram matrix is min(rows, cols) square
     # Rounded to the input dtype in one contiguous (n, m) copy: CPU GEMMs on a transposed view run up to
-    # 2x slower. (No copy when it already is; the division below makes a new tensor either way.)
-    x = x.to(input_dtype or x.dtype, memory_format=torch.contiguous_format)
+    # 2x slower, and the kernel reads rows. (Tensor.to returns a transposed view as it is when the dtype
+    # already matches: contiguous() copies it.)
+    x = x.to(input_dtype or x.dtype, memory_format=torch.contiguous_format).contiguous()
     scale = None
     if x.dtype == dtype:
         # The norm in the compute dtype, as standard Newton-Schulz normalises (bf16 norm).

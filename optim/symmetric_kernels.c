@@ -44,18 +44,68 @@
 MIRROR(mirror_blocks_2, uint16_t)
 MIRROR(mirror_blocks_4, uint32_t)
 
+/* out[t] = in[t]^T for t < batch, 2-byte words: in[t] rows x cols with row stride ld and matrix stride
+   in_batch, out[t] cols x rows, contiguous. Gram Newton-Schulz transposes a tall block once, at its
+   start; torch's copy of the transposed view reads or writes one side n elements apart (~2 ns an
+   element), this moves TILE x TILE squares. */
+void transpose_2(const uint16_t* in, long in_batch, long ld, long rows, long cols, uint16_t* out, long batch,
+                 int threads) {
+    long row_tiles = (rows + TILE - 1) / TILE;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long unit = 0; unit < batch * row_tiles; unit++) {
+        const uint16_t* m = in + (unit / row_tiles) * in_batch;
+        uint16_t* o = out + (unit / row_tiles) * rows * cols;
+        long i0 = (unit % row_tiles) * TILE, i1 = i0 + TILE < rows ? i0 + TILE : rows;
+        for (long j0 = 0; j0 < cols; j0 += TILE) {
+            long j1 = j0 + TILE < cols ? j0 + TILE : cols;
+            for (long j = j0; j < j1; j++)
+                for (long i = i0; i < i1; i++) o[j * rows + i] = m[i * ld + j];
+        }
+    }
+}
+
 #define MR 8   /* rows of a tile: 8 x 2 accumulators of 16 floats */
 #define NR 32  /* columns of a tile and of a packed panel of B */
 #define BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
+/* Transposes 16 x 16 32-bit words in registers: r[i] holds row i, then column i. */
+BF16 static inline void transpose_16x16(__m512i* r) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  /* u[i + q], lane L: column 4L + q of rows i .. i + 3 */
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int q = 0; q < 4; q++) {
+        __m512i a = _mm512_shuffle_i32x4(u[q], u[4 + q], 0x88), b = _mm512_shuffle_i32x4(u[q], u[4 + q], 0xdd);
+        __m512i c = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0x88), d = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0xdd);
+        r[q] = _mm512_shuffle_i32x4(a, c, 0x88);       /* column q */
+        r[8 + q] = _mm512_shuffle_i32x4(a, c, 0xdd);   /* column 8 + q */
+        r[4 + q] = _mm512_shuffle_i32x4(b, d, 0x88);   /* column 4 + q */
+        r[12 + q] = _mm512_shuffle_i32x4(b, d, 0xdd);  /* column 12 + q */
+    }
+}
+
 /* Rows j0 .. j0 + NR - 1 of B as ceil(k/2) x NR 32-bit words, each a bf16 pair (B[j][2p], B[j][2p + 1]);
-   for odd k the last pair is (B[j][k - 1], 0). */
-static void pack_panel(const uint16_t* b, long ldb, long k, uint32_t* out) {
-    long pairs = k / 2;
+   for odd k the last pair is (B[j][k - 1], 0). 16 x 16 word squares are transposed in registers. */
+BF16 static void pack_panel(const uint16_t* b, long ldb, long k, uint32_t* out) {
+    long pairs = k / 2, whole = pairs / 16 * 16;
+    for (long j16 = 0; j16 < NR; j16 += 16)
+        for (long p0 = 0; p0 < whole; p0 += 16) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(b + (j16 + i) * ldb + 2 * p0);
+            transpose_16x16(r);
+            for (int c = 0; c < 16; c++) _mm512_storeu_si512(out + (p0 + c) * NR + j16, r[c]);
+        }
     for (long jj = 0; jj < NR; jj++) {
         const uint16_t* row = b + jj * ldb;
-        for (long p = 0; p < pairs; p++) out[p * NR + jj] = ((const uint32_t*)row)[p];  /* may be unaligned: */
-        if (k % 2) out[pairs * NR + jj] = row[k - 1];                                  /* x86 allows it */
+        for (long p = whole; p < pairs; p++) out[p * NR + jj] = (uint32_t)row[2 * p] | (uint32_t)row[2 * p + 1] << 16;
+        if (k % 2) out[pairs * NR + jj] = row[k - 1];
     }
 }
 
@@ -88,6 +138,24 @@ BF16 static void tile(const uint16_t* a, long lda, const uint32_t* panel, long k
         }
 }
 
+/* Rows i0 .. i0 + NR - 1 of m below the diagonal from the columns above it: each 16 x 32 block of rows
+   j0 .. j0 + 15 (j0 < i0) transposed as 16 x 16 words in registers, a word's halves going to two rows;
+   the diagonal block's lower triangle element by element. */
+BF16 static void mirror_row_block(uint16_t* m, long ldc, long i0) {
+    for (long j0 = 0; j0 < i0; j0 += 16) {
+        __m512i r[16];
+        for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(m + (j0 + i) * ldc + i0);
+        transpose_16x16(r);  /* r[w]: the pairs (m[j][i0 + 2w], m[j][i0 + 2w + 1]) for j = j0 .. j0 + 15 */
+        for (int w = 0; w < 16; w++) {
+            _mm256_storeu_si256((__m256i*)(m + (i0 + 2 * w) * ldc + j0), _mm512_cvtepi32_epi16(r[w]));
+            _mm256_storeu_si256((__m256i*)(m + (i0 + 2 * w + 1) * ldc + j0),
+                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(r[w], 16)));
+        }
+    }
+    for (long i = i0; i < i0 + NR; i++)
+        for (long j = i0; j < i; j++) m[i * ldc + j] = m[j * ldc + i];
+}
+
 /* c[t] = alpha a[t] b[t]^T + beta d[t] (d may be NULL) for t < batch; a[t], b[t]: n x k, c[t], d[t]: n x n,
    row-major with the given row strides (ld*) and matrix strides (*_batch), in elements. Needs n % 32 == 0
    (the caller checks) and a workspace of threads x ceil(k/2) x NR words (one packed panel a thread). */
@@ -108,14 +176,9 @@ BF16 void symmetric_gemm_bf16(const uint16_t* a, long a_batch, long lda, const u
                 tile(a + t * a_batch + i0 * lda, lda, panel, k, alpha,
                      d ? d + t * d_batch + i0 * ldd + j0 : NULL, ldd, beta, c + t * c_batch + i0 * ldc + j0, ldc);
         }
-        /* below the diagonal: c[i][j] = c[j][i] for j < i, a row block of NR at a time, in TILE squares */
+        /* below the diagonal: c[i][j] = c[j][i] for j < i, a row block of NR at a time */
         #pragma omp for schedule(dynamic, 1)
-        for (long unit = 0; unit < batch * blocks; unit++) {
-            uint16_t* m = c + (unit / blocks) * c_batch;
-            long i0 = (unit % blocks) * NR;
-            for (long j0 = 0; j0 < i0 + NR; j0 += TILE)
-                for (long i = i0; i < i0 + NR; i++)
-                    for (long j = j0; j < j0 + TILE && j < i; j++) m[i * ldc + j] = m[j * ldc + i];
-        }
+        for (long unit = 0; unit < batch * blocks; unit++)
+            mirror_row_block(c + (unit / blocks) * c_batch, ldc, (unit % blocks) * NR);
     }
 }
