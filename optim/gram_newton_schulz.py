@@ -40,8 +40,8 @@ for n a multiple of 32: 8 x 32 tiles from row 0 to the diagonal tile, bf16 pairs
 accumulated in fp32 and rounded once, as oneDNN's bf16 GEMM on the same CPU (equal
 to torch's products bit for bit at inner sizes up to 512 there); 0.56 of the
 FLOPs at n = 256, 0.52 at 1024. Measured on an AMD EPYC (Zen 4, one thread)
-against torch's full bf16 products: 11 x 256^2 products 0.72-0.76 of the time,
-256 x 512 0.71, 1024 x 4096 0.52 (and 0.81 of the 256-row panels below). Elsewhere
+against torch's full bf16 products: 11 x 256^2 products 0.62 of the time,
+256 x 512 0.60, 1024 x 4096 0.49 (the 256-row panels below took 0.65). Elsewhere
 (fp32 on CPUs without AMX) for n >= 1024 each product is computed by torch's
 GEMMs as n/256 row panels (at most 8), each panel's rows times the columns from
 its diagonal block on, the blocks below the diagonal blocks mirrored (a C

@@ -12,7 +12,9 @@
    pairs accumulate in fp32 (VDPBF16PS), alpha and beta D are applied in fp32 and the result is rounded to
    bf16 once (round to nearest even), as oneDNN's bf16 GEMM does on the same CPU: a 256 x 256 x 256 or
    512 x 512 x 512 product here equals torch's bit for bit. B is read as rows (A B^T): for X X^T it is X,
-   for a product of symmetric matrices the right factor itself.
+   for a product of symmetric matrices the right factor itself. Each 32-row panel of B is packed into bf16
+   pairs along k, and the lower triangle mirrored from the upper, by 16 x 16 transposes of 32-bit words in
+   registers (element by element they took ~30% of a 256^2 product's time).
 
    OpenMP with the caller's thread count: the products over (matrix, 32-column block) units, the mirrors
    over (matrix, row block). */
@@ -43,26 +45,6 @@
 
 MIRROR(mirror_blocks_2, uint16_t)
 MIRROR(mirror_blocks_4, uint32_t)
-
-/* out[t] = in[t]^T for t < batch, 2-byte words: in[t] rows x cols with row stride ld and matrix stride
-   in_batch, out[t] cols x rows, contiguous. Gram Newton-Schulz transposes a tall block once, at its
-   start; torch's copy of the transposed view reads or writes one side n elements apart (~2 ns an
-   element), this moves TILE x TILE squares. */
-void transpose_2(const uint16_t* in, long in_batch, long ld, long rows, long cols, uint16_t* out, long batch,
-                 int threads) {
-    long row_tiles = (rows + TILE - 1) / TILE;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long unit = 0; unit < batch * row_tiles; unit++) {
-        const uint16_t* m = in + (unit / row_tiles) * in_batch;
-        uint16_t* o = out + (unit / row_tiles) * rows * cols;
-        long i0 = (unit % row_tiles) * TILE, i1 = i0 + TILE < rows ? i0 + TILE : rows;
-        for (long j0 = 0; j0 < cols; j0 += TILE) {
-            long j1 = j0 + TILE < cols ? j0 + TILE : cols;
-            for (long j = j0; j < j1; j++)
-                for (long i = i0; i < i1; i++) o[j * rows + i] = m[i * ld + j];
-        }
-    }
-}
 
 #define MR 8   /* rows of a tile: 8 x 2 accumulators of 16 floats */
 #define NR 32  /* columns of a tile and of a packed panel of B */
