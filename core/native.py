@@ -48,11 +48,12 @@ def cpu_has_avx512_bf16() -> bool:
     return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags()
 
 
-def build(source: Path, openmp: bool = False) -> ctypes.CDLL:
+def build(source: Path, openmp: bool = False, text: str | None = None) -> ctypes.CDLL:
     """Compile ``source`` (once per content and flags) into ``$ORTHON_CACHE`` (default ~/.cache/orthon)
-    and load it. Raises OSError or subprocess.SubprocessError when it cannot."""
+    and load it; ``text``: the source as read earlier (default: read now). Raises OSError or
+    subprocess.SubprocessError when it cannot."""
     flags = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"] + (["-fopenmp"] if openmp else [])
-    text = _inline_local_headers(source)
+    text = _inline_local_headers(source) if text is None else text
     digest = hashlib.sha256((text + " ".join(flags)).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("ORTHON_CACHE", Path.home() / ".cache" / "orthon"))
     target = cache / f"{source.stem}_{digest}.so"
@@ -89,6 +90,13 @@ class NativeLibrary:
                  declare: Callable[[ctypes.CDLL], None], openmp: bool = False):
         self.source, self.switch, self.what, self.fallback = source, switch, what, fallback
         self.log, self.declare, self.openmp = logger, declare, openmp
+        # The source as it is when the module declaring its functions is imported: a library built later
+        # from a source changed since (an upgrade under a running job) could take other arguments than
+        # ``declare`` gives them, and crash. (None: unreadable; the build then says so.)
+        try:
+            self.text: str | None = _inline_local_headers(source)
+        except OSError:
+            self.text = None
         self._lock = threading.Lock()
         self.reset()
 
@@ -116,7 +124,7 @@ class NativeLibrary:
         if not cpu_has_avx2_fma():
             return None, "the CPU lacks AVX2 / FMA (or is not x86-64)"
         try:
-            lib = build(self.source, self.openmp)
+            lib = build(self.source, self.openmp, self.text)
             self.declare(lib)
             return lib, None
         except (OSError, subprocess.SubprocessError) as exc:
