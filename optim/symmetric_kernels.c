@@ -21,6 +21,7 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
+#include <string.h>
 
 #define TILE 16
 
@@ -103,7 +104,9 @@ BF16 static void tile(const uint16_t* a, long lda, const uint32_t* panel, long k
         __m512bh b1 = (__m512bh)_mm512_loadu_si512(panel + p * NR + 16);
         for (int r = 0; r < MR; r++) {
             const uint16_t* at = a + r * lda + 2 * p;
-            __m512bh pair = (__m512bh)_mm512_set1_epi32(p < pairs ? *(const int32_t*)at : (int32_t)at[0]);
+            int32_t word = at[0];
+            if (p < pairs) memcpy(&word, at, sizeof word);  /* the pair as one word (no aliasing) */
+            __m512bh pair = (__m512bh)_mm512_set1_epi32(word);
             acc[r][0] = _mm512_dpbf16_ps(acc[r][0], pair, b0);
             acc[r][1] = _mm512_dpbf16_ps(acc[r][1], pair, b1);
         }
