@@ -53,7 +53,7 @@ from torch import nn
 
 from common import cpu_kind
 from orthon.optim import Muon, OptimConfig, plan_for_model
-from orthon.optim.gram_newton_schulz import block_flops, gram_compute_dtype
+from orthon.optim.gram_newton_schulz import block_flops, gram_compute_dtype, symmetric_kernel_applies, symmetric_panels
 from orthon.optim.newton_schulz import bf16_gemm_is_native, newton_schulz_flops
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,6 +201,16 @@ def matmul_rate(entries, device, dtype, warmup, repeats, iterations=1):
 # ------------------------------------------------------------------ the bench
 
 
+def symmetric_products(device):
+    """How Gram's symmetric n x n products run here (orthon.optim.gram_newton_schulz): the figures differ by it."""
+    compute = gram_compute_dtype("auto", device)
+    if symmetric_kernel_applies(256, device, compute):
+        return "upper tiles by the bf16 kernel (AVX512-BF16), n a multiple of 32"
+    if symmetric_panels(1024, device, compute) > 1:
+        return "upper panels by torch's GEMMs from n = 1,024"
+    return "full products"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sets", default="tiny,large,mla")
@@ -227,7 +237,8 @@ def main():
     sets = args.sets.split(",")
     bf16 = "native" if native else "emulated on fp32"
     print(f"device {device} ({torch.get_num_threads()} threads), bf16 GEMM {bf16}, "
-          f"gram computes in {str(gram_compute_dtype('auto', device)).removeprefix('torch.')}")
+          f"gram computes in {str(gram_compute_dtype('auto', device)).removeprefix('torch.')}; "
+          f"its symmetric products: {symmetric_products(device)}")
     if device.type == "cpu":
         print(f"CPU: {cpu_kind()}")
 

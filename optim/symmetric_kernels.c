@@ -65,8 +65,10 @@ BF16 static inline void transpose_16x16(__m512i* r) {
         u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
     }
     for (int q = 0; q < 4; q++) {
+        /* 0x88: 128-bit lanes 0 and 2 of each operand; 0xdd: lanes 1 and 3 */
         __m512i a = _mm512_shuffle_i32x4(u[q], u[4 + q], 0x88), b = _mm512_shuffle_i32x4(u[q], u[4 + q], 0xdd);
-        __m512i c = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0x88), d = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0xdd);
+        __m512i c = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0x88);
+        __m512i d = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0xdd);
         r[q] = _mm512_shuffle_i32x4(a, c, 0x88);       /* column q */
         r[8 + q] = _mm512_shuffle_i32x4(a, c, 0xdd);   /* column 8 + q */
         r[4 + q] = _mm512_shuffle_i32x4(b, d, 0x88);   /* column 4 + q */
