@@ -207,11 +207,11 @@ def _kernel_product(u: Tensor, w: Tensor, alpha: float, addend: Tensor | None, b
     out = u.new_empty(b, n, n)
     d = None if addend is None else _rows(addend)
     threads = torch.get_num_threads()
-    panels = torch.empty(threads, (k + 1) // 2 * KERNEL_TILE, dtype=torch.int32)  # one packed panel of w a thread
+    workspace = torch.empty(threads, (k + 1) // 2 * KERNEL_TILE, dtype=torch.int32)  # a packed panel of w a thread
     symmetric_kernels.load().symmetric_gemm_bf16(
         u.data_ptr(), u.stride(0), u.stride(1), w.data_ptr(), w.stride(0), w.stride(1), b, n, k, alpha,
         None if d is None else d.data_ptr(), 0 if d is None else d.stride(0), 0 if d is None else d.stride(1),
-        beta, out.data_ptr(), out.stride(0), out.stride(1), panels.data_ptr(), threads)
+        beta, out.data_ptr(), out.stride(0), out.stride(1), workspace.data_ptr(), threads)
     return out
 
 
