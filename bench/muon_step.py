@@ -53,7 +53,8 @@ from torch import nn
 
 from common import cpu_kind
 from orthon.optim import Muon, OptimConfig, plan_for_model
-from orthon.optim.gram_newton_schulz import block_flops, gram_compute_dtype, symmetric_kernel_applies, symmetric_panels
+from orthon.optim.gram_newton_schulz import (KERNEL_TILES, block_flops, gram_compute_dtype, symmetric_kernel_applies,
+                                             symmetric_panels)
 from orthon.optim.newton_schulz import bf16_gemm_is_native, newton_schulz_flops
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -205,7 +206,9 @@ def symmetric_products(device):
     """How Gram's symmetric n x n products run here (orthon.optim.gram_newton_schulz): the figures differ by it."""
     compute = gram_compute_dtype("auto", device)
     if symmetric_kernel_applies(256, device, compute):
-        return "upper tiles by the bf16 kernel (AVX512-BF16), n a multiple of 32"
+        tile = KERNEL_TILES[compute]
+        kind = "bf16 kernel (AVX512-BF16)" if compute == torch.bfloat16 else "fp32 kernel (AVX2)"
+        return f"upper tiles by the {kind}, n a multiple of {tile}"
     if symmetric_panels(1024, device, compute) > 1:
         return "upper panels by torch's GEMMs from n = 1,024"
     return "full products"

@@ -27,16 +27,27 @@ from typing import Callable
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_flags() -> frozenset[str]:
-    """The x86-64 CPU's feature flags (/proc/cpuinfo); empty elsewhere."""
+def _cpuinfo(field: str) -> str:
+    """The value of the first /proc/cpuinfo line naming ``field`` on x86-64; "" elsewhere or unreadable."""
     if platform.machine() not in ("x86_64", "AMD64"):
-        return frozenset()
+        return ""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split())
+        return ""
+    line = next((line for line in text.splitlines() if line.split(":")[0].strip() == field), "")
+    return line.partition(":")[2].strip()
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset[str]:
+    """The x86-64 CPU's feature flags; empty elsewhere."""
+    return frozenset(_cpuinfo("flags").split())
+
+
+def cpu_vendor() -> str:
+    """The x86-64 CPU's vendor id ("GenuineIntel", "AuthenticAMD"); "" elsewhere."""
+    return _cpuinfo("vendor_id")
 
 
 def cpu_has_avx2_fma() -> bool:

@@ -14,8 +14,8 @@ Newton-Schulz", 2026):
 Two n x m products (R_0 and the final Q X) replace the 2 per step, at the cost
 of up to 4 n x n products per step; on a 1024 x 4096 block that is 60 n^3
 instead of 90 n^3 FLOPs. ``gram_method_restarts`` says where it pays (aspect
-ratio 2.5 and up; 2 in bf16 on CPUs without AMX; fewer FLOPs from 1.5, but not
-yet less time); elsewhere the gram method restarts before every step, which is
+ratio 2.5 and up with full products; from about 1.3 with the CPU kernels' half-FLOP
+symmetric products, which Gram has more of); elsewhere the gram method restarts before every step, which is
 standard Newton-Schulz's products (see ``orthogonalise_gram_or_standard``).
 
 Half precision. Rounding errors in R are not corrected by the iteration (the
@@ -41,9 +41,13 @@ accumulated in fp32 and rounded once, as oneDNN's bf16 GEMM on the same CPU (equ
 to torch's products bit for bit at inner sizes up to 512 there); 0.56 of the
 FLOPs at n = 256, 0.52 at 1024. Measured on an AMD EPYC (Zen 4, one thread)
 against torch's full bf16 products: 11 x 256^2 products 0.62 of the time,
-256 x 512 0.60, 1024 x 4096 0.49 (the 256-row panels below took 0.65). Elsewhere
-(fp32 on CPUs without AMX) for n >= 1024 each product is computed by torch's
-GEMMs as n/256 row panels (at most 8), each panel's rows times the columns from
+256 x 512 0.60, 1024 x 4096 0.49 (the 256-row panels below took 0.65). In fp32,
+where MKL's fp32 GEMM is AVX2 code (CPUs without AVX-512, and AMD's: where bf16 is
+emulated and Gram computes in fp32), an AVX2 kernel does the same for n a multiple
+of 16: 6 x 16 tiles of fp32 sums; on the Zen 4, one thread, against MKL's full
+products: 11 x 256^2 0.53 of the time, 8 x 256 x 512 0.50, 1024 x 4096 0.48.
+Elsewhere (fp32 on Intel CPUs with AVX-512 and no AMX, or without the kernels'
+library) for n >= 1024 each product is computed by torch's GEMMs as n/256 row panels (at most 8), each panel's rows times the columns from
 its diagonal block on, the blocks below the diagonal blocks mirrored (a C
 kernel): (k+1)/2k of the FLOPs with k panels; at n = 512 (2 panels) that gained
 at one thread and lost at two, so smaller blocks keep full products. On an AMX
@@ -67,7 +71,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from orthon.core.native import NativeLibrary, cpu_has_avx512_bf16
+from orthon.core.native import NativeLibrary, cpu_flags, cpu_has_avx512_bf16, cpu_vendor
 from orthon.optim.newton_schulz import (
     DEFAULT_COEFFICIENTS,
     DEFAULT_EPS,
@@ -86,10 +90,13 @@ GRAM_DTYPE_NAMES = ("auto", *GRAM_DTYPES)
 # GEMM rate than standard's n x m ones and it makes more calls: at 0.88 (24 blocks of 512 x 256, bf16,
 # one CPU thread) it measured 12% slower than standard on the AMX Xeon, at 0.74 (768 x 256) 20% faster.
 GRAM_MAX_FLOP_FRACTION = 0.8
-# In bf16 on CPUs without AMX (AVX512-BF16) the n x n products keep the wide ones' rate: on the AMD EPYC
-# (Zen 4, one thread) the same 512 x 256 blocks (0.88) took 0.81-0.87 of standard's time, 1024 x 512
-# 0.83, but 384 x 256 (0.97) 1.02. (fp32 there, MKL's AVX2 code: 512 x 256 without restarts, 0.84, 1.07.)
-GRAM_MAX_FLOP_FRACTION_BF16_VECTOR = 0.9
+# On CPUs without AMX the n x n products keep the wide ones' rate. In bf16 (AVX512-BF16), on the AMD EPYC
+# (Zen 4, one thread), before the kernel: the same 512 x 256 blocks (0.88) took 0.81-0.87 of standard's
+# time, 1024 x 512 0.83, but 384 x 256 (0.97) 1.02. With the kernels (the fractions then of the
+# every-step form's FLOPs, both with half-FLOP symmetric products), fp32: 384 x 256 (0.80) 0.84 of its
+# time, 512 x 256 (0.68) 0.70, 256^2 (1.02) 1.04; bf16: 384 x 256 (0.85) 0.91, 256^2 (1.02) 1.06.
+# (fp32 with full products, MKL's AVX2 code: 512 x 256 without restarts, 0.84, 1.07.)
+GRAM_MAX_FLOP_FRACTION_VECTOR = 0.9
 # Largest Frobenius norm whose normalisation is folded into the GEMMs (X X^T of the raw matrix is formed,
 # so bound its entries far below bf16's and fp32's range); larger inputs are divided first.
 FOLD_MAX_NORM = 1e12
@@ -102,8 +109,8 @@ HALF_PRECISION_RESTART_EVERY = 3
 SYMMETRIC_MIN_ROWS = 1024
 SYMMETRIC_PANEL_ROWS = 256
 SYMMETRIC_MAX_PANELS = 8
-# By the bf16 kernel (CPUs with AVX512-BF16 and no AMX): tiles of this many columns, for n a multiple of it.
-KERNEL_TILE = 32  # NR in symmetric_kernels.c
+# By the C kernels: tiles of this many columns, for n a multiple of it (NR and NRF in symmetric_kernels.c).
+KERNEL_TILES = {torch.bfloat16: 32, torch.float32: 16}
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,8 +122,9 @@ def _cpu_has_amx() -> bool:
 def _declare_kernels(lib: ctypes.CDLL) -> None:
     pointer, long = ctypes.c_void_p, ctypes.c_long
     lib.mirror_blocks_2.argtypes = lib.mirror_blocks_4.argtypes = [pointer, long, pointer, long, ctypes.c_int]
-    lib.symmetric_gemm_bf16.argtypes = ([pointer, long, long] * 2 + [long, long, long, ctypes.c_float, pointer,
-                                        long, long, ctypes.c_float, pointer, long, long, pointer, ctypes.c_int])
+    lib.symmetric_gemm_bf16.argtypes = lib.symmetric_gemm_f32.argtypes = (
+        [pointer, long, long] * 2 + [long, long, long, ctypes.c_float, pointer, long, long, ctypes.c_float, pointer,
+                                     long, long, pointer, ctypes.c_int])
 
 
 symmetric_kernels = NativeLibrary(Path(__file__).with_name("symmetric_kernels.c"), "ORTHON_SYMMETRIC_KERNELS",
@@ -125,18 +133,34 @@ symmetric_kernels = NativeLibrary(Path(__file__).with_name("symmetric_kernels.c"
                                   "round-off, 1.2-1.4x the time in bf16)", log, _declare_kernels, openmp=True)
 
 
+def _fp32_gemm_is_avx2() -> bool:
+    """Whether MKL's fp32 GEMM runs AVX2 code here, as the fp32 kernel does: on CPUs without AVX-512, and
+    on AMD's (MKL takes its AVX2 path there; Zen 4 executes AVX-512 at AVX2's rate anyway). Intel's AVX-512
+    FMA units run MKL at up to twice that rate."""
+    return "avx512f" not in cpu_flags() or cpu_vendor() == "AuthenticAMD"
+
+
+def _vector_gemm_cpu(dtype: torch.dtype) -> bool:
+    """Whether a vector kernel beats torch's GEMM in ``dtype`` on this CPU at half the FLOPs: bf16 with
+    AVX512-BF16 and no AMX (oneDNN's AMX tiles are faster than any vector code); fp32 where MKL's is AVX2."""
+    if dtype == torch.bfloat16:
+        return cpu_has_avx512_bf16() and not _cpu_has_amx()
+    return dtype == torch.float32 and _fp32_gemm_is_avx2()
+
+
 def symmetric_kernel_applies(n: int, device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether the bf16 kernel computes the symmetric n x n products: bf16 on a CPU with AVX512-BF16 and no
-    AMX (there oneDNN's tiles are faster than any vector code), n a multiple of ``KERNEL_TILE``."""
-    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and n % KERNEL_TILE == 0
-            and cpu_has_avx512_bf16() and not _cpu_has_amx() and symmetric_kernels.load() is not None)
+    """Whether a C kernel computes the symmetric n x n products in ``dtype``: on a CPU where it is faster
+    (``_vector_gemm_cpu``), n a multiple of its tile (``KERNEL_TILES``), the library built."""
+    tile = KERNEL_TILES.get(dtype)
+    return (tile is not None and torch.device(device).type == "cpu" and n % tile == 0 and _vector_gemm_cpu(dtype)
+            and symmetric_kernels.load() is not None)
 
 
 def symmetric_panels(n: int, device: torch.device | str, dtype: torch.dtype) -> int:
-    """Row panels of the symmetric n x n products in ``dtype`` on ``device``; 1 means full products. The
-    bf16 kernel's column tiles count as panels of their width: the same triangle of FLOPs."""
+    """Row panels of the symmetric n x n products in ``dtype`` on ``device``; 1 means full products. A
+    kernel's column tiles count as panels of their width: the same triangle of FLOPs."""
     if symmetric_kernel_applies(n, device, dtype):
-        return n // KERNEL_TILE
+        return n // KERNEL_TILES[dtype]
     if torch.device(device).type != "cpu" or n < SYMMETRIC_MIN_ROWS or _cpu_has_amx():
         return 1
     return min(SYMMETRIC_MAX_PANELS, n // SYMMETRIC_PANEL_ROWS)
@@ -169,8 +193,8 @@ def symmetric_product_flops(n: int, inner: int, panels: int = 1) -> int:
 def symmetric_matmul(u: Tensor, v: Tensor, panels: int, alpha: float = 1.0, addend: Tensor | None = None,
                      beta: float = 0.0, v_symmetric: bool = False) -> Tensor:
     """alpha u @ v (+ beta addend) for stacks ``(b, n, k)`` x ``(b, k, n)`` whose result is known to be
-    symmetric. ``panels`` 1: one batched GEMM (bmm, or baddbmm with the scalars). ``n // KERNEL_TILE``
-    where ``symmetric_kernel_applies``: the bf16 kernel, which reads v's columns as rows: those of v^T
+    symmetric. ``panels`` 1: one batched GEMM (bmm, or baddbmm with the scalars). ``n // KERNEL_TILES[dtype]``
+    where ``symmetric_kernel_applies``: the dtype's C kernel, which reads v's columns as rows: those of v^T
     (v = X^T), or, with ``v_symmetric`` (v exactly symmetric, as the kernel's results are), v's own
     rows. Other counts: per matrix, each row panel times the columns from its diagonal block on, written
     in place; the blocks below the diagonal ones mirrored from above."""
@@ -179,7 +203,7 @@ def symmetric_matmul(u: Tensor, v: Tensor, panels: int, alpha: float = 1.0, adde
             return torch.baddbmm(addend, u, v, beta=beta, alpha=alpha)
         return torch.bmm(u, v) if alpha == 1.0 else torch.baddbmm(u.new_zeros(()), u, v, beta=0, alpha=alpha)
     n = u.shape[-2]
-    if panels == n // KERNEL_TILE and symmetric_kernel_applies(n, u.device, u.dtype):
+    if symmetric_kernel_applies(n, u.device, u.dtype) and panels == n // KERNEL_TILES[u.dtype]:
         return _kernel_product(u, v if v_symmetric and v.stride(-1) == 1 else v.mT, alpha, addend, beta)
     out = u.new_empty(u.shape[0], n, n)
     starts = _panel_starts(n, panels)
@@ -201,14 +225,20 @@ def _rows(t: Tensor) -> Tensor:
 
 
 def _kernel_product(u: Tensor, w: Tensor, alpha: float, addend: Tensor | None, beta: float) -> Tensor:
-    """alpha u @ w^T (+ beta addend), known to be symmetric, by the bf16 kernel: u, w ``(b, n, k)``."""
+    """alpha u @ w^T (+ beta addend), known to be symmetric, by the dtype's kernel: u, w ``(b, n, k)``."""
     u, w = _rows(u), _rows(w)
     b, n, k = u.shape
     out = u.new_empty(b, n, n)
     d = None if addend is None else _rows(addend)
     threads = torch.get_num_threads()
-    workspace = torch.empty(threads, (k + 1) // 2 * KERNEL_TILE, dtype=torch.int32)  # a packed panel of w a thread
-    symmetric_kernels.load().symmetric_gemm_bf16(
+    lib = symmetric_kernels.load()
+    # A packed panel of w a thread: bf16 pairs as 32-bit words, or fp32.
+    tile = KERNEL_TILES[u.dtype]
+    if u.dtype == torch.bfloat16:
+        kernel, workspace = lib.symmetric_gemm_bf16, torch.empty(threads, (k + 1) // 2 * tile, dtype=torch.int32)
+    else:
+        kernel, workspace = lib.symmetric_gemm_f32, torch.empty(threads, k * tile, dtype=torch.float32)
+    kernel(
         u.data_ptr(), u.stride(0), u.stride(1), w.data_ptr(), w.stride(0), w.stride(1), b, n, k, alpha,
         None if d is None else d.data_ptr(), 0 if d is None else d.stride(0), 0 if d is None else d.stride(1),
         beta, out.data_ptr(), out.stride(0), out.stride(1), workspace.data_ptr(), threads)
@@ -273,18 +303,26 @@ def gram_newton_schulz_flops(rows: int, cols: int, steps: int = DEFAULT_STEPS,
 
 
 def gram_max_flop_fraction(dtype: torch.dtype, device: torch.device | str) -> float:
-    """The largest fraction of standard's FLOPs at which Gram runs, for ``dtype`` on ``device``."""
-    if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and not _cpu_has_amx():
-        return GRAM_MAX_FLOP_FRACTION_BF16_VECTOR
+    """The largest fraction of the every-step form's FLOPs at which Gram runs, for ``dtype`` on ``device``
+    (``gram_pays``): more on CPUs without AMX in bf16, and in fp32 where its kernel computes the symmetric
+    products."""
+    if torch.device(device).type == "cpu":
+        if dtype == torch.bfloat16 and not _cpu_has_amx():
+            return GRAM_MAX_FLOP_FRACTION_VECTOR
+        if dtype == torch.float32 and _vector_gemm_cpu(dtype) and symmetric_kernels.load() is not None:
+            return GRAM_MAX_FLOP_FRACTION_VECTOR
     return GRAM_MAX_FLOP_FRACTION
 
 
 def gram_pays(rows: int, cols: int, steps: int = DEFAULT_STEPS, restarts: tuple[int, ...] = (),
-              max_fraction: float = GRAM_MAX_FLOP_FRACTION) -> bool:
-    """Whether Gram Newton-Schulz is worth running on a rows x cols block: at most ``max_fraction`` of
-    standard's FLOPs (at 0.8: aspect ratio >= 2.5 with one restart in 5 steps; at 0.9: >= 2)."""
-    gram = gram_newton_schulz_flops(rows, cols, steps, restarts)
-    return gram <= max_fraction * newton_schulz_flops(rows, cols, steps)
+              max_fraction: float = GRAM_MAX_FLOP_FRACTION, panels: int = 1) -> bool:
+    """Whether Gram Newton-Schulz is worth running on a rows x cols block: at most ``max_fraction`` of the
+    FLOPs of what the gram method runs otherwise (restarts before every step: standard's products), both
+    with the symmetric products in ``panels`` (``symmetric_panels``). With full products (1) that is
+    standard's FLOPs: at 0.8 Gram pays from aspect ratio 2.5 with one restart in 5 steps, at 0.9 from 2.
+    Half-FLOP symmetric products favour Gram, which has more of them: the ratio-2 expert stacks in fp32."""
+    gram = gram_newton_schulz_flops(rows, cols, steps, restarts, panels)
+    return gram <= max_fraction * gram_newton_schulz_flops(rows, cols, steps, tuple(range(1, steps)), panels)
 
 
 def gram_method_restarts(rows: int, cols: int, steps: int, compute: torch.dtype,
@@ -292,7 +330,8 @@ def gram_method_restarts(rows: int, cols: int, steps: int, compute: torch.dtype,
     """The restarts Muon's gram method runs a rows x cols block with in ``compute`` on ``device``: the
     dtype's (``default_restarts``) where Gram pays, else before every step (standard's products)."""
     restarts = default_restarts(steps, compute)
-    if gram_pays(rows, cols, steps, restarts, gram_max_flop_fraction(compute, device)):
+    panels = symmetric_panels(min(rows, cols), device, compute)
+    if gram_pays(rows, cols, steps, restarts, gram_max_flop_fraction(compute, device), panels):
         return restarts
     return tuple(range(1, steps))
 

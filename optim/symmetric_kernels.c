@@ -169,3 +169,133 @@ BF16 void symmetric_gemm_bf16(const uint16_t* a, long a_batch, long lda, const u
             mirror_row_block(c + (unit / blocks) * c_batch, ldc, (unit % blocks) * NR);
     }
 }
+
+/* ---- fp32 (AVX2 + FMA): for CPUs whose bf16 GEMM is emulated, where Gram Newton-Schulz computes in fp32. */
+
+#define MRF 6   /* rows of an fp32 tile: 6 x 2 accumulators of 8 floats */
+#define NRF 16  /* columns of an fp32 tile and of a packed panel of B */
+#define KCF 128  /* products summed in one chain before they join the total */
+
+/* Transposes 8 x 8 floats in registers: r[i] holds row i, then column i. */
+static inline void transpose_8x8(__m256* r) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {  /* u[i + q]: columns q (low half) and q + 4 (high) of rows i .. i + 3 */
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int q = 0; q < 4; q++) {
+        r[q] = _mm256_permute2f128_ps(u[q], u[4 + q], 0x20);
+        r[4 + q] = _mm256_permute2f128_ps(u[q], u[4 + q], 0x31);
+    }
+}
+
+/* Rows j0 .. j0 + NRF - 1 of B as k x NRF floats (B's panel transposed), by 8 x 8 register transposes. */
+static void pack_panel_f32(const float* b, long ldb, long k, float* out) {
+    long whole = k / 8 * 8;
+    for (long j8 = 0; j8 < NRF; j8 += 8) {
+        for (long p0 = 0; p0 < whole; p0 += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(b + (j8 + i) * ldb + p0);
+            transpose_8x8(r);
+            for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + (p0 + c) * NRF + j8, r[c]);
+        }
+        for (long jj = j8; jj < j8 + 8; jj++)
+            for (long p = whole; p < k; p++) out[p * NRF + jj] = b[jj * ldb + p];
+    }
+}
+
+/* One rows x NRF tile of C (rows <= MRF, a constant where it is inlined) from rows of A and a packed panel. */
+static inline __attribute__((always_inline)) void tile_rows_f32(
+        int rows, const float* a, long lda, const float* panel, long k, float alpha, const float* d, long ldd,
+        float beta, float* c, long ldc) {
+    __m256 acc[MRF][2], sum[MRF][2];
+    for (int r = 0; r < rows; r++) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
+    for (long p0 = 0; p0 < k; p0 += KCF) {  /* sums of KCF products added up: MKL's rounding, not one long chain's */
+        long p1 = p0 + KCF < k ? p0 + KCF : k;
+        for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (long p = p0; p < p1; p++) {
+            __m256 b0 = _mm256_loadu_ps(panel + p * NRF), b1 = _mm256_loadu_ps(panel + p * NRF + 8);
+            for (int r = 0; r < rows; r++) {
+                __m256 x = _mm256_broadcast_ss(a + r * lda + p);
+                acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            sum[r][0] = _mm256_add_ps(sum[r][0], acc[r][0]);
+            sum[r][1] = _mm256_add_ps(sum[r][1], acc[r][1]);
+        }
+    }
+    for (int r = 0; r < rows; r++) acc[r][0] = sum[r][0], acc[r][1] = sum[r][1];
+    __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta);
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < 2; h++) {
+            __m256 v = _mm256_mul_ps(acc[r][h], va);
+            if (d) v = _mm256_fmadd_ps(_mm256_loadu_ps(d + r * ldd + h * 8), vb, v);
+            _mm256_storeu_ps(c + r * ldc + h * 8, v);
+        }
+}
+
+static void tile_f32_6(const float* a, long lda, const float* panel, long k, float alpha, const float* d, long ldd,
+                       float beta, float* c, long ldc) {
+    tile_rows_f32(6, a, lda, panel, k, alpha, d, ldd, beta, c, ldc);
+}
+static void tile_f32_4(const float* a, long lda, const float* panel, long k, float alpha, const float* d, long ldd,
+                       float beta, float* c, long ldc) {
+    tile_rows_f32(4, a, lda, panel, k, alpha, d, ldd, beta, c, ldc);
+}
+static void tile_f32_2(const float* a, long lda, const float* panel, long k, float alpha, const float* d, long ldd,
+                       float beta, float* c, long ldc) {
+    tile_rows_f32(2, a, lda, panel, k, alpha, d, ldd, beta, c, ldc);
+}
+
+/* Rows i0 .. i0 + NRF - 1 of m below the diagonal from the columns above it, 8 x 8 blocks transposed in
+   registers; the diagonal block's lower triangle element by element. */
+static void mirror_row_block_f32(float* m, long ldc, long i0) {
+    for (long j0 = 0; j0 < i0; j0 += 8)
+        for (long h = 0; h < NRF; h += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(m + (j0 + i) * ldc + i0 + h);
+            transpose_8x8(r);
+            for (int w = 0; w < 8; w++) _mm256_storeu_ps(m + (i0 + h + w) * ldc + j0, r[w]);
+        }
+    for (long i = i0; i < i0 + NRF; i++)
+        for (long j = i0; j < i; j++) m[i * ldc + j] = m[j * ldc + i];
+}
+
+/* symmetric_gemm_bf16's product in fp32: c[t] = alpha a[t] b[t]^T + beta d[t], each 16-column block's rows
+   from 0 to its diagonal in 6-row tiles (the last one 4 or 2 rows), the rest mirrored. Needs n % 16 == 0
+   and a workspace of threads x k x NRF floats. */
+void symmetric_gemm_f32(const float* a, long a_batch, long lda, const float* b, long b_batch, long ldb, long batch,
+                        long n, long k, float alpha, const float* d, long d_batch, long ldd, float beta, float* c,
+                        long c_batch, long ldc, float* workspace, int threads) {
+    long blocks = n / NRF;
+    #pragma omp parallel num_threads(threads)
+    {
+        float* panel = workspace + (size_t)omp_get_thread_num() * k * NRF;
+        #pragma omp for schedule(dynamic, 1)
+        for (long unit = 0; unit < batch * blocks; unit++) {
+            long t = unit / blocks, j0 = (blocks - 1 - unit % blocks) * NRF;  /* the largest first */
+            const float* at = a + t * a_batch;
+            const float* dt = d ? d + t * d_batch + j0 : NULL;
+            float* ct = c + t * c_batch + j0;
+            pack_panel_f32(b + t * b_batch + j0 * ldb, ldb, k, panel);
+            long i0 = 0, end = j0 + NRF;
+            for (; i0 + MRF <= end; i0 += MRF)
+                tile_f32_6(at + i0 * lda, lda, panel, k, alpha, dt ? dt + i0 * ldd : NULL, ldd, beta, ct + i0 * ldc, ldc);
+            if (end - i0 == 4)
+                tile_f32_4(at + i0 * lda, lda, panel, k, alpha, dt ? dt + i0 * ldd : NULL, ldd, beta, ct + i0 * ldc, ldc);
+            else if (end - i0 == 2)
+                tile_f32_2(at + i0 * lda, lda, panel, k, alpha, dt ? dt + i0 * ldd : NULL, ldd, beta, ct + i0 * ldc, ldc);
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (long unit = 0; unit < batch * blocks; unit++)
+            mirror_row_block_f32(c + (unit / blocks) * c_batch, ldc, (unit % blocks) * NRF);
+    }
+}

@@ -261,6 +261,7 @@ def test_flop_counts_by_hand(monkeypatch):
     import orthon.optim.gram_newton_schulz as gram_module
 
     monkeypatch.setattr(gram_module, "_cpu_has_amx", lambda: True)  # full products (as on GPUs)
+    monkeypatch.setattr(gram_module, "_fp32_gemm_is_avx2", lambda: False)  # an Intel Xeon's AVX-512 MKL
     n, m = 1024, 4096
     # Standard: 5 x (X X^T, R^2, P X) = 5 (4 n^2 m + 2 n^3) = 90 n^3 here.
     assert newton_schulz_flops(n, m) == 90 * n**3
@@ -307,27 +308,48 @@ def test_flop_counts_by_hand(monkeypatch):
     assert symmetric_product_flops(n, m, 32) == 2 * m * n * n * 33 // 64
     assert block_flops(n, m, 5, "gram", "bf16") == 2476 * n**3 // 64
     assert block_flops(n, m, 5, "gram", "fp32") == gram_newton_schulz_flops(n, m, 5, (), panels=4)
+    # The fp32 kernel (where MKL's fp32 GEMM is AVX2 code): 16-column tiles, for n a multiple of 16. At 1024:
+    # 2 K n^2 (65/128); Gram at 1024 x 4096 without restarts: 2 n^2 m (65/128 + 1) + 17 (2 n^3) (65/128).
+    monkeypatch.setattr(gram_module, "_fp32_gemm_is_avx2", lambda: True)
+    assert [symmetric_panels(k, "cpu", torch.float32) for k in (16, 40, 256, 1024)] == [1, 1, 16, 64]
+    assert symmetric_product_flops(n, m, 64) == 2 * m * n * n * 65 // 128
+    assert block_flops(n, m, 5, "gram", "fp32") == 3754 * n**3 // 128  # 29.3 n^3, was 50 (4 panels: 38.2)
 
 
 def test_where_gram_pays_by_dtype_and_device(monkeypatch):
-    # From 0.8 of standard's FLOPs (aspect ratio 2.5), or 0.9 (ratio 2) in bf16 on a CPU without AMX, where
-    # the 512 x 256 expert blocks measured 0.81-0.87 of standard's time (1.12 on the AMX Xeon).
+    # With full products: from 0.8 of standard's FLOPs (aspect ratio 2.5), or 0.9 (ratio 2) in bf16 on a CPU
+    # without AMX, where the 512 x 256 expert blocks measured 0.81-0.87 of standard's time (1.12 on the AMX
+    # Xeon).
     import orthon.optim.gram_newton_schulz as gram_module
 
     expert, tall, near_square = (512, 256), (768, 256), (384, 256)  # 0.88, 0.74, 0.97 of standard's FLOPs
-    bf16, every_step = torch.bfloat16, (1, 2, 3, 4)
+    bf16, fp32, every_step = torch.bfloat16, torch.float32, (1, 2, 3, 4)
+    monkeypatch.setattr(gram_module.symmetric_kernels, "load", lambda: None)  # no kernels: full products
     for amx in (True, False):
         monkeypatch.setattr(gram_module, "_cpu_has_amx", lambda amx=amx: amx)
         assert gram_method_restarts(*tall, 5, bf16, "cpu") == (3,)
         assert gram_method_restarts(*expert, 5, bf16, "cpu") == (every_step if amx else (3,))
         assert gram_method_restarts(*near_square, 5, bf16, "cpu") == every_step
-        assert gram_method_restarts(*expert, 5, torch.float32, "cpu") == every_step  # fp32: 0.84, 1.07 measured
+        assert gram_method_restarts(*expert, 5, fp32, "cpu") == every_step  # fp32: 0.84, 1.07 measured
         assert gram_method_restarts(*expert, 5, torch.float16, "cuda") == every_step
         assert block_flops(*expert, 5, "gram", "bf16") == gram_newton_schulz_flops(
-            *expert, 5, (3,) if not amx else every_step, symmetric_panels(256, "cpu", bf16))
+            *expert, 5, (3,) if not amx else every_step)
     x = torch.randn(3, *expert)  # the method runs what the rule says
     assert torch.equal(orthogonalise_gram_or_standard(x, gram_dtype="bf16"),
                        gram_newton_schulz(x, dtype=bf16, restarts=(3,)))
+    # With the kernels' half-FLOP symmetric products (fractions of the every-step form's FLOPs, both with
+    # them; 0.9 in either dtype): Gram has more symmetric products, so it pays from lower aspect ratios.
+    # Measured (Zen 4, one thread; time of Gram over the every-step form): fp32 384 x 256 (0.80) 0.84,
+    # 512 x 256 (0.68) 0.70, 256^2 (1.02) 1.04; bf16 384 x 256 (0.85) 0.91, 256^2 (1.02) 1.06.
+    monkeypatch.setattr(gram_module.symmetric_kernels, "load", lambda: object())
+    monkeypatch.setattr(gram_module, "cpu_has_avx512_bf16", lambda: True)
+    monkeypatch.setattr(gram_module, "_fp32_gemm_is_avx2", lambda: True)
+    assert gram_method_restarts(*near_square, 5, bf16, "cpu") == (3,)
+    assert gram_method_restarts(256, 256, 5, bf16, "cpu") == every_step
+    assert gram_method_restarts(*expert, 5, fp32, "cpu") == gram_method_restarts(*near_square, 5, fp32, "cpu") == ()
+    assert gram_method_restarts(256, 256, 5, fp32, "cpu") == every_step
+    assert block_flops(*expert, 5, "gram", "fp32") == gram_newton_schulz_flops(*expert, 5, (), 16)
+    assert gram_pays(*near_square, 5, (), 0.81, 16) and not gram_pays(*near_square, 5, (), 0.8, 16)  # 0.8011
 
 
 def test_compute_dtype_and_restarts_per_device():

@@ -1,6 +1,7 @@
-"""The bf16 kernel of Gram Newton-Schulz's symmetric products (optim/symmetric_kernels.c) against fp64
-products of the same bf16 inputs: fp32 accumulation and one rounding to bf16, the result exactly
-symmetric, on layouts the iteration hands it (batches, strided rows, odd inner sizes, the addend form)."""
+"""The kernels of Gram Newton-Schulz's symmetric products (optim/symmetric_kernels.c) against fp64 products
+of the same inputs, on layouts the iteration hands them (batches, strided rows, odd inner sizes, the addend
+form), each result exactly symmetric. bf16: fp32 accumulation and one rounding to bf16. fp32: within the
+fp32 sums' error bound."""
 import pytest
 import torch
 
@@ -10,10 +11,12 @@ from orthon.optim.gram_newton_schulz import symmetric_kernel_applies, symmetric_
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _kernel_or_skip():
-    if not symmetric_kernel_applies(64, "cpu", torch.bfloat16):
-        why = gram_module.symmetric_kernels.why_unavailable or "this CPU lacks AVX512-BF16 or has AMX"
-        pytest.skip(f"the bf16 symmetric kernel does not run here: {why}")
+def _kernel_or_skip(dtype=torch.bfloat16):
+    if not symmetric_kernel_applies(64, "cpu", dtype):
+        why = gram_module.symmetric_kernels.why_unavailable or (
+            "this CPU lacks AVX512-BF16 or has AMX" if dtype == torch.bfloat16
+            else "MKL's fp32 GEMM is AVX-512 code on this CPU (Intel)")
+        pytest.skip(f"the {dtype} symmetric kernel does not run here: {why}")
 
 
 def _bf16(*shape, seed):
@@ -69,17 +72,72 @@ def test_products_of_symmetric_factors_with_an_addend():
     _assert_one_rounding(rp[:, upper], (rd @ p.double())[:, upper], bound[:, upper])
 
 
-def test_the_kernel_serves_bf16_multiples_of_its_tile_only(monkeypatch):
-    # fp32, and n not a multiple of 32, go to torch's GEMMs; so does everything when the library is off.
-    _kernel_or_skip()
-    assert symmetric_panels(256, "cpu", torch.bfloat16) == 8
-    assert symmetric_panels(256, "cpu", torch.float32) == 1 and symmetric_panels(250, "cpu", torch.bfloat16) == 1
+@pytest.mark.parametrize("n, k, threads", [(32, 5, 1), (48, 300, 2), (96, 131, 1), (256, 512, 2)])
+def test_fp32_products_within_the_sums_bound_and_mirror_exactly(n, k, threads):
+    # X X^T in fp32 for a batch of two read from wider rows: n = 32, 48 and 96 end column blocks with a
+    # 4- or 2-row tile, k = 5, 131 and 300 leave a remainder after the 8 x 8 packing transposes and after the
+    # 128-product chains. Within (k + 2) units of fp32 round-off of the sums of |products| (any summation
+    # order is; the alpha scaling is one more rounding).
+    _kernel_or_skip(torch.float32)
+    torch.set_num_threads(threads)
+    wide = torch.randn(2, n, k + 3, generator=torch.Generator().manual_seed(n))
+    x = wide[..., 1: k + 1]
+    xd = x.double()
+    bound = xd.abs() @ xd.abs().mT * (k + 2) * 2.0**-24
+    for alpha in (1.0, 0.37):
+        out = symmetric_matmul(x, x.mT, n // 16, alpha=alpha)
+        assert out.dtype == torch.float32 and out.shape == (2, n, n) and torch.equal(out, out.mT)
+        assert ((out.double() - alpha * xd @ xd.mT).abs() <= alpha * bound).all()
+    # The addend form with a symmetric right factor given as itself: P = b R + c R^2.
+    r = symmetric_matmul(x, x.mT, n // 16, alpha=1 / k)
+    b, c = -4.775, 2.0315
+    p = symmetric_matmul(r, r, n // 16, alpha=c, addend=r, beta=b, v_symmetric=True)
+    assert torch.equal(p, p.mT)
+    rd = r.double()
+    bound = (abs(b) * rd.abs() + abs(c) * rd.abs() @ rd.abs()) * (n + 3) * 2.0**-24
+    assert ((p.double() - (b * rd + c * rd @ rd)).abs() <= bound).all()
+
+
+def test_gram_fp32_by_the_kernel_is_as_near_the_exact_iteration_as_by_torch(monkeypatch):
+    # fp32 Gram runs without restarts, so X X^T's round-off carries through all five steps: the kernel's
+    # products (chains of 128 products added up, as blocked GEMMs sum) keep it as near the exact (fp64)
+    # iteration as MKL's full products do. One chain over all of k measured up to 3.3x farther.
+    from test_gram_newton_schulz import exact_newton_schulz, gradient_like, relative
+
+    _kernel_or_skip(torch.float32)
+    x, factors = gradient_like(2, 256, 2048)
+    exact = exact_newton_schulz(factors)
+    x = x.float()
+    by_kernel = gram_module.gram_newton_schulz(x, dtype=torch.float32, input_dtype=None)
+    monkeypatch.setattr(gram_module, "_fp32_gemm_is_avx2", lambda: False)
+    by_torch = gram_module.gram_newton_schulz(x, dtype=torch.float32, input_dtype=None)
+    assert relative(by_kernel, exact) <= 1.2 * relative(by_torch, exact)
+
+
+def test_each_kernel_serves_its_dtype_at_multiples_of_its_tile(monkeypatch):
+    # bf16 at multiples of 32 where the CPU has AVX512-BF16 and no AMX; fp32 at multiples of 16 where MKL's
+    # fp32 GEMM is AVX2 code (not Intel's AVX-512); torch's GEMMs elsewhere, and when the library is off.
     calls = []
     product = gram_module._kernel_product
-    monkeypatch.setattr(gram_module, "_kernel_product", lambda *a: calls.append(1) or product(*a))
-    x = _bf16(2, 96, 64, seed=2)
-    symmetric_matmul(x, x.mT, 3)
-    symmetric_matmul(x.float(), x.float().mT, 3)
-    assert calls == [1]
+    monkeypatch.setattr(gram_module, "_kernel_product", lambda *a: calls.append(a[0].dtype) or product(*a))
+    if symmetric_kernel_applies(64, "cpu", torch.bfloat16):
+        assert symmetric_panels(256, "cpu", torch.bfloat16) == 8 and symmetric_panels(240, "cpu", torch.bfloat16) == 1
+        x = torch.randn(2, 96, 64).bfloat16()
+        symmetric_matmul(x, x.mT, 3)
+        assert calls == [torch.bfloat16]
+    calls.clear()
+    monkeypatch.setattr(gram_module, "cpu_vendor", lambda: "GenuineIntel")
+    monkeypatch.setattr(gram_module, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
+    assert not symmetric_kernel_applies(256, "cpu", torch.float32) and symmetric_panels(256, "cpu", torch.float32) == 1
+    monkeypatch.setattr(gram_module, "cpu_flags", lambda: frozenset({"avx2", "fma"}))  # Intel without AVX-512
+    if gram_module.symmetric_kernels.load() is not None:
+        assert symmetric_panels(256, "cpu", torch.float32) == 16 and symmetric_panels(248, "cpu", torch.float32) == 1
+        x = torch.randn(2, 96, 64)
+        symmetric_matmul(x, x.mT, 6)
+        assert calls == [torch.float32]
+    monkeypatch.setattr(gram_module, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(gram_module, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))  # Zen 4
+    assert symmetric_kernel_applies(256, "cpu", torch.float32) == (gram_module.symmetric_kernels.load() is not None)
     monkeypatch.setattr(gram_module.symmetric_kernels, "load", lambda: None)
-    assert symmetric_panels(256, "cpu", torch.bfloat16) == 1 and symmetric_panels(1024, "cpu", torch.bfloat16) == 4
+    assert symmetric_panels(256, "cpu", torch.bfloat16) == 1 and symmetric_panels(256, "cpu", torch.float32) == 1
+    assert symmetric_panels(1024, "cpu", torch.float32) == 4 or gram_module._cpu_has_amx()
