@@ -37,7 +37,12 @@ machine hits them alike.
 fused: the same with Muon(fused=True) (optim.fused: true), its momentum and update passes compiled by
 torch.compile into one sweep each (orthon.optim.fused); their first step compiles, inside the warm-up.
 
-    python bench/muon_step.py [--sets tiny,large,mla] [--device cuda] [--threads 1]
+``--emulated-bf16`` runs orthon's optimizers as a CPU whose bf16 GEMM is emulated has them run (standard in
+fp32 with bf16's rounding, gram in fp32 with its fp32 symmetric-product kernel) on a CPU where it is native,
+against torch.optim.Muon on this CPU's native bf16 GEMM: the emulated kind's orthon figures on the other
+kind, not its ratios to torch (there torch's step takes seconds to minutes).
+
+    python bench/muon_step.py [--sets tiny,large,mla] [--device cuda] [--threads 1] [--emulated-bf16]
 """
 from __future__ import annotations
 
@@ -59,6 +64,9 @@ from orthon.optim.newton_schulz import bf16_gemm_is_native, newton_schulz_flops
 
 ROOT = Path(__file__).resolve().parents[1]
 HYPER = dict(lr=2e-4, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5)
+# How orthon's optimizers run: as this CPU has them choose, or (--emulated-bf16) as on a CPU whose bf16 GEMM
+# is emulated: standard Newton-Schulz in fp32 with bf16's rounding, Gram in fp32.
+MODE = {"bf16_matmul": "auto", "gram_dtype": "auto"}
 
 
 def sync(device):
@@ -112,7 +120,7 @@ def set_flops(entries, ns_method="standard", device="cpu"):
     total = 0
     for shape, split in entries:
         count, (rows, cols) = blocks_of(shape, split)
-        total += count * block_flops(rows, cols, HYPER["ns_steps"], ns_method, "auto", device)
+        total += count * block_flops(rows, cols, HYPER["ns_steps"], ns_method, MODE["gram_dtype"], device)
     return total
 
 
@@ -134,13 +142,14 @@ def make_params(entries, device, as_blocks):
     return params
 
 
-def orthon_optimizer(entries, device, bf16_matmul="auto", ns_method="standard", fused=False):
+def orthon_optimizer(entries, device, bf16_matmul=None, ns_method="standard", fused=False):
     params = make_params(entries, device, as_blocks=False)
     by_split = {}
     for p, split in params:
         by_split.setdefault(split, []).append(p)
     groups = [{"params": ps, "split_rows": s} for s, ps in by_split.items()]
-    return Muon(groups, bf16_matmul=bf16_matmul, ns_method=ns_method, fused=fused, **HYPER)
+    return Muon(groups, bf16_matmul=bf16_matmul or MODE["bf16_matmul"], ns_method=ns_method,
+                gram_dtype=MODE["gram_dtype"], fused=fused, **HYPER)
 
 
 def torch_optimizer(entries, device):
@@ -148,7 +157,7 @@ def torch_optimizer(entries, device):
     return torch.optim.Muon([p for p, _ in params], adjust_lr_fn="match_rms_adamw", **HYPER)
 
 
-def orthon_step_time(entries, device, args, bf16_matmul="auto", ns_method="standard"):
+def orthon_step_time(entries, device, args, bf16_matmul=None, ns_method="standard"):
     opt = orthon_optimizer(entries, device, bf16_matmul, ns_method)
     return time_it(opt.step, device, args.warmup, args.repeats), opt
 
@@ -204,7 +213,7 @@ def matmul_rate(entries, device, dtype, warmup, repeats, iterations=1):
 
 def symmetric_products(device):
     """How Gram's symmetric n x n products run here (orthon.optim.gram_newton_schulz): the figures differ by it."""
-    compute = gram_compute_dtype("auto", device)
+    compute = gram_compute_dtype(MODE["gram_dtype"], device)
     if symmetric_kernel_applies(256, device, compute):
         tile = KERNEL_TILES[compute]
         kind = "bf16 kernel (AVX512-BF16)" if compute == torch.bfloat16 else "fp32 kernel (AVX2)"
@@ -229,18 +238,24 @@ def main():
     parser.add_argument("--native", action="store_true",
                         help="where bf16 is emulated, also time orthon on the native bf16 GEMM (torch's kernel) "
                              "on the tiny set: the batching gain alone (~20 s a step on such CPUs)")
+    parser.add_argument("--emulated-bf16", action="store_true",
+                        help="run orthon's optimizers as on a CPU whose bf16 GEMM is emulated (standard in fp32 "
+                             "with bf16's rounding, gram in fp32); torch.optim.Muon keeps this CPU's bf16 GEMM")
     args = parser.parse_args()
+    if args.emulated_bf16:
+        MODE.update(bf16_matmul="emulated", gram_dtype="fp32")
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     native = bf16_gemm_is_native(device)
-    kernel = torch.bfloat16 if native else torch.float32
+    kernel = torch.bfloat16 if native and not args.emulated_bf16 else torch.float32  # what orthon's NS runs on
     large_count = args.large_count or (24 if native else 2)
     torch_large = args.torch_large_count if args.torch_large_count is not None else (large_count if native else 0)
     sets = args.sets.split(",")
     bf16 = "native" if native else "emulated on fp32"
+    bf16 += "; orthon runs as where it is emulated (--emulated-bf16)" if args.emulated_bf16 else ""
     print(f"device {device} ({torch.get_num_threads()} threads), bf16 GEMM {bf16}, "
-          f"gram computes in {str(gram_compute_dtype('auto', device)).removeprefix('torch.')}; "
+          f"gram computes in {str(gram_compute_dtype(MODE['gram_dtype'], device)).removeprefix('torch.')}; "
           f"its symmetric products: {symmetric_products(device)}")
     if device.type == "cpu":
         print(f"CPU: {cpu_kind()}")
