@@ -2,7 +2,10 @@
 no logits kept) against a plain reference loop (transformers' GlmMoeDsaForCausalLM + torch AdamW),
 same config, same weights, same batch. Each variant runs in its own process so its peak RSS is its own.
 
-    python bench/train_throughput.py [--steps 4] [--batch 8] [--seq 256]
+    python bench/train_throughput.py [--steps 4] [--batch 8] [--seq 256] [--optim KEY=VALUE ...]
+
+``--optim`` adds recipe overrides to orthon's optimizer, e.g. ``optim.bf16_matmul=emulated`` (Muon as a CPU
+whose bf16 GEMM is emulated runs it: Newton-Schulz in fp32) or ``optim.ns_method=gram``.
 
 Variants: orthon with Muon + Split (unfused, and with optim.fused), orthon with AdamW only, and the
 reference. The fused variant's peak RSS includes torch.compile's own memory (its first step compiles).
@@ -32,7 +35,7 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def worker(variant: str, steps: int, batch: int, seq: int, weights: str) -> dict:
+def worker(variant: str, steps: int, batch: int, seq: int, weights: str, optim: list[str]) -> dict:
     import torch
 
     from orthon.pretrain.recipe import load_recipe
@@ -56,7 +59,7 @@ def worker(variant: str, steps: int, batch: int, seq: int, weights: str) -> dict
         algorithm = "adamw" if variant == "orthon_adamw" else "muon"
         # orthon_muon_fused: optim.fused, its first (compiling) step among the two untimed ones.
         recipe = load_recipe(ROOT / "configs/tiny.yaml", [f"optim.algorithm={algorithm}",
-                                                         f"optim.fused={variant == 'orthon_muon_fused'}"])
+                                                         f"optim.fused={variant == 'orthon_muon_fused'}", *optim])
         opt = build_for_model(model, recipe.optim, recipe.schedule)
         opt.set_tokens(recipe.schedule.warmup_tokens)
 
@@ -84,9 +87,13 @@ def main():
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--worker", choices=VARIANTS)
     parser.add_argument("--weights")
+    parser.add_argument("--optim", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="recipe overrides for orthon's optimizer (optim.*)")
     args = parser.parse_args()
+    if any(not o.startswith("optim.") for o in args.optim):
+        parser.error(f"--optim takes optim.* overrides, got {args.optim}")
     if args.worker:
-        print(json.dumps(worker(args.worker, args.steps, args.batch, args.seq, args.weights)))
+        print(json.dumps(worker(args.worker, args.steps, args.batch, args.seq, args.weights, args.optim)))
         return
     import torch
 
@@ -101,10 +108,12 @@ def main():
         results = {}
         for variant in VARIANTS:
             out = subprocess.run([sys.executable, __file__, "--worker", variant, "--weights", weights,
-                                  "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq)],
+                                  "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
+                                  "--optim", *args.optim],
                                  capture_output=True, text=True, check=True)
             results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"CPU: {cpu_kind()}")
+    print(f"orthon's optimizer overrides: {' '.join(args.optim) or 'none'}")
     print(f"batch {args.batch} x {args.seq}, tiny config ({sum(p.numel() for p in GLMForCausalLM(config).parameters()) / 1e6:.2f}M)")
     print(f"{'variant':<14}{'tokens/s':>10}{'peak RSS MB':>13}{'step MB':>9}")
     for name, r in results.items():

@@ -33,26 +33,10 @@ stay within 1.5x of standard's error everywhere, at 70 n^3 instead of 60 n^3
 FLOPs on 1024 x 4096. fp32 needs no restart.
 
 Symmetric products. R, P and Q are polynomials in R_0, so they commute and every
-n x n product above (X X^T, R^2, R P, P (R P), Q P) is symmetric: only the part
-on and above the diagonal needs computing, the rest is mirrored. In bf16 on CPUs
-with AVX512-BF16 and no AMX, a C kernel (optim/symmetric_kernels.c) computes them
-for n a multiple of 32: 8 x 32 tiles from row 0 to the diagonal tile, bf16 pairs
-accumulated in fp32 and rounded once, as oneDNN's bf16 GEMM on the same CPU (equal
-to torch's products bit for bit at inner sizes up to 512 there); 0.56 of the
-FLOPs at n = 256, 0.52 at 1024. Measured on an AMD EPYC (Zen 4, one thread)
-against torch's full bf16 products: 11 x 256^2 products 0.62 of the time,
-256 x 512 0.60, 1024 x 4096 0.49 (the 256-row panels below took 0.65). In fp32,
-where MKL's fp32 GEMM is AVX2 code (CPUs without AVX-512, and AMD's: where bf16 is
-emulated and Gram computes in fp32), an AVX2 kernel does the same for n a multiple
-of 16: 6 x 16 tiles of fp32 sums; on the Zen 4, one thread, against MKL's full
-products: 11 x 256^2 0.53 of the time, 8 x 256 x 512 0.50, 1024 x 4096 0.48.
-Elsewhere (fp32 on Intel CPUs with AVX-512 and no AMX, or without the kernels'
-library) for n >= 1024 each product is computed by torch's GEMMs as n/256 row panels (at most 8), each panel's rows times the columns from
-its diagonal block on, the blocks below the diagonal blocks mirrored (a C
-kernel): (k+1)/2k of the FLOPs with k panels; at n = 512 (2 panels) that gained
-at one thread and lost at two, so smaller blocks keep full products. On an AMX
-Xeon block-triangle products measured slower than one full bf16 GEMM: AMX CPUs
-and GPUs keep the full products.
+n x n product above (X X^T, R^2, R P, P (R P), Q P) is symmetric: on CPUs only the
+part on and above the diagonal is computed, the rest mirrored
+(orthon.optim.symmetric_products: C kernels in bf16 and fp32, torch's GEMMs in row
+panels elsewhere).
 
 The input is rounded to ``input_dtype`` first (bf16: what standard Newton-Schulz
 and torch.optim.Muon see, and what distributed Muon sends) and Frobenius-
@@ -63,15 +47,10 @@ read it (R_0 and the first Q X), which saves a pass over X.
 """
 from __future__ import annotations
 
-import ctypes
-import functools
-import logging
-from pathlib import Path
-
 import torch
 from torch import Tensor
 
-from orthon.core.native import NativeLibrary, cpu_flags, cpu_has_avx512_bf16, cpu_vendor
+import orthon.optim.symmetric_products as symmetric
 from orthon.optim.newton_schulz import (
     DEFAULT_COEFFICIENTS,
     DEFAULT_EPS,
@@ -80,8 +59,7 @@ from orthon.optim.newton_schulz import (
     check_arguments,
     newton_schulz_flops,
 )
-
-log = logging.getLogger(__name__)
+from orthon.optim.symmetric_products import symmetric_matmul, symmetric_panels, symmetric_product_flops
 
 NS_METHODS = ("standard", "gram")  # Muon's ns_method: which Newton-Schulz form runs
 GRAM_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -102,147 +80,6 @@ GRAM_MAX_FLOP_FRACTION_VECTOR = 0.9
 FOLD_MAX_NORM = 1e12
 # Steps between restarts in half precision (see the module docstring for how it was chosen).
 HALF_PRECISION_RESTART_EVERY = 3
-
-
-# Symmetric products (see the module docstring), by torch's GEMMs: from this n on, in panels of this many
-# rows, at most this many.
-SYMMETRIC_MIN_ROWS = 1024
-SYMMETRIC_PANEL_ROWS = 256
-SYMMETRIC_MAX_PANELS = 8
-# By the C kernels: tiles of this many columns, for n a multiple of it (NR and NRF in symmetric_kernels.c).
-KERNEL_TILES = {torch.bfloat16: 32, torch.float32: 16}
-
-
-@functools.lru_cache(maxsize=None)
-def _cpu_has_amx() -> bool:
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(probe()) if probe is not None else False
-
-
-def _declare_kernels(lib: ctypes.CDLL) -> None:
-    pointer, long = ctypes.c_void_p, ctypes.c_long
-    lib.mirror_blocks_2.argtypes = lib.mirror_blocks_4.argtypes = [pointer, long, pointer, long, ctypes.c_int]
-    lib.symmetric_gemm_bf16.argtypes = lib.symmetric_gemm_f32.argtypes = (
-        [pointer, long, long] * 2 + [long, long, long, ctypes.c_float, pointer, long, long, ctypes.c_float, pointer,
-                                     long, long, pointer, ctypes.c_int])
-
-
-symmetric_kernels = NativeLibrary(Path(__file__).with_name("symmetric_kernels.c"), "ORTHON_SYMMETRIC_KERNELS",
-                                  "the symmetric products' kernels",
-                                  "torch's GEMMs and strided copies compute them (the same values up to "
-                                  "round-off, 1.2-1.4x the time in bf16)", log, _declare_kernels, openmp=True)
-
-
-def _fp32_gemm_is_avx2() -> bool:
-    """Whether MKL's fp32 GEMM runs AVX2 code here, as the fp32 kernel does: on CPUs without AVX-512, and
-    on AMD's (MKL takes its AVX2 path there; Zen 4 executes AVX-512 at AVX2's rate anyway). Intel's AVX-512
-    FMA units run MKL at up to twice that rate."""
-    return "avx512f" not in cpu_flags() or cpu_vendor() == "AuthenticAMD"
-
-
-def _vector_gemm_cpu(dtype: torch.dtype) -> bool:
-    """Whether a vector kernel beats torch's GEMM in ``dtype`` on this CPU at half the FLOPs: bf16 with
-    AVX512-BF16 and no AMX (oneDNN's AMX tiles are faster than any vector code); fp32 where MKL's is AVX2."""
-    if dtype == torch.bfloat16:
-        return cpu_has_avx512_bf16() and not _cpu_has_amx()
-    return dtype == torch.float32 and _fp32_gemm_is_avx2()
-
-
-def symmetric_kernel_applies(n: int, device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether a C kernel computes the symmetric n x n products in ``dtype``: on a CPU where it is faster
-    (``_vector_gemm_cpu``), n a multiple of its tile (``KERNEL_TILES``), the library built."""
-    tile = KERNEL_TILES.get(dtype)
-    return (tile is not None and torch.device(device).type == "cpu" and n % tile == 0 and _vector_gemm_cpu(dtype)
-            and symmetric_kernels.load() is not None)
-
-
-def symmetric_panels(n: int, device: torch.device | str, dtype: torch.dtype) -> int:
-    """Row panels of the symmetric n x n products in ``dtype`` on ``device``; 1 means full products. A
-    kernel's column tiles count as panels of their width: the same triangle of FLOPs."""
-    if symmetric_kernel_applies(n, device, dtype):
-        return n // KERNEL_TILES[dtype]
-    if torch.device(device).type != "cpu" or n < SYMMETRIC_MIN_ROWS or _cpu_has_amx():
-        return 1
-    return min(SYMMETRIC_MAX_PANELS, n // SYMMETRIC_PANEL_ROWS)
-
-
-def _mirror(out: Tensor, starts: list[int]) -> None:
-    """Fill the blocks of ``out`` (b, n, n) below its diagonal blocks (bounds ``starts``) from those above."""
-    cpu_words = out.device.type == "cpu" and out.is_contiguous() and out.element_size() in (2, 4)
-    lib = symmetric_kernels.load() if cpu_words else None
-    if lib is None:
-        for lo, hi in zip(starts[1:], starts[2:]):
-            out[:, lo:hi, :lo].copy_(out[:, :lo, lo:hi].mT)
-        return
-    kernel = lib.mirror_blocks_2 if out.element_size() == 2 else lib.mirror_blocks_4
-    bounds = (ctypes.c_long * len(starts))(*starts)
-    for matrix in out:
-        kernel(matrix.data_ptr(), out.shape[-1], bounds, len(starts) - 1, torch.get_num_threads())
-
-
-def _panel_starts(n: int, panels: int) -> list[int]:
-    return [n * i // panels for i in range(panels + 1)]
-
-
-def symmetric_product_flops(n: int, inner: int, panels: int = 1) -> int:
-    """FLOPs of an n x n product over ``inner`` computed in ``panels`` row panels (1: the full 2 n^2 inner)."""
-    starts = _panel_starts(n, panels)
-    return 2 * inner * sum((starts[i + 1] - starts[i]) * (n - starts[i]) for i in range(panels))
-
-
-def symmetric_matmul(u: Tensor, v: Tensor, panels: int, alpha: float = 1.0, addend: Tensor | None = None,
-                     beta: float = 0.0, v_symmetric: bool = False) -> Tensor:
-    """alpha u @ v (+ beta addend) for stacks ``(b, n, k)`` x ``(b, k, n)`` whose result is known to be
-    symmetric. ``panels`` 1: one batched GEMM (bmm, or baddbmm with the scalars). ``n // KERNEL_TILES[dtype]``
-    where ``symmetric_kernel_applies``: the dtype's C kernel, which reads v's columns as rows: those of v^T
-    (v = X^T), or, with ``v_symmetric`` (v exactly symmetric, as the kernel's results are), v's own
-    rows. Other counts: per matrix, each row panel times the columns from its diagonal block on, written
-    in place; the blocks below the diagonal ones mirrored from above."""
-    if panels == 1:
-        if addend is not None:
-            return torch.baddbmm(addend, u, v, beta=beta, alpha=alpha)
-        return torch.bmm(u, v) if alpha == 1.0 else torch.baddbmm(u.new_zeros(()), u, v, beta=0, alpha=alpha)
-    n = u.shape[-2]
-    if symmetric_kernel_applies(n, u.device, u.dtype) and panels == n // KERNEL_TILES[u.dtype]:
-        return _kernel_product(u, v if v_symmetric and v.stride(-1) == 1 else v.mT, alpha, addend, beta)
-    out = u.new_empty(u.shape[0], n, n)
-    starts = _panel_starts(n, panels)
-    for j in range(u.shape[0]):
-        for lo, hi in zip(starts, starts[1:]):
-            block = out[j, lo:hi, lo:]
-            if addend is None and alpha == 1.0:
-                torch.mm(u[j, lo:hi], v[j, :, lo:], out=block)
-            else:  # beta 0 ignores the (uninitialised) input
-                source = block if addend is None else addend[j, lo:hi, lo:]
-                torch.addmm(source, u[j, lo:hi], v[j, :, lo:], beta=beta, alpha=alpha, out=block)
-    _mirror(out, starts)
-    return out
-
-
-def _rows(t: Tensor) -> Tensor:
-    """``t`` with unit stride along its rows (the kernel's layout), copied only if it has not."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _kernel_product(u: Tensor, w: Tensor, alpha: float, addend: Tensor | None, beta: float) -> Tensor:
-    """alpha u @ w^T (+ beta addend), known to be symmetric, by the dtype's kernel: u, w ``(b, n, k)``."""
-    u, w = _rows(u), _rows(w)
-    b, n, k = u.shape
-    out = u.new_empty(b, n, n)
-    d = None if addend is None else _rows(addend)
-    threads = torch.get_num_threads()
-    lib = symmetric_kernels.load()
-    # A packed panel of w a thread: bf16 pairs as 32-bit words, or fp32.
-    tile = KERNEL_TILES[u.dtype]
-    if u.dtype == torch.bfloat16:
-        kernel, workspace = lib.symmetric_gemm_bf16, torch.empty(threads, (k + 1) // 2 * tile, dtype=torch.int32)
-    else:
-        kernel, workspace = lib.symmetric_gemm_f32, torch.empty(threads, k * tile, dtype=torch.float32)
-    kernel(
-        u.data_ptr(), u.stride(0), u.stride(1), w.data_ptr(), w.stride(0), w.stride(1), b, n, k, alpha,
-        None if d is None else d.data_ptr(), 0 if d is None else d.stride(0), 0 if d is None else d.stride(1),
-        beta, out.data_ptr(), out.stride(0), out.stride(1), workspace.data_ptr(), threads)
-    return out
 
 
 def gram_compute_dtype(name: str, device: torch.device | str) -> torch.dtype:
@@ -307,9 +144,9 @@ def gram_max_flop_fraction(dtype: torch.dtype, device: torch.device | str) -> fl
     (``gram_pays``): more on CPUs without AMX in bf16, and in fp32 where its kernel computes the symmetric
     products."""
     if torch.device(device).type == "cpu":
-        if dtype == torch.bfloat16 and not _cpu_has_amx():
+        if dtype == torch.bfloat16 and not symmetric.cpu_has_amx():
             return GRAM_MAX_FLOP_FRACTION_VECTOR
-        if dtype == torch.float32 and _vector_gemm_cpu(dtype) and symmetric_kernels.load() is not None:
+        if dtype == torch.float32 and symmetric.vector_kernel_cpu(dtype) and symmetric.symmetric_kernels.load() is not None:
             return GRAM_MAX_FLOP_FRACTION_VECTOR
     return GRAM_MAX_FLOP_FRACTION
 

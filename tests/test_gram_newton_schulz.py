@@ -21,10 +21,8 @@ from orthon.optim.gram_newton_schulz import (
     gram_newton_schulz_flops,
     gram_pays,
     orthogonalise_gram_or_standard,
-    symmetric_matmul,
-    symmetric_panels,
-    symmetric_product_flops,
 )
+from orthon.optim.symmetric_products import symmetric_matmul, symmetric_panels, symmetric_product_flops
 from orthon.optim.newton_schulz import DEFAULT_COEFFICIENTS, bf16_gemm_is_native, newton_schulz, newton_schulz_flops
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -187,12 +185,12 @@ def test_symmetric_products_are_the_full_products_mirrored(kernel, monkeypatch):
     # mirrored: the full product's values (fp32 round-off), the blocks below the diagonal ones exactly the
     # transposes of those above. 100 rows in 3 panels of 33, 33, 34: uneven bounds. The mirror by the C
     # kernel (fp32 and bf16 words) and by torch's copies.
-    import orthon.optim.gram_newton_schulz as gram_module
+    import orthon.optim.symmetric_products as symmetric
 
     if not kernel:
-        monkeypatch.setattr(gram_module.symmetric_kernels, "load", lambda: None)
-    elif gram_module.symmetric_kernels.load() is None:
-        pytest.skip(f"mirror kernel unavailable: {gram_module.symmetric_kernels.why_unavailable}")
+        monkeypatch.setattr(symmetric.symmetric_kernels, "load", lambda: None)
+    elif symmetric.symmetric_kernels.load() is None:
+        pytest.skip(f"mirror kernel unavailable: {symmetric.symmetric_kernels.why_unavailable}")
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 100, 70, generator=gen)
     r = torch.bmm(x, x.mT)
@@ -223,16 +221,16 @@ def test_gram_with_symmetric_products_is_the_same_map(bf16_kernel, monkeypatch):
     # A 1024-row block (where the CPU has no AMX: 4 panels of torch's GEMMs, or in bf16 with AVX512-BF16 the
     # kernel's 32 column tiles), in this CPU's compute dtype: the symmetric products' iteration and the full
     # products' agree to round-off and are as near the exact iteration.
-    import orthon.optim.gram_newton_schulz as gram_module
+    import orthon.optim.symmetric_products as symmetric
 
     if not bf16_kernel:
-        monkeypatch.setattr(gram_module, "cpu_has_avx512_bf16", lambda: False)
+        monkeypatch.setattr(symmetric, "cpu_has_avx512_bf16", lambda: False)
     x, factors = gradient_like(1, 1024, 1536)
     exact = exact_newton_schulz(factors)
     dtype = gram_compute_dtype("auto", "cpu")
     outs = {}
     for amx in (True, False):
-        monkeypatch.setattr(gram_module, "_cpu_has_amx", lambda amx=amx: amx)
+        monkeypatch.setattr(symmetric, "cpu_has_amx", lambda amx=amx: amx)
         outs[amx] = gram_newton_schulz(x.float(), dtype=dtype)
     full, panelled = outs[True], outs[False]
     tolerance = 0.02 if dtype == torch.bfloat16 else 1e-4
@@ -258,10 +256,10 @@ def test_gram_bf16_on_large_glm5_blocks(rows, cols, count):
 
 
 def test_flop_counts_by_hand(monkeypatch):
-    import orthon.optim.gram_newton_schulz as gram_module
+    import orthon.optim.symmetric_products as symmetric
 
-    monkeypatch.setattr(gram_module, "_cpu_has_amx", lambda: True)  # full products (as on GPUs)
-    monkeypatch.setattr(gram_module, "_fp32_gemm_is_avx2", lambda: False)  # an Intel Xeon's AVX-512 MKL
+    monkeypatch.setattr(symmetric, "cpu_has_amx", lambda: True)  # full products (as on GPUs)
+    monkeypatch.setattr(symmetric, "_fp32_gemm_is_avx2", lambda: False)  # an Intel Xeon's AVX-512 MKL
     n, m = 1024, 4096
     # Standard: 5 x (X X^T, R^2, P X) = 5 (4 n^2 m + 2 n^3) = 90 n^3 here.
     assert newton_schulz_flops(n, m) == 90 * n**3
@@ -288,8 +286,8 @@ def test_flop_counts_by_hand(monkeypatch):
     # and 14 n x n products at 10/16, its two Q X in full: 2 (2 n^2 m) (10/16 + 1) + 14 (2 n^3) (10/16).
     bf16 = torch.bfloat16
     assert symmetric_panels(n, "cpu", bf16) == 1 and symmetric_panels(n, "cuda", torch.float16) == 1
-    monkeypatch.setattr(gram_module, "_cpu_has_amx", lambda: False)
-    monkeypatch.setattr(gram_module, "cpu_has_avx512_bf16", lambda: False)
+    monkeypatch.setattr(symmetric, "cpu_has_amx", lambda: False)
+    monkeypatch.setattr(symmetric, "cpu_has_avx512_bf16", lambda: False)
     assert [symmetric_panels(k, "cpu", bf16) for k in (512, 1023, 1024, 2048, 6144)] == [1, 1, 4, 8, 8]
     assert symmetric_panels(n, "cuda", bf16) == 1
     assert symmetric_product_flops(n, m, 4) == 2 * m * n * n * 10 // 16
@@ -301,8 +299,8 @@ def test_flop_counts_by_hand(monkeypatch):
     # The bf16 kernel (AVX512-BF16, no AMX): 32-column tiles, each from row 0 to its diagonal tile, for n a
     # multiple of 32 in bf16 only. At 1024: 2 K * 32 * (1024 + 992 + ... + 32) = 2 K n^2 (33/64); Gram at
     # 1024 x 4096: 2 (2 n^2 m) (33/64 + 1) + 14 (2 n^3) (33/64) = 38.6875 n^3.
-    monkeypatch.setattr(gram_module, "cpu_has_avx512_bf16", lambda: True)
-    monkeypatch.setattr(gram_module.symmetric_kernels, "load", lambda: object())  # built, wherever this runs
+    monkeypatch.setattr(symmetric, "cpu_has_avx512_bf16", lambda: True)
+    monkeypatch.setattr(symmetric.symmetric_kernels, "load", lambda: object())  # built, wherever this runs
     assert [symmetric_panels(k, "cpu", bf16) for k in (32, 48, 256, 1024)] == [1, 1, 8, 32]
     assert symmetric_panels(1024, "cpu", torch.float32) == 4 and symmetric_panels(256, "cuda", bf16) == 1
     assert symmetric_product_flops(n, m, 32) == 2 * m * n * n * 33 // 64
@@ -310,7 +308,7 @@ def test_flop_counts_by_hand(monkeypatch):
     assert block_flops(n, m, 5, "gram", "fp32") == gram_newton_schulz_flops(n, m, 5, (), panels=4)
     # The fp32 kernel (where MKL's fp32 GEMM is AVX2 code): 16-column tiles, for n a multiple of 16. At 1024:
     # 2 K n^2 (65/128); Gram at 1024 x 4096 without restarts: 2 n^2 m (65/128 + 1) + 17 (2 n^3) (65/128).
-    monkeypatch.setattr(gram_module, "_fp32_gemm_is_avx2", lambda: True)
+    monkeypatch.setattr(symmetric, "_fp32_gemm_is_avx2", lambda: True)
     assert [symmetric_panels(k, "cpu", torch.float32) for k in (16, 40, 256, 1024)] == [1, 1, 16, 64]
     assert symmetric_product_flops(n, m, 64) == 2 * m * n * n * 65 // 128
     assert block_flops(n, m, 5, "gram", "fp32") == 3754 * n**3 // 128  # 29.3 n^3, was 50 (4 panels: 38.2)
@@ -320,13 +318,13 @@ def test_where_gram_pays_by_dtype_and_device(monkeypatch):
     # With full products: from 0.8 of standard's FLOPs (aspect ratio 2.5), or 0.9 (ratio 2) in bf16 on a CPU
     # without AMX, where the 512 x 256 expert blocks measured 0.81-0.87 of standard's time (1.12 on the AMX
     # Xeon).
-    import orthon.optim.gram_newton_schulz as gram_module
+    import orthon.optim.symmetric_products as symmetric
 
     expert, tall, near_square = (512, 256), (768, 256), (384, 256)  # 0.88, 0.74, 0.97 of standard's FLOPs
     bf16, fp32, every_step = torch.bfloat16, torch.float32, (1, 2, 3, 4)
-    monkeypatch.setattr(gram_module.symmetric_kernels, "load", lambda: None)  # no kernels: full products
+    monkeypatch.setattr(symmetric.symmetric_kernels, "load", lambda: None)  # no kernels: full products
     for amx in (True, False):
-        monkeypatch.setattr(gram_module, "_cpu_has_amx", lambda amx=amx: amx)
+        monkeypatch.setattr(symmetric, "cpu_has_amx", lambda amx=amx: amx)
         assert gram_method_restarts(*tall, 5, bf16, "cpu") == (3,)
         assert gram_method_restarts(*expert, 5, bf16, "cpu") == (every_step if amx else (3,))
         assert gram_method_restarts(*near_square, 5, bf16, "cpu") == every_step
@@ -341,9 +339,9 @@ def test_where_gram_pays_by_dtype_and_device(monkeypatch):
     # them; 0.9 in either dtype): Gram has more symmetric products, so it pays from lower aspect ratios.
     # Measured (Zen 4, one thread; time of Gram over the every-step form): fp32 384 x 256 (0.80) 0.84,
     # 512 x 256 (0.68) 0.70, 256^2 (1.02) 1.04; bf16 384 x 256 (0.85) 0.91, 256^2 (1.02) 1.06.
-    monkeypatch.setattr(gram_module.symmetric_kernels, "load", lambda: object())
-    monkeypatch.setattr(gram_module, "cpu_has_avx512_bf16", lambda: True)
-    monkeypatch.setattr(gram_module, "_fp32_gemm_is_avx2", lambda: True)
+    monkeypatch.setattr(symmetric.symmetric_kernels, "load", lambda: object())
+    monkeypatch.setattr(symmetric, "cpu_has_avx512_bf16", lambda: True)
+    monkeypatch.setattr(symmetric, "_fp32_gemm_is_avx2", lambda: True)
     assert gram_method_restarts(*near_square, 5, bf16, "cpu") == (3,)
     assert gram_method_restarts(256, 256, 5, bf16, "cpu") == every_step
     assert gram_method_restarts(*expert, 5, fp32, "cpu") == gram_method_restarts(*near_square, 5, fp32, "cpu") == ()
@@ -368,9 +366,9 @@ def test_gram_method_runs_standard_products_restarted_every_step_where_gram_does
                                                                                          monkeypatch):
     # Where gram_pays says no, the gram method restarts before every step: standard Newton-Schulz's
     # products with P = aI + bR + cR^2 formed once (no addend copied per product).
-    import orthon.optim.gram_newton_schulz as gram_module
+    import orthon.optim.symmetric_products as symmetric
 
-    monkeypatch.setattr(gram_module, "_cpu_has_amx", lambda: True)  # Gram from 0.8 of standard's FLOPs
+    monkeypatch.setattr(symmetric, "cpu_has_amx", lambda: True)  # Gram from 0.8 of standard's FLOPs
     assert not gram_pays(rows, cols, 5, default_restarts(5, torch.bfloat16))
     x, factors = gradient_like(count, rows, cols)
     out = orthogonalise_gram_or_standard(x.float(), gram_dtype="bf16")

@@ -1,4 +1,6 @@
 """Newton-Schulz: torch's reference bit for bit (bf16), the quintic map on singular values (fp32)."""
+import sys
+
 import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz
@@ -92,3 +94,31 @@ def test_flops_count():
     # 2x3, one step: X X^T (2*2*2*3) + gram^2 (2*2^3) + poly X (2*2*2*3) = 24 + 16 + 24
     assert newton_schulz_flops(2, 3, steps=1) == 64
     assert newton_schulz_flops(3, 2, steps=5) == 5 * 64
+
+
+def test_emulated_bf16_computes_its_symmetric_products_by_halves(monkeypatch):
+    # X X^T and b R + c R^2 by orthon.optim.symmetric_products (on CPUs whose fp32 GEMM is AVX2 code, the fp32
+    # kernel: half the FLOPs): torch's full products' map up to fp32 summation order (which flips bf16
+    # roundings, and five steps spread them), as near fp32's result as native bf16.
+    import orthon.optim.symmetric_products as symmetric
+
+    g = torch.randn(3, 64, 160, generator=torch.Generator().manual_seed(3))
+    calls = []
+    matmul = symmetric.symmetric_matmul
+    monkeypatch.setattr(sys.modules["orthon.optim.newton_schulz"], "symmetric_matmul",
+                        lambda *a, **k: calls.append(a[2]) or matmul(*a, **k))
+    by_halves = newton_schulz(g, emulate_bf16=True)
+    assert calls == [symmetric.symmetric_panels(64, "cpu", torch.float32)] * 10  # two a step
+    monkeypatch.setattr(symmetric.symmetric_kernels, "load", lambda: None)
+    monkeypatch.setattr(symmetric, "SYMMETRIC_MIN_ROWS", 10**9)
+    full = newton_schulz(g, emulate_bf16=True)  # torch's full products
+    exact = newton_schulz(g, dtype="fp32")
+    native = newton_schulz(g, emulate_bf16=False).float()
+    err = [(out.float() - exact).norm() / exact.norm() for out in (by_halves, full, native)]
+    assert err[0] < 1.5 * err[2] and err[0] < 1.5 * err[1], err
+    # ...and nearer torch's full products than either is to fp32 (0.004 against 0.015 measured).
+    assert (by_halves.float() - full.float()).norm() / full.float().norm() < 0.5 * err[2]
+    # FLOPs with 16-row panels (the kernel's tiles at n = 64): each symmetric product over K costs
+    # 2 K 16 (64 + 48 + 32 + 16) = 5,120 K; a step X X^T (K = 160), R^2 (K = 64) and P X in full.
+    assert newton_schulz_flops(64, 160, 5, panels=4) == 5 * (5120 * 160 + 5120 * 64 + 2 * 64 * 64 * 160)
+    assert newton_schulz_flops(64, 160, 5) == 5 * (4 * 64 * 64 * 160 + 2 * 64**3)  # torch.optim.Muon's

@@ -1,19 +1,20 @@
-"""The kernels of Gram Newton-Schulz's symmetric products (optim/symmetric_kernels.c) against fp64 products
+"""The kernels of the symmetric products (orthon.optim.symmetric_products, optim/symmetric_kernels.c) against fp64 products
 of the same inputs, on layouts the iteration hands them (batches, strided rows, odd inner sizes, the addend
 form), each result exactly symmetric. bf16: fp32 accumulation and one rounding to bf16. fp32: within the
 fp32 sums' error bound."""
 import pytest
 import torch
 
-import orthon.optim.gram_newton_schulz as gram_module
-from orthon.optim.gram_newton_schulz import symmetric_kernel_applies, symmetric_matmul, symmetric_panels
+import orthon.optim.symmetric_products as symmetric
+from orthon.optim.gram_newton_schulz import gram_newton_schulz
+from orthon.optim.symmetric_products import symmetric_kernel_applies, symmetric_matmul, symmetric_panels
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _kernel_or_skip(dtype=torch.bfloat16):
     if not symmetric_kernel_applies(64, "cpu", dtype):
-        why = gram_module.symmetric_kernels.why_unavailable or (
+        why = symmetric.symmetric_kernels.why_unavailable or (
             "this CPU lacks AVX512-BF16 or has AMX" if dtype == torch.bfloat16
             else "MKL's fp32 GEMM is AVX-512 code on this CPU (Intel)")
         pytest.skip(f"the {dtype} symmetric kernel does not run here: {why}")
@@ -108,9 +109,9 @@ def test_gram_fp32_by_the_kernel_is_as_near_the_exact_iteration_as_by_torch(monk
     x, factors = gradient_like(2, 256, 2048)
     exact = exact_newton_schulz(factors)
     x = x.float()
-    by_kernel = gram_module.gram_newton_schulz(x, dtype=torch.float32, input_dtype=None)
-    monkeypatch.setattr(gram_module, "_fp32_gemm_is_avx2", lambda: False)
-    by_torch = gram_module.gram_newton_schulz(x, dtype=torch.float32, input_dtype=None)
+    by_kernel = gram_newton_schulz(x, dtype=torch.float32, input_dtype=None)
+    monkeypatch.setattr(symmetric, "_fp32_gemm_is_avx2", lambda: False)
+    by_torch = gram_newton_schulz(x, dtype=torch.float32, input_dtype=None)
     assert relative(by_kernel, exact) <= 1.2 * relative(by_torch, exact)
 
 
@@ -118,26 +119,26 @@ def test_each_kernel_serves_its_dtype_at_multiples_of_its_tile(monkeypatch):
     # bf16 at multiples of 32 where the CPU has AVX512-BF16 and no AMX; fp32 at multiples of 16 where MKL's
     # fp32 GEMM is AVX2 code (not Intel's AVX-512); torch's GEMMs elsewhere, and when the library is off.
     calls = []
-    product = gram_module._kernel_product
-    monkeypatch.setattr(gram_module, "_kernel_product", lambda *a: calls.append(a[0].dtype) or product(*a))
+    product = symmetric._kernel_product
+    monkeypatch.setattr(symmetric, "_kernel_product", lambda *a: calls.append(a[0].dtype) or product(*a))
     if symmetric_kernel_applies(64, "cpu", torch.bfloat16):
         assert symmetric_panels(256, "cpu", torch.bfloat16) == 8 and symmetric_panels(240, "cpu", torch.bfloat16) == 1
         x = torch.randn(2, 96, 64).bfloat16()
         symmetric_matmul(x, x.mT, 3)
         assert calls == [torch.bfloat16]
     calls.clear()
-    monkeypatch.setattr(gram_module, "cpu_vendor", lambda: "GenuineIntel")
-    monkeypatch.setattr(gram_module, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
+    monkeypatch.setattr(symmetric, "cpu_vendor", lambda: "GenuineIntel")
+    monkeypatch.setattr(symmetric, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
     assert not symmetric_kernel_applies(256, "cpu", torch.float32) and symmetric_panels(256, "cpu", torch.float32) == 1
-    monkeypatch.setattr(gram_module, "cpu_flags", lambda: frozenset({"avx2", "fma"}))  # Intel without AVX-512
-    if gram_module.symmetric_kernels.load() is not None:
+    monkeypatch.setattr(symmetric, "cpu_flags", lambda: frozenset({"avx2", "fma"}))  # Intel without AVX-512
+    if symmetric.symmetric_kernels.load() is not None:
         assert symmetric_panels(256, "cpu", torch.float32) == 16 and symmetric_panels(248, "cpu", torch.float32) == 1
         x = torch.randn(2, 96, 64)
         symmetric_matmul(x, x.mT, 6)
         assert calls == [torch.float32]
-    monkeypatch.setattr(gram_module, "cpu_vendor", lambda: "AuthenticAMD")
-    monkeypatch.setattr(gram_module, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))  # Zen 4
-    assert symmetric_kernel_applies(256, "cpu", torch.float32) == (gram_module.symmetric_kernels.load() is not None)
-    monkeypatch.setattr(gram_module.symmetric_kernels, "load", lambda: None)
+    monkeypatch.setattr(symmetric, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(symmetric, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))  # Zen 4
+    assert symmetric_kernel_applies(256, "cpu", torch.float32) == (symmetric.symmetric_kernels.load() is not None)
+    monkeypatch.setattr(symmetric.symmetric_kernels, "load", lambda: None)
     assert symmetric_panels(256, "cpu", torch.bfloat16) == 1 and symmetric_panels(256, "cpu", torch.float32) == 1
-    assert symmetric_panels(1024, "cpu", torch.float32) == 4 or gram_module._cpu_has_amx()
+    assert symmetric_panels(1024, "cpu", torch.float32) == 4 or symmetric.cpu_has_amx()
