@@ -17,10 +17,10 @@ matmul (about 1-2 GFLOP/s, against ~100 GFLOP/s for fp32). A bf16 GEMM
 multiplies bf16 inputs exactly and accumulates in fp32, so running the fp32
 kernel on bf16-valued inputs and rounding each product back to bf16 gives
 the same numbers up to summation order. ``emulate_bf16`` does that; by
-default it is on exactly where bf16 GEMM is not native. Its X X^T and
-b R + c R^2 are symmetric: they are computed as their upper part and
-mirrored (orthon.optim.symmetric_products: on such CPUs an AVX2 kernel,
-0.5 of the time of the fp32 GEMM at n = 256), R P X in full.
+default it is on exactly where bf16 GEMM is not native. In fp32 (that form,
+or ``dtype="fp32"``) X X^T and b R + c R^2, symmetric, are computed as their
+upper part and mirrored (orthon.optim.symmetric_products: on such CPUs an
+AVX2 kernel at 0.5 of the fp32 GEMM's time at n = 256), P X in full.
 """
 from __future__ import annotations
 
@@ -110,12 +110,9 @@ def newton_schulz(
     if emulate_bf16 is None:
         emulate_bf16 = dtype == torch.bfloat16 and not bf16_gemm_is_native(x.device)
     if emulate_bf16 and dtype == torch.bfloat16:
-        x = _iterate_emulated_bf16(x, steps, a, b, c)
+        x = _iterate(x.float(), steps, a, b, c, _round_bf16_).to(torch.bfloat16)
     else:
-        for _ in range(steps):
-            gram = torch.bmm(x, x.mT)
-            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-            x = torch.baddbmm(x, poly, x, beta=a)
+        x = _iterate(x, steps, a, b, c)
 
     if transposed:
         x = x.mT
@@ -137,14 +134,18 @@ def _round_bf16_(t: Tensor) -> Tensor:
     return t.copy_(t.to(torch.bfloat16))
 
 
-def _iterate_emulated_bf16(x: Tensor, steps: int, a: float, b: float, c: float) -> Tensor:
-    x = x.float()
-    panels = symmetric_panels(x.shape[-2], x.device, x.dtype)
+def _iterate(x: Tensor, steps: int, a: float, b: float, c: float, round_=None) -> Tensor:
+    """The iteration in torch.optim.Muon's forms (X X^T; b R + c R^2 by baddbmm; a X + P X by baddbmm), each
+    product passed through ``round_`` (the emulated bf16 GEMM's output rounding). In fp32 (the emulated form
+    included) X X^T and b R + c R^2 are computed by halves (``symmetric_matmul``); bf16 keeps torch's full
+    products, bit for bit."""
+    panels = symmetric_panels(x.shape[-2], x.device, x.dtype) if x.dtype == torch.float32 else 1
+    round_ = round_ or (lambda t: t)
     for _ in range(steps):
-        gram = _round_bf16_(symmetric_matmul(x, x.mT, panels))
-        poly = _round_bf16_(symmetric_matmul(gram, gram, panels, alpha=c, addend=gram, beta=b, v_symmetric=True))
-        x = _round_bf16_(torch.baddbmm(x, poly, x, beta=a))
-    return x.to(torch.bfloat16)
+        gram = round_(symmetric_matmul(x, x.mT, panels))
+        poly = round_(symmetric_matmul(gram, gram, panels, alpha=c, addend=gram, beta=b, v_symmetric=True))
+        x = round_(torch.baddbmm(x, poly, x, beta=a))
+    return x
 
 
 def newton_schulz_flops(rows: int, cols: int, steps: int = DEFAULT_STEPS, panels: int = 1) -> int:

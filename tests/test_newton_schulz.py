@@ -96,7 +96,7 @@ def test_flops_count():
     assert newton_schulz_flops(3, 2, steps=5) == 5 * 64
 
 
-def test_emulated_bf16_computes_its_symmetric_products_by_halves(monkeypatch):
+def test_fp32_and_emulated_bf16_compute_their_symmetric_products_by_halves(monkeypatch):
     # X X^T and b R + c R^2 by orthon.optim.symmetric_products (on CPUs whose fp32 GEMM is AVX2 code, the fp32
     # kernel: half the FLOPs): torch's full products' map up to fp32 summation order (which flips bf16
     # roundings, and five steps spread them), as near fp32's result as native bf16.
@@ -108,7 +108,12 @@ def test_emulated_bf16_computes_its_symmetric_products_by_halves(monkeypatch):
     monkeypatch.setattr(sys.modules["orthon.optim.newton_schulz"], "symmetric_matmul",
                         lambda *a, **k: calls.append(a[2]) or matmul(*a, **k))
     by_halves = newton_schulz(g, emulate_bf16=True)
-    assert calls == [symmetric.symmetric_panels(64, "cpu", torch.float32)] * 10  # two a step
+    panels = symmetric.symmetric_panels(64, "cpu", torch.float32)
+    assert calls == [panels] * 10  # two a step
+    calls.clear()
+    newton_schulz(g, dtype="fp32")  # fp32 too; native bf16 keeps torch.optim.Muon's full products
+    newton_schulz(g, emulate_bf16=False)
+    assert calls == [panels] * 10 + [1] * 10
     monkeypatch.setattr(symmetric.symmetric_kernels, "load", lambda: None)
     monkeypatch.setattr(symmetric, "SYMMETRIC_MIN_ROWS", 10**9)
     full = newton_schulz(g, emulate_bf16=True)  # torch's full products
