@@ -14,9 +14,10 @@ Newton-Schulz", 2026):
 Two n x m products (R_0 and the final Q X) replace the 2 per step, at the cost
 of up to 4 n x n products per step; on a 1024 x 4096 block that is 60 n^3
 instead of 90 n^3 FLOPs. ``gram_method_restarts`` says where it pays (aspect
-ratio 2.5 and up with full products; from about 1.3 with the CPU kernels' half-FLOP
-symmetric products, which Gram has more of); elsewhere the gram method restarts before every step, which is
-standard Newton-Schulz's products (see ``orthogonalise_gram_or_standard``).
+ratio 2.5 and up with full products; from about 1.3-1.5 with the CPU kernels'
+half-FLOP symmetric products, which Gram has more of); elsewhere the gram method
+restarts before every step, which is standard Newton-Schulz's products (see
+``orthogonalise_gram_or_standard``).
 
 Half precision. Rounding errors in R are not corrected by the iteration (the
 standard form recomputes X X^T from X every step): an eigenvalue of R pushed
