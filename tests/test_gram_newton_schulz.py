@@ -255,6 +255,20 @@ def test_gram_bf16_on_large_glm5_blocks(rows, cols, count):
         assert lo - 0.05 <= out_lo and out_hi <= hi + 0.05
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("rows, cols", [(1024, 4096), EXPERT_UP])  # ~20 s, ~60 s
+def test_gram_fp32_on_large_glm5_blocks(rows, cols):
+    # fp32 Gram (no restarts; the emulated-bf16 kind's compute dtype), its symmetric products by the fp32
+    # kernel where it applies: fp32 round-off from the exact iteration, however long its sums (k = 6,144).
+    x, factors = gradient_like(1, rows, cols)
+    exact = exact_newton_schulz(factors)
+    gram = gram_newton_schulz(x.float(), dtype=torch.float32, input_dtype=None)
+    assert relative(gram, exact) < 1e-3
+    lo, hi = singular_band(exact)
+    out_lo, out_hi = singular_band(gram)
+    assert lo - 0.01 <= out_lo and out_hi <= hi + 0.01
+
+
 def test_flop_counts_by_hand(monkeypatch):
     import orthon.optim.symmetric_products as symmetric
 
