@@ -147,7 +147,8 @@ def gram_max_flop_fraction(dtype: torch.dtype, device: torch.device | str) -> fl
     if torch.device(device).type == "cpu":
         if dtype == torch.bfloat16 and not symmetric.cpu_has_amx():
             return GRAM_MAX_FLOP_FRACTION_VECTOR
-        if dtype == torch.float32 and symmetric.vector_kernel_cpu(dtype) and symmetric.symmetric_kernels.load() is not None:
+        kernel = symmetric.vector_kernel_cpu(dtype) and symmetric.symmetric_kernels.load() is not None
+        if dtype == torch.float32 and kernel:
             return GRAM_MAX_FLOP_FRACTION_VECTOR
     return GRAM_MAX_FLOP_FRACTION
 

@@ -1,7 +1,7 @@
-"""The kernels of the symmetric products (orthon.optim.symmetric_products, optim/symmetric_kernels.c) against fp64 products
-of the same inputs, on layouts the iteration hands them (batches, strided rows, odd inner sizes, the addend
-form), each result exactly symmetric. bf16: fp32 accumulation and one rounding to bf16. fp32: within the
-fp32 sums' error bound."""
+"""The kernels of the symmetric products (orthon.optim.symmetric_products, optim/symmetric_kernels.c)
+against fp64 products of the same inputs, on layouts the iteration hands them (batches, strided rows, odd
+inner sizes, the addend form), each result exactly symmetric. bf16: fp32 accumulation and one rounding to
+bf16. fp32: within the fp32 sums' error bound."""
 import pytest
 import torch
 
