@@ -1,4 +1,4 @@
-/* Kernels for Gram Newton-Schulz's symmetric products (orthon.optim.gram_newton_schulz).
+/* Kernels for Newton-Schulz's symmetric products (orthon.optim.symmetric_products).
 
    mirror_blocks_{2,4}: a product computed as row panels, each from its diagonal block on, has its blocks
    below the diagonal blocks filled with the transposes of those above. torch's strided copy of a
@@ -16,7 +16,12 @@
    pairs along k, and the lower triangle mirrored from the upper, by 16 x 16 transposes of 32-bit words in
    registers (element by element they took ~30% of a 256^2 product's time).
 
-   OpenMP with the caller's thread count: the products over (matrix, 32-column block) units, the mirrors
+   symmetric_gemm_f32: the same product in fp32 with AVX2 + FMA, for CPUs whose fp32 GEMM (MKL's) is AVX2
+   code: 6 x 16 tiles up to the diagonal, each output's products summed in chains of KCF then added up
+   (as a blocked GEMM sums), B's 16-row panels packed and the lower triangle mirrored by 8 x 8 register
+   transposes.
+
+   OpenMP with the caller's thread count: the products over (matrix, column block) units, the mirrors
    over (matrix, row block). */
 #include <immintrin.h>
 #include <omp.h>
@@ -170,7 +175,7 @@ BF16 void symmetric_gemm_bf16(const uint16_t* a, long a_batch, long lda, const u
     }
 }
 
-/* ---- fp32 (AVX2 + FMA): for CPUs whose bf16 GEMM is emulated, where Gram Newton-Schulz computes in fp32. */
+/* ---- fp32 (AVX2 + FMA): for CPUs whose bf16 GEMM is emulated, where Newton-Schulz computes in fp32. */
 
 #define MRF 6   /* rows of an fp32 tile: 6 x 2 accumulators of 8 floats */
 #define NRF 16  /* columns of an fp32 tile and of a packed panel of B */
