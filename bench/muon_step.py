@@ -60,7 +60,7 @@ from common import cpu_kind
 from orthon.optim import Muon, OptimConfig, plan_for_model
 from orthon.optim.gram_newton_schulz import block_flops, gram_compute_dtype
 from orthon.optim.symmetric_products import KERNEL_TILES, symmetric_kernel_applies, symmetric_panels
-from orthon.optim.newton_schulz import bf16_gemm_is_native, newton_schulz_flops
+from orthon.optim.newton_schulz import bf16_gemm_is_native, emulates_bf16, newton_schulz_flops
 
 ROOT = Path(__file__).resolve().parents[1]
 HYPER = dict(lr=2e-4, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5)
@@ -127,8 +127,7 @@ def set_flops(entries, ns_method="standard", device="cpu"):
 def orthon_flops(entries, ns_method, device):
     """What orthon's optimizer computes: ``set_flops``, except that standard's emulated-bf16 form computes its
     X X^T and b R + c R^2 by halves (orthon.optim.symmetric_products)."""
-    mode = MODE["bf16_matmul"]
-    if ns_method != "standard" or not (mode == "emulated" or (mode == "auto" and not bf16_gemm_is_native(device))):
+    if ns_method != "standard" or not emulates_bf16(MODE["bf16_matmul"], device):
         return set_flops(entries, ns_method, device)
     total = 0
     for shape, split in entries:

@@ -36,7 +36,7 @@ from orthon.optim.newton_schulz import (
     DEFAULT_EPS,
     DEFAULT_STEPS,
     ns_batch_elements,
-    bf16_gemm_is_native,
+    emulates_bf16,
     newton_schulz,
     ns_dtype,
 )
@@ -216,16 +216,11 @@ class Muon(torch.optim.Optimizer):
                     f"Muon Split: {label} has {p.shape[-2]} rows, which {split} blocks do not divide"
                 )
 
-    def _emulate_bf16(self, device: torch.device) -> bool:
-        if self.bf16_matmul == "auto":
-            return not bf16_gemm_is_native(device)
-        return self.bf16_matmul == "emulated"
-
     def _newton_schulz(self, stack: Tensor, item: MatrixWork) -> Tensor:
         """Either method on a stack of blocks, in pieces of about ``ns_batch_elements`` (a large expert stack
         too: on a CPU its GEMMs stay in cache; batching is per block, so pieces change no result)."""
         steps, coefficients, eps, dtype, method, gram_dtype = item.ns_key
-        emulate = self._emulate_bf16(stack.device)
+        emulate = emulates_bf16(self.bf16_matmul, stack.device)
 
         def run(piece: Tensor) -> Tensor:
             if method == "gram":

@@ -80,6 +80,14 @@ def bf16_gemm_is_native(device: torch.device | str) -> bool:
     return device.type != "cpu" or _cpu_has_bf16_gemm()
 
 
+def emulates_bf16(bf16_matmul: str, device: torch.device | str) -> bool:
+    """Whether bf16 Newton-Schulz runs its emulated form under Muon's ``bf16_matmul`` ("auto": where bf16 GEMM
+    is not native; "native"; "emulated") on ``device``."""
+    if bf16_matmul == "auto":
+        return not bf16_gemm_is_native(device)
+    return bf16_matmul == "emulated"
+
+
 def newton_schulz(
     matrices: Tensor,
     steps: int = DEFAULT_STEPS,
