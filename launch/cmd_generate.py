@@ -30,6 +30,10 @@ def sample_text(run_dir, prompt: str, max_new_tokens: int = 100, temperature: fl
     from orthon.launch.args import check_weights_fit
     from orthon.pretrain.weights import load_config, load_weights, weights_tokenizer
 
+    if not prompt:
+        # orthon's pretraining ignores the token after an end-of-document (data.loader): its models never
+        # learn how a document begins, so sampling needs text to continue.
+        raise OrthonError("--prompt: empty; give some text to continue, e.g. --prompt \"def \"")
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise OrthonError(f"{run_dir}: no such run directory (give the train.run_dir of a finished run, "
@@ -51,7 +55,7 @@ def sample_text(run_dir, prompt: str, max_new_tokens: int = 100, temperature: fl
                             stop_token_ids=() if eos is None else (eos,), seed=seed)
     result = InProcessEngine(load_weights(weights)).generate([tokenizer.encode(prompt)], params)[0]
     if not result.ok:
-        raise OrthonError(f"prompt: {result.error}")
+        raise OrthonError(f"--prompt {prompt!r}: {result.error}")
     tokens = result.tokens[:-1] if result.finish_reason == "stop" else result.tokens  # the eos is not text
     return prompt + tokenizer.decode(tokens)
 

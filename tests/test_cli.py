@@ -22,6 +22,9 @@ def test_orthon_errors_are_one_line_with_exit_code_2(tmp_path):
     assert proc.returncode == 2
     assert _one_line(proc) == (f"orthon generate: {tmp_path / 'nosuch'}: no such run directory (give the "
                                f"train.run_dir of a finished run, e.g. runs/tiny after `orthon pretrain -c configs/tiny.yaml`)")
+    proc = orthon("generate", tmp_path / "nosuch", "--prompt", "", check=False)
+    assert proc.returncode == 2
+    assert _one_line(proc) == 'orthon generate: --prompt: empty; give some text to continue, e.g. --prompt "def "'
     proc = orthon("export", tmp_path / "nosuch", "--out", tmp_path / "x", check=False)
     assert proc.returncode == 2 and _one_line(proc) == f"orthon export: {tmp_path / 'nosuch'}: no such weights directory"
     proc = orthon("pretrain", "--resume", tmp_path / "nosuch", check=False)
