@@ -55,7 +55,7 @@ def sample_text(run_dir, prompt: str, max_new_tokens: int = 100, temperature: fl
                             stop_token_ids=() if eos is None else (eos,), seed=seed)
     result = InProcessEngine(load_weights(weights)).generate([tokenizer.encode(prompt)], params)[0]
     if not result.ok:
-        raise OrthonError(f"--prompt {prompt!r}: {result.error}")
+        raise OrthonError(f"--prompt: {result.error.removeprefix('prompt 0: ')}")
     tokens = result.tokens[:-1] if result.finish_reason == "stop" else result.tokens  # the eos is not text
     return prompt + tokenizer.decode(tokens)
 
