@@ -31,8 +31,8 @@ def sample_text(run_dir, prompt: str, max_new_tokens: int = 100, temperature: fl
     from orthon.pretrain.weights import load_config, load_weights, weights_tokenizer
 
     if not prompt:
-        # orthon's pretraining ignores the token after an end-of-document (data.loader): its models never
-        # learn how a document begins, so sampling needs text to continue.
+        # The engine continues token ids and an empty prompt has none (which start token a model knows,
+        # a bos or the eos that ends orthon's documents, depends on how it was trained): said before loading.
         raise OrthonError("--prompt: empty; give some text to continue, e.g. --prompt \"def \"")
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
