@@ -245,3 +245,39 @@ def read_manifest(directory: str | Path) -> dict:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise StoreError(f"{path}: not valid JSON: {exc}") from None
+
+
+def stores_tokenizer(directories, configured: str = "") -> str:
+    """The tokenizer to train on the prepared stores in ``directories`` with: ``configured`` (a recipe's
+    data.tokenizer) where given, else the file their manifests record, where every store names the same one
+    and it still holds the contents they were tokenised with; "" when there is none to name (stores
+    without a manifest, stores that disagree, a file since moved or changed). A configured tokenizer whose
+    contents differ from what a store was tokenised with is refused: its ids would not be the store's."""
+    from orthon.core.files import sha256_file
+
+    directories = [str(d) for d in directories]
+    recorded = {}
+    for directory in directories:
+        try:
+            manifest = read_manifest(directory)
+        except StoreError:
+            continue  # a bare .bin/.idx store records no tokenizer
+        path = (manifest.get("tokenizer") or {}).get("path")
+        digest = (manifest.get("fingerprint") or {}).get("tokenizer_sha256")
+        if path and digest:
+            recorded[directory] = (path, digest)
+    if configured:
+        if recorded and Path(configured).is_file():
+            digest = sha256_file(configured)
+            for directory, (path, wanted) in recorded.items():
+                if digest != wanted:
+                    raise DataError(f"data.tokenizer: {configured} is not the tokenizer the store {directory} was "
+                                    f"prepared with ({path}, by content): the ids would not match")
+        return configured
+    named = {path for path, _ in recorded.values()}
+    if len(named) != 1 or len(recorded) != len(directories):
+        return ""
+    path = named.pop()
+    if not Path(path).is_file() or sha256_file(path) != next(iter(recorded.values()))[1]:
+        return ""
+    return path

@@ -28,7 +28,9 @@ def register(parser, name):
 def with_builtin_data(recipe: Recipe, log=print) -> Recipe:
     """Fill data.sources/valid/tokenizer from the built-in corpus when the recipe names no sources; then
     the model's token ids from the tokenizer (``with_tokenizer_ids``)."""
-    if recipe.data.sources or not recipe.train.builtin_dir:
+    if recipe.data.sources:
+        return with_tokenizer_ids(with_stores_tokenizer(recipe, log), log)
+    if not recipe.train.builtin_dir:
         return with_tokenizer_ids(recipe, log)
     from orthon.data.builtin import prepare_builtin
 
@@ -39,6 +41,20 @@ def with_builtin_data(recipe: Recipe, log=print) -> Recipe:
     data = paths.data_config(seq_len=d.seq_len, weights=dict(b.weights) or None, seed=d.seed, shuffle=d.shuffle, document_mask=d.document_mask,
                              blend_cycle=d.blend_cycle, num_samples=d.num_samples)
     return with_tokenizer_ids(replace(recipe, data=data), log)
+
+
+def with_stores_tokenizer(recipe: Recipe, log=print) -> Recipe:
+    """data.tokenizer checked against the stores' (``orthon.data.store.stores_tokenizer``), or filled from
+    them when the recipe names none: the run then records it, and generate, export and RL find it."""
+    from orthon.data.store import stores_tokenizer
+
+    d = recipe.data
+    stores = [s.path for s in [*d.sources, *d.valid]]
+    found = stores_tokenizer(stores, d.tokenizer)
+    if found == d.tokenizer:
+        return recipe
+    log(f"data.tokenizer: {found} (the one the stores were prepared with)")
+    return replace(recipe, data=replace(d, tokenizer=found))
 
 
 def resume_command(args, name) -> str:

@@ -191,3 +191,43 @@ def test_read_config_reaches_the_reader(tmp_path, tok):
     prepare(_cfg([src], tmp_path / "out", tok, workers=1, read=ReadConfig(text_field="body")), log=None)
     tokenizer = load_tokenizer(tok)
     assert [tokenizer.decode(d) for d in _docs(tmp_path / "out")] == ["first body", "second"]
+
+
+def test_stores_name_their_tokenizer_and_refuse_another(tmp_path, tok):
+    """A recipe that names stores and no tokenizer trains with the one the stores were prepared with (the run
+    records it: generate and RL find it); one that names a different tokenizer is refused before any step."""
+    from orthon.data.store import stores_tokenizer
+
+    docs = [f"def f{i}(x):\n    return x * {i}\n" for i in range(20)]
+    a = write_jsonl(tmp_path / "a.jsonl", docs)
+    prepare(_cfg([a], tmp_path / "s1", tok))
+    prepare(_cfg([a], tmp_path / "s2", tok))
+    stores = [tmp_path / "s1", tmp_path / "s2"]
+    assert stores_tokenizer(stores) == str(tok)
+    copy = tmp_path / "copy.model"  # the same contents elsewhere: accepted
+    copy.write_bytes(Path(tok).read_bytes())
+    assert stores_tokenizer(stores, str(copy)) == str(copy)
+    other = train_tiny_tokenizer(tmp_path / "other", vocab_size=400)
+    with pytest.raises(DataError, match=r"data.tokenizer: .*other.*is not the tokenizer the store .*s1 was prepared with"):
+        stores_tokenizer(stores, str(other))
+    prepare(_cfg([a], tmp_path / "s3", other))
+    assert stores_tokenizer(stores + [tmp_path / "s3"]) == ""  # they disagree: none named
+    prepare(_cfg([a], tmp_path / "s4", copy))
+    copy.write_bytes(Path(other).read_bytes())  # the recorded file has changed since: none named
+    assert stores_tokenizer([tmp_path / "s4"]) == ""
+    copy.unlink()  # or is gone
+    assert stores_tokenizer([tmp_path / "s4"]) == ""
+
+
+def test_a_pretraining_recipe_of_stores_takes_their_tokenizer_and_its_ids(tmp_path, tok):
+    from orthon.data.config import DataConfig, StoreSource
+    from orthon.launch.cmd_pretrain import with_builtin_data
+    from orthon.pretrain.recipe import Recipe
+
+    prepare(_cfg([write_jsonl(tmp_path / "a.jsonl", [f"x = {i} + {i}\n" * 3 for i in range(20)])], tmp_path / "s", tok))
+    lines = []
+    recipe = with_builtin_data(Recipe(data=DataConfig(sources=[StoreSource(str(tmp_path / "s"))])), lines.append)
+    tokenizer = load_tokenizer(tok)
+    assert recipe.data.tokenizer == str(tok)
+    assert lines[0] == f"data.tokenizer: {tok} (the one the stores were prepared with)"
+    assert (recipe.model.bos_token_id, recipe.model.eos_token_id) == (tokenizer.bos_id, tokenizer.eos_id) == (1, 2)
