@@ -274,10 +274,8 @@ def stores_tokenizer(directories, configured: str = "") -> str:
                     raise DataError(f"data.tokenizer: {configured} is not the tokenizer the store {directory} was "
                                     f"prepared with ({path}, by content): the ids would not match")
         return configured
-    named = {path for path, _ in recorded.values()}
+    named = set(recorded.values())
     if len(named) != 1 or len(recorded) != len(directories):
         return ""
-    path = named.pop()
-    if not Path(path).is_file() or sha256_file(path) != next(iter(recorded.values()))[1]:
-        return ""
-    return path
+    path, digest = named.pop()
+    return path if Path(path).is_file() and sha256_file(path) == digest else ""

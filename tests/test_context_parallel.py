@@ -9,7 +9,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from orthon.core.errors import ConfigError
 from orthon.core.net import free_port
@@ -18,6 +17,7 @@ from orthon.pretrain.config import ModelConfig, RuntimeOptions
 from orthon.pretrain.context_parallel import check_degree, gathered_order, zigzag_runs
 from orthon.pretrain.model import GLMForCausalLM
 from pretrain_support import MODEL
+from spawn_support import spawn
 
 WORLD = 2
 
@@ -122,7 +122,7 @@ def _worker(rank, port, out_dir, sparse, docs):
 @pytest.mark.parametrize("sparse,docs", [pytest.param(False, False, marks=pytest.mark.slow), (False, True), (True, True)],
                          ids=["dense", "dense-documents", "sparse-documents"])
 def test_two_ranks_equal_one_process(sparse, docs, tmp_path):
-    mp.spawn(_worker, args=(free_port(), str(tmp_path), sparse, docs), nprocs=WORLD, join=True)
+    spawn(_worker, args=(free_port(), str(tmp_path), sparse, docs), nprocs=WORLD)
     got = torch.load(tmp_path / "got.pt")
     want = _loss_and_grads(sparse, docs)
     assert got.keys() == want.keys()

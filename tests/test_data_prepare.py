@@ -208,7 +208,8 @@ def test_stores_name_their_tokenizer_and_refuse_another(tmp_path, tok):
     copy.write_bytes(Path(tok).read_bytes())
     assert stores_tokenizer(stores, str(copy)) == str(copy)
     other = train_tiny_tokenizer(tmp_path / "other", vocab_size=400)
-    with pytest.raises(DataError, match=r"data.tokenizer: .*other.*is not the tokenizer the store .*s1 was prepared with"):
+    refused = r"data.tokenizer: .*other.*is not the tokenizer the store .*s1 was prepared with"
+    with pytest.raises(DataError, match=refused):
         stores_tokenizer(stores, str(other))
     prepare(_cfg([a], tmp_path / "s3", other))
     assert stores_tokenizer(stores + [tmp_path / "s3"]) == ""  # they disagree: none named
@@ -224,7 +225,8 @@ def test_a_pretraining_recipe_of_stores_takes_their_tokenizer_and_its_ids(tmp_pa
     from orthon.launch.cmd_pretrain import with_builtin_data
     from orthon.pretrain.recipe import Recipe
 
-    prepare(_cfg([write_jsonl(tmp_path / "a.jsonl", [f"x = {i} + {i}\n" * 3 for i in range(20)])], tmp_path / "s", tok))
+    docs = write_jsonl(tmp_path / "a.jsonl", [f"x = {i} + {i}\n" * 3 for i in range(20)])
+    prepare(_cfg([docs], tmp_path / "s", tok))
     lines = []
     recipe = with_builtin_data(Recipe(data=DataConfig(sources=[StoreSource(str(tmp_path / "s"))])), lines.append)
     tokenizer = load_tokenizer(tok)

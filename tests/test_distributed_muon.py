@@ -4,13 +4,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from orthon.core.net import free_port
 from orthon.optim import OptimConfig, ScheduleConfig, build_for_model
 from orthon.optim.distributed import assign_owners, chunk_sizes
 from orthon.optim.param_spec import ParamSpec
+from spawn_support import spawn
 
 STEPS = 5
 SCHEDULE = ScheduleConfig(peak_lr=0.02, floor_lr=0.002, warmup_tokens=1, total_tokens=100)
@@ -117,7 +117,7 @@ def worker(rank, world, port, out_dir):
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    mp.spawn(worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    spawn(worker, args=(2, free_port(), str(out)), nprocs=2)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from orthon.core.errors import ConfigError
 from orthon.core.net import free_port
 from orthon.pretrain.expert_parallel import check_degree
 from orthon.pretrain.moe import EXPERT_MESH_DIMS, exchanged_experts, grouped_experts
+from spawn_support import spawn
 
 E, H, I, N, K = 4, 8, 6, 10, 2  # experts, hidden, expert width, tokens a rank, experts a token
 WORLD = 2
@@ -75,7 +75,7 @@ def worker(rank, port, out_dir, routing):
 
 @pytest.mark.parametrize("routing", ["random", "all to rank 0"])
 def test_exchange_equals_the_whole_stacks_in_one_process(routing, tmp_path):
-    mp.spawn(worker, args=(free_port(), str(tmp_path), routing), nprocs=WORLD, join=True)
+    spawn(worker, args=(free_port(), str(tmp_path), routing), nprocs=WORLD)
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     per_rank, gate_up_grad, down_grad = one_process(routing)
     half = E // WORLD

@@ -6,12 +6,12 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hf_reference import small_model
 from orthon.core.errors import ConfigError
 from orthon.core.net import free_port
 from orthon.pretrain.train_config import TrainConfig
+from spawn_support import spawn
 
 WORLD = 2
 
@@ -70,7 +70,7 @@ def worker(rank, port, out_dir, bf16):
 @pytest.fixture(scope="module", params=[True, False], ids=["bf16-gather", "fp32-gather"])
 def ranks(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp_mp")
-    mp.spawn(worker, args=(free_port(), str(out), request.param), nprocs=WORLD, join=True)
+    spawn(worker, args=(free_port(), str(out), request.param), nprocs=WORLD)
     return request.param, torch.load(out / "rank0.pt", weights_only=False)
 
 

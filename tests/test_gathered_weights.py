@@ -9,7 +9,6 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from orthon.core.errors import CheckpointError
 from orthon.core.net import free_port
@@ -18,6 +17,7 @@ from orthon.pretrain.hf_io import INDEX_NAME, load_hf_state
 from orthon.pretrain.model import GLMForCausalLM
 from orthon.pretrain.weights import save_weights
 from tests.pretrain_support import MODEL
+from spawn_support import spawn
 
 WORLD = 2
 SHARD_BYTES = 40_000  # the tiny model's ~0.4 MB in about ten shards
@@ -95,7 +95,7 @@ def stream_to_engine(model, rank):
     pytest.param(2, "ddp", 4, marks=pytest.mark.slow)],
     ids=["fsdp", "fsdp-and-expert-parallel", "fsdp-over-expert-parallel-4-ranks", "ddp-4-ranks-expert-parallel"])
 def test_the_gathered_directory_is_the_one_process_save(experts, mode, world, tmp_path):
-    mp.spawn(worker, args=(free_port(), str(tmp_path), experts, False, mode, world), nprocs=world, join=True)
+    spawn(worker, args=(free_port(), str(tmp_path), experts, False, mode, world), nprocs=world)
     zero, one = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert zero["returned"] == str(tmp_path / "final") and one["returned"] is None
     expected = load_hf_state(save_weights(build(), tmp_path / "reference"))
@@ -128,7 +128,7 @@ def test_the_gathered_directory_is_the_one_process_save(experts, mode, world, tm
 
 
 def test_a_write_that_fails_on_rank_zero_leaves_no_rank_waiting(tmp_path):
-    mp.spawn(worker, args=(free_port(), str(tmp_path), 2, True), nprocs=WORLD, join=True)
+    spawn(worker, args=(free_port(), str(tmp_path), 2, True), nprocs=WORLD)
     zero, one = (torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD))
     assert "holds files that are not model weights (notes.txt)" in zero["error"]
     assert zero["returned"] is None and one["error"] is None and one["returned"] is None

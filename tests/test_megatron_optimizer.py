@@ -8,12 +8,12 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from orthon.backends.megatron.optimizer import TensorParallelOrthogonaliser, param_specs
 from orthon.backends.megatron.parallel import COLUMN, GATED, ROW, split
 from orthon.optim.muon import Muon, orthogonalise_local
 from orthon.pretrain.config import ModelConfig
+from spawn_support import spawn
 
 # name: (shape, how megatron splits it across TP, partition dim, expert weight, Muon Split blocks of the whole)
 PARAMS = {
@@ -81,7 +81,7 @@ def _free_port():
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
-    mp.spawn(worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    spawn(worker, args=(2, _free_port(), str(out)), nprocs=2)
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from hf_reference import small_config
 from orthon.core.errors import CheckpointError, ConfigError
@@ -24,6 +23,7 @@ from orthon.engine.weight_transfer import (SharedBuckets, TensorMeta, broadcast_
                                            unflatten_bucket, write_delta, write_versioned)
 from orthon.pretrain import GLMForCausalLM
 from pretrain_support import env, free_port
+from spawn_support import spawn
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TESTS = Path(__file__).resolve().parent
@@ -148,7 +148,7 @@ def test_broadcast_over_gloo_to_two_receivers(tmp_path):
     ports = set()
     while len(ports) < 3:
         ports.add(free_port())
-    mp.spawn(_broadcast_worker, args=(3, tuple(ports), str(tmp_path)), nprocs=3, join=True)
+    spawn(_broadcast_worker, args=(3, tuple(ports), str(tmp_path)), nprocs=3)
     for rank in (1, 2):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         for round_, seed in ((0, 1), (1, 2)):
