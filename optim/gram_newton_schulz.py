@@ -60,7 +60,7 @@ from orthon.optim.newton_schulz import (
     check_arguments,
     newton_schulz_flops,
 )
-from orthon.optim.symmetric_products import symmetric_matmul, symmetric_panels, symmetric_product_flops
+from orthon.optim.symmetric_products import scaled_product, symmetric_matmul, symmetric_panels, symmetric_product_flops
 
 NS_METHODS = ("standard", "gram")  # Muon's ns_method: which Newton-Schulz form runs
 GRAM_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -226,7 +226,7 @@ def gram_newton_schulz(
         # The norm in the compute dtype, as standard Newton-Schulz normalises (bf16 norm).
         norm = x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
         if steps and x.shape[0] == 1 and dtype != torch.float16 and float(norm) <= FOLD_MAX_NORM:
-            scale = 1.0 / float(norm)  # folded into the products that read X: see _scaled_product
+            scale = 1.0 / float(norm)  # folded into the products that read X: see scaled_product
         else:
             x = x / norm
     else:
@@ -240,13 +240,6 @@ def gram_newton_schulz(
     return x.reshape(shape)
 
 
-def _scaled_product(u: Tensor, v: Tensor, scale: float | None) -> Tensor:
-    """u @ v (batched), times ``scale`` inside the GEMM (its output scaling, before the one rounding)."""
-    if scale is None:
-        return torch.bmm(u, v)
-    return torch.baddbmm(u.new_zeros(()), u, v, beta=0, alpha=scale)
-
-
 def _iterate(x: Tensor, steps: int, a: float, b: float, c: float, restarts: tuple[int, ...],
              scale: float | None = None) -> Tensor:
     """``scale``: X's normalisation when it is not applied yet (one matrix): R = s^2 X X^T and the first
@@ -258,7 +251,7 @@ def _iterate(x: Tensor, steps: int, a: float, b: float, c: float, restarts: tupl
     q = None
     for step in range(steps):
         if step in restarts:
-            x = _scaled_product(q, x, scale)
+            x = scaled_product(q, x, scale)
             scale = None
             r = symmetric_matmul(x, x.mT, panels)
             q = None
@@ -270,7 +263,7 @@ def _iterate(x: Tensor, steps: int, a: float, b: float, c: float, restarts: tupl
         if _updates_r_after(step, steps, restarts):
             r = symmetric_matmul(p, symmetric_matmul(r, p, panels, v_symmetric=True), panels, v_symmetric=True)
         q = p if q is None else symmetric_matmul(q, p, panels, v_symmetric=True)
-    return _scaled_product(q, x, scale)
+    return scaled_product(q, x, scale)
 
 
 def orthogonalise_gram_or_standard(

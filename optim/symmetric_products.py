@@ -124,6 +124,13 @@ def symmetric_product_flops(n: int, inner: int, panels: int = 1) -> int:
     return 2 * inner * sum((starts[i + 1] - starts[i]) * (n - starts[i]) for i in range(panels))
 
 
+def scaled_product(u: Tensor, v: Tensor, scale: float | None) -> Tensor:
+    """u @ v (batched), times ``scale`` inside the GEMM (its output scaling, before the one rounding)."""
+    if scale is None:
+        return torch.bmm(u, v)
+    return torch.baddbmm(u.new_zeros(()), u, v, beta=0, alpha=scale)
+
+
 def symmetric_matmul(u: Tensor, v: Tensor, panels: int, alpha: float = 1.0, addend: Tensor | None = None,
                      beta: float = 0.0, v_symmetric: bool = False) -> Tensor:
     """alpha u @ v (+ beta addend) for stacks ``(b, n, k)`` x ``(b, k, n)`` whose result is known to be
@@ -135,7 +142,7 @@ def symmetric_matmul(u: Tensor, v: Tensor, panels: int, alpha: float = 1.0, adde
     if panels == 1:
         if addend is not None:
             return torch.baddbmm(addend, u, v, beta=beta, alpha=alpha)
-        return torch.bmm(u, v) if alpha == 1.0 else torch.baddbmm(u.new_zeros(()), u, v, beta=0, alpha=alpha)
+        return scaled_product(u, v, None if alpha == 1.0 else alpha)
     n = u.shape[-2]
     if symmetric_kernel_applies(n, u.device, u.dtype) and panels == n // KERNEL_TILES[u.dtype]:
         return _kernel_product(u, v if v_symmetric and v.stride(-1) == 1 else v.mT, alpha, addend, beta)

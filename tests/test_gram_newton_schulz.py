@@ -102,8 +102,8 @@ def test_a_lone_matrix_has_its_normalisation_folded_into_the_gemms(rows, cols, m
     import orthon.optim.gram_newton_schulz as gram_module
 
     scales, alphas = [], []
-    product, matmul = gram_module._scaled_product, gram_module.symmetric_matmul
-    monkeypatch.setattr(gram_module, "_scaled_product", lambda u, v, s: scales.append(s) or product(u, v, s))
+    product, matmul = gram_module.scaled_product, gram_module.symmetric_matmul
+    monkeypatch.setattr(gram_module, "scaled_product", lambda u, v, s: scales.append(s) or product(u, v, s))
 
     def spy(u, v, panels, alpha=1.0, addend=None, beta=0.0, v_symmetric=False):
         if addend is None:  # X X^T and the products of R, P, Q
