@@ -38,6 +38,7 @@ from orthon.engine.delta import row_views
 from orthon.engine.fused_decode import DecodeWeights
 from orthon.engine.protocol import GenerationResult, WeightDelta, WeightsSource
 from orthon.engine.sampling import SamplingParams, per_request_params, request_uniforms, sample_step, stop_table
+from orthon.engine.stop_strings import StopStringWatch
 from orthon.pretrain.hf_io import (check_state, experts_from_hf, experts_to_hf, is_expert_stack, load_hf_state,
                                    stack_to_hf)
 from orthon.pretrain.logprobs import gather_log_probs, sequence_log_probs
@@ -103,9 +104,11 @@ class EngineStats:
 class InProcessEngine:
     """The ``Engine`` on a GLMForCausalLM held in this process (``orthon.engine.protocol``)."""
 
-    def __init__(self, model: GLMForCausalLM, config: EngineConfig | None = None):
+    def __init__(self, model: GLMForCausalLM, config: EngineConfig | None = None, tokenizer=None):
         self.model = model
         self.config = config or EngineConfig()
+        # Reads the responses' text for requests with stop strings (anything with ``decode(ids) -> str``).
+        self.tokenizer = tokenizer
         limit = model.config.max_position_embeddings
         self.max_length = min(limit, self.config.max_length) if self.config.max_length else limit
         self.weight_version = 0
@@ -237,6 +240,9 @@ class InProcessEngine:
         elif len(ids) >= self.max_length:
             cause, message = "prompt_too_long", (f"prompt {index}: {len(ids)} tokens leave no room for a response "
                                                  f"in the context of {self.max_length}")
+        elif params.stop and self.tokenizer is None:
+            cause, message = "no_tokenizer", (f"prompt {index}: stop strings {list(params.stop)} need the engine's "
+                                              "tokenizer to read text, and it has none")
         if cause is not None:
             self.stats.rejected[cause] += 1
             return GenerationResult(prompt=ids if ok_types else [], tokens=[], log_probs=torch.zeros(0),
@@ -301,7 +307,8 @@ class InProcessEngine:
         out_logps = torch.zeros(B, steps, dtype=torch.float32, device=device)
         produced = torch.zeros(B, dtype=torch.long, device=device)  # tokens each row ended with
         stopped = torch.zeros(B, dtype=torch.bool, device=device)
-        self._decode(wave, lengths, width, budgets, steps, out_tokens, out_logps, produced, stopped)
+        texts = StopStringWatch([r.params.stop for r in wave], self.tokenizer and self.tokenizer.decode)
+        self._decode(wave, lengths, width, budgets, steps, out_tokens, out_logps, produced, stopped, texts)
         if self.config.logprobs == "rescore":
             self._rescore(wave, out_tokens, out_logps, produced)
         results = []
@@ -313,6 +320,7 @@ class InProcessEngine:
             results.append(GenerationResult(
                 prompt=request.prompt, tokens=out_tokens[row, :n].tolist(), log_probs=out_logps[row, :n].cpu().clone(),
                 finish_reason=reason, weight_version=self.weight_version, seed=request.seed,
+                matched_stop=texts.matched.get(row),
             ))
         return results
 
@@ -337,7 +345,7 @@ class InProcessEngine:
             self._fused.refresh()
         return self._fused
 
-    def _decode(self, wave, lengths, width, budgets, steps, out_tokens, out_logps, produced, stopped):
+    def _decode(self, wave, lengths, width, budgets, steps, out_tokens, out_logps, produced, stopped, texts):
         model = self.model
         fused = self._decode_weights()
         device = lengths.device
@@ -380,6 +388,8 @@ class InProcessEngine:
             out_tokens[live, step] = tokens
             out_logps[live, step] = logp
             hit_stop = (tokens[:, None] == stops[live]).any(dim=-1)
+            if texts:  # a row that sampled a stop token has ended: its text is not read
+                hit_stop |= texts.check(live, out_tokens, step, skip=hit_stop)
             done = hit_stop | (budgets[live] <= step + 1)
             if bool(done.any()):
                 finished = live[done]

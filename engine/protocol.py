@@ -18,7 +18,8 @@ import torch
 from orthon.engine.sampling import SamplingParams
 
 # Why a request ended:
-#   "stop"     it sampled one of its stop tokens (the last response token);
+#   "stop"     it sampled one of its stop tokens (the last response token), or a token that completed
+#              one of its stop strings (``matched_stop`` names it);
 #   "length"   it reached its max_new_tokens;
 #   "context"  it reached the engine's context length before max_new_tokens;
 #   "abort"    generation was stopped from outside (e.g. a weight update of a server that aborts
@@ -37,6 +38,7 @@ class GenerationResult:
     weight_version: int  # the engine's weight_version when the request ran
     seed: int | None = None  # the seed its draws came from (drawn by the engine when the request had none)
     error: str | None = None  # set on rejected requests
+    matched_stop: str | None = None  # the stop string that ended the response (finish_reason "stop")
 
     def __post_init__(self):
         if self.finish_reason not in FINISH_REASONS:

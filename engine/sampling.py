@@ -35,6 +35,9 @@ class SamplingParams:
     # Generation ends after any of these (the stop token is part of the response, with its log-prob).
     # None: the model's eos_token_id; () : never stop early.
     stop_token_ids: tuple[int, ...] | None = None
+    # Generation also ends once the response's text contains any of these (orthon.engine.stop_strings;
+    # the engine needs a tokenizer to read text). The token completing the string ends the response.
+    stop: tuple[str, ...] = ()
     seed: int | None = None  # None: drawn from the engine's generator (and reported in the result)
     # "policy": log-prob of each sampled token under the unmodified policy (temperature 1, no top-k /
     # top-p), what the trainer recomputes, so IcePop's rho is 1 when weights match (the default).
@@ -57,6 +60,10 @@ class SamplingParams:
             if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
                 raise ConfigError(f"stop_token_ids: must be non-negative ints, got {self.stop_token_ids!r}")
             self.stop_token_ids = ids
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if not all(isinstance(t, str) and t for t in stops):
+            raise ConfigError(f"stop: must be non-empty strings, got {self.stop!r}")
+        self.stop = stops
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed: must be an int or None, got {self.seed!r}")
         if self.logprob_mode not in ("policy", "sampling", "none"):

@@ -51,22 +51,25 @@ def build_state(weights_dir, max_batch_size: int = 64, tokenizer: str | None = N
     from orthon.pretrain.weights import load_weights, weights_tokenizer
 
     weights_dir = Path(weights_dir).resolve()
-    engine = InProcessEngine(load_weights(weights_dir).eval(), EngineConfig(max_batch_size=max_batch_size,
-                                                                            max_length=max_length))
     tokenizer_path = tokenizer or weights_tokenizer(weights_dir)
+    text = load_tokenizer(tokenizer_path) if tokenizer_path else None
+    engine = InProcessEngine(load_weights(weights_dir).eval(), EngineConfig(max_batch_size=max_batch_size,
+                                                                            max_length=max_length), text)
     return ServerState(engine=engine, batcher=ContinuousBatcher(engine, batch_window_s), model_path=str(weights_dir),
-                       tokenizer=load_tokenizer(tokenizer_path) if tokenizer_path else None,
-                       tokenizer_path=str(tokenizer_path) if tokenizer_path else None, max_body_bytes=max_body_bytes,
+                       tokenizer=text, tokenizer_path=str(tokenizer_path) if tokenizer_path else None,
+                       max_body_bytes=max_body_bytes,
                        max_delta_bytes=max_delta_bytes, hf_config=read_hf_config(weights_dir))
 
 
-def _rejections(results, batched: bool) -> list[str]:
-    """The engine's reasons for the requests it refused, named by their place in the request."""
+def _rejections(results, items, batched: bool) -> list[str]:
+    """The engine's reasons for the requests it refused, named by their place in the request (in
+    ``text`` where the request came as text)."""
     out = []
-    for i, r in enumerate(results):
+    for i, (r, item) in enumerate(zip(results, items)):
         if not r.ok:
             reason = re.sub(r"^prompt \d+: ", "", r.error or "rejected")
-            out.append(f"input_ids[{i}]: {reason}" if batched else f"input_ids: {reason}")
+            field = "input_ids" if item.text is None else "text"
+            out.append(f"{field}[{i}]: {reason}" if batched else f"{field}: {reason}")
     return out
 
 
@@ -94,11 +97,14 @@ def create_app(state: ServerState) -> FastAPI:
     async def generate(request: Request):
         body = await read_json(request, state.max_body_bytes)
         items, batched = parse_generate(body, config.eos_token_id)
+        if state.tokenizer is None and any(item.params.stop for item in items):
+            raise BadRequest("sampling_params.stop: this server has no tokenizer to read text with (none beside "
+                             "the weights and no --tokenizer); use stop_token_ids")
         prompts = [item.prompt if item.prompt is not None else state.tokenize(item.text) for item in items]
         pending = [Pending(prompt, item.params, item.rid) for prompt, item in zip(prompts, items)]
         state.batcher.submit(pending)
         results = await asyncio.gather(*(asyncio.wrap_future(p.future) for p in pending))
-        refused = _rejections(results, batched)
+        refused = _rejections(results, items, batched)
         if refused:
             raise BadRequest("; ".join(refused))
         answers = [answer(r, item, state.detokenize(r.tokens)) for r, item in zip(results, items)]

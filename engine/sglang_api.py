@@ -14,7 +14,10 @@ orthon adds ``orthon_finish_reason`` (its own reason: "context" is SGLang's "len
 Stop tokens: SGLang stops at the model's end-of-sequence token unless ``ignore_eos``, and at any of
 ``stop_token_ids`` besides; an orthon ``SamplingParams`` lists every stop token itself (None: the
 eos). The client sends an explicit list with ``ignore_eos`` set, so both kinds of server stop at
-exactly the tokens the caller named.
+exactly the tokens the caller named. ``stop`` (a string or a list) ends a response at text
+(``orthon.engine.stop_strings``): ``finish_reason`` then says ``{"type": "stop", "matched": "the
+string"}``, ``output_ids`` keep every token generated and ``text`` ends before the string unless
+``no_stop_trim``.
 """
 from __future__ import annotations
 
@@ -28,19 +31,20 @@ import torch
 from orthon.core.errors import ConfigError, OrthonError
 from orthon.engine.protocol import GenerationResult
 from orthon.engine.sampling import SamplingParams
+from orthon.engine.stop_strings import trim_at_stop
 
 SGLANG_MAX_NEW_TOKENS = 128  # SGLang's default when a request names none
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # sglang-router's manual policy reads the session from it
 
 # SGLang sampling keys orthon's engine does not implement: accepted at the value that turns them off.
 _NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-            "min_new_tokens": 0, "n": 1, "stop": None, "stop_regex": None, "json_schema": None, "regex": None,
+            "min_new_tokens": 0, "n": 1, "stop_regex": None, "json_schema": None, "regex": None,
             "ebnf": None, "structural_tag": None, "logit_bias": None}
 # SGLang sampling keys that only shape the text or the stream: accepted and ignored.
-_COSMETIC = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval",
-             "custom_params"}
-_SUPPORTED = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "sampling_seed",
-              "logprob_mode"}
+_COSMETIC = {"skip_special_tokens", "spaces_between_special_tokens", "stream_interval", "custom_params"}
+# no_stop_trim: the answer's text keeps the stop string that ended it (read by parse_generate).
+_SUPPORTED = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "stop", "no_stop_trim",
+              "ignore_eos", "sampling_seed", "logprob_mode"}
 
 
 class BadRequest(OrthonError, ValueError):
@@ -60,6 +64,7 @@ class GenerateItem:
     params: SamplingParams
     rid: str
     return_logprob: bool
+    trim_stop: bool = True  # the answer's text ends before the stop string that ended it (SGLang's default)
 
 
 # ------------------------------------------------------------------ requests (server side)
@@ -75,7 +80,7 @@ def sampling_from_sglang(d: Any, eos_token_id: int | None, where: str = "samplin
     if not isinstance(d, Mapping):
         raise BadRequest(f"{where}: expected an object, got {type(d).__name__}")
     for key, value in d.items():
-        neutral = value is None or value == _NEUTRAL.get(key) or (key == "stop" and value in ("", []))
+        neutral = value is None or value == _NEUTRAL.get(key)
         if key in _NEUTRAL and not neutral:
             raise BadRequest(f"{where}.{key}: not supported by this engine (only {_NEUTRAL[key]!r})")
         if key not in _NEUTRAL and key not in _COSMETIC and key not in _SUPPORTED:
@@ -83,6 +88,13 @@ def sampling_from_sglang(d: Any, eos_token_id: int | None, where: str = "samplin
     stops = d.get("stop_token_ids")
     if stops is not None and (not isinstance(stops, list) or not all(_is_token(t) for t in stops)):
         raise BadRequest(f"{where}.stop_token_ids: expected a list of token ids, got {stops!r}")
+    stop = d.get("stop") or []  # SGLang takes one string or a list; "" and [] are none
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(t, str) and t for t in stop):
+        raise BadRequest(f"{where}.stop: expected a string or a list of non-empty strings, got {d.get('stop')!r}")
+    if not isinstance(d.get("no_stop_trim", False), bool):
+        raise BadRequest(f"{where}.no_stop_trim: expected true or false, got {d['no_stop_trim']!r}")
     ignore_eos = d.get("ignore_eos") or False
     if not isinstance(ignore_eos, bool):
         raise BadRequest(f"{where}.ignore_eos: expected true or false, got {ignore_eos!r}")
@@ -96,7 +108,7 @@ def sampling_from_sglang(d: Any, eos_token_id: int | None, where: str = "samplin
     if _is_token(top_k) and (top_k < 0 or top_k >= 1 << 30):
         top_k = 0  # SGLang's "off" is -1 (or a huge k); orthon's is 0
     fields = {"max_new_tokens": d.get("max_new_tokens", SGLANG_MAX_NEW_TOKENS), "temperature": d.get("temperature", 1.0),
-              "top_p": d.get("top_p", 1.0), "top_k": top_k, "stop_token_ids": stop_token_ids,
+              "top_p": d.get("top_p", 1.0), "top_k": top_k, "stop_token_ids": stop_token_ids, "stop": tuple(stop),
               "seed": d.get("sampling_seed"), "logprob_mode": d.get("logprob_mode", "policy")}
     for key in ("temperature", "top_p"):
         if isinstance(fields[key], bool) or not isinstance(fields[key], (int, float)):
@@ -120,6 +132,9 @@ def parse_generate(body: Any, eos_token_id: int | None) -> tuple[list[GenerateIt
     """The requests of a /generate body and whether it was a batch (answered with a list)."""
     if not isinstance(body, Mapping):
         raise BadRequest(f"body: expected a JSON object, got {type(body).__name__}")
+    if body.get("stream"):
+        raise BadRequest("stream: not supported (this server answers once each request has finished); "
+                         "send stream: false")
     ids, text = body.get("input_ids"), body.get("text")
     if ids is not None and text is not None:
         raise BadRequest("give input_ids or text, not both")
@@ -160,7 +175,8 @@ def parse_generate(body: Any, eos_token_id: int | None) -> tuple[list[GenerateIt
             raise BadRequest(f"return_logprob: expected true or false, got {logprob[i]!r}")
         if not logprob[i] and params.logprob_mode == "policy":
             params = replace(params, logprob_mode="none")  # nobody reads them: no rescore
-        items.append(GenerateItem(prompts[i], texts[i], params, rid, logprob[i]))
+        keep_stop = (sampling[i] or {}).get("no_stop_trim", False)  # a bool: checked with the params
+        items.append(GenerateItem(prompts[i], texts[i], params, rid, logprob[i], trim_stop=not keep_stop))
     return items, batched
 
 
@@ -179,7 +195,8 @@ def parse_weight_version(value) -> int | None:
 def finish_reason(result: GenerationResult) -> dict:
     """SGLang's finish_reason object of an orthon result."""
     if result.finish_reason == "stop":
-        return {"type": "stop", "matched": result.tokens[-1] if result.tokens else None}
+        matched = result.matched_stop if result.matched_stop is not None else result.tokens[-1] if result.tokens else None
+        return {"type": "stop", "matched": matched}
     if result.finish_reason in ("length", "context"):
         return {"type": "length", "length": len(result.tokens)}
     return {"type": "abort", "message": result.error or "aborted"}
@@ -192,6 +209,8 @@ def answer(result: GenerationResult, item: GenerateItem, text: str) -> dict:
     if item.return_logprob:
         meta["output_token_logprobs"] = [[float(lp), int(t), None]
                                          for lp, t in zip(result.log_probs.tolist(), result.tokens)]
+    if item.trim_stop:
+        text = trim_at_stop(text, result.matched_stop)
     return {"text": text, "output_ids": list(result.tokens), "meta_info": meta}
 
 
@@ -203,6 +222,8 @@ def sampling_to_sglang(params: SamplingParams) -> dict:
     if params.stop_token_ids is not None:  # exactly these (orthon's meaning): SGLang must not add the eos
         out["stop_token_ids"] = list(params.stop_token_ids)
         out["ignore_eos"] = True
+    if params.stop:
+        out["stop"] = list(params.stop)
     if params.seed is not None:
         out["sampling_seed"] = params.seed
     if params.logprob_mode != "policy":
@@ -243,13 +264,15 @@ def result_from_answer(data: Any, prompt: list[int], params: SamplingParams, fal
     elif not _is_token(version):
         version = fallback_version
     seed = meta.get("sampling_seed", params.seed)
+    matched = meta.get("finish_reason")
+    matched = matched.get("matched") if reason == "stop" and isinstance(matched, Mapping) else None
     error = None
     if reason == "abort":
         message = meta.get("finish_reason")
         error = message.get("message") if isinstance(message, Mapping) else None
     return GenerationResult(prompt=list(prompt), tokens=list(tokens), log_probs=torch.tensor(values, dtype=torch.float32),
                             finish_reason=reason, weight_version=version, seed=seed if _is_token(seed) else None,
-                            error=error)
+                            error=error, matched_stop=matched if isinstance(matched, str) else None)
 
 
 def error_message(data: Any) -> str:

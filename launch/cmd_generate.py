@@ -16,17 +16,21 @@ def register(parser, name):
     parser.add_argument("--top-k", type=int, default=40, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help="end once the text contains TEXT, which is not printed (repeatable; e.g. --stop $'\\n\\n')")
 
 
 def sample_text(run_dir, prompt: str, max_new_tokens: int = 100, temperature: float = 0.8, top_k: int = 40,
-                top_p: float = 1.0, seed: int = 0, tokenizer=None) -> str:
+                top_p: float = 1.0, seed: int = 0, tokenizer=None, stop: tuple[str, ...] = ()) -> str:
     """The prompt and its continuation by the run's final model (RUN_DIR/final, the tokenizer its
     config.yaml names) or a weights directory's model (its own tokenizer), ending at the tokenizer's
-    end-of-sequence token or after max_new_tokens. ``tokenizer`` replaces the one found there."""
+    end-of-sequence token, before the first of the ``stop`` strings, or after max_new_tokens.
+    ``tokenizer`` replaces the one found there."""
     from orthon.core.errors import OrthonError
     from orthon.data.tokenizer import load_tokenizer
     from orthon.engine.in_process import InProcessEngine
     from orthon.engine.sampling import SamplingParams
+    from orthon.engine.stop_strings import trim_at_stop
     from orthon.launch.args import check_weights_fit
     from orthon.pretrain.weights import load_config, load_weights, weights_tokenizer
 
@@ -52,15 +56,17 @@ def sample_text(run_dir, prompt: str, max_new_tokens: int = 100, temperature: fl
     tokenizer = load_tokenizer(tokenizer)
     eos = tokenizer.eos_id
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                            stop_token_ids=() if eos is None else (eos,), seed=seed)
-    result = InProcessEngine(load_weights(weights)).generate([tokenizer.encode(prompt)], params)[0]
+                            stop_token_ids=() if eos is None else (eos,), seed=seed, stop=tuple(stop))
+    result = InProcessEngine(load_weights(weights), tokenizer=tokenizer).generate([tokenizer.encode(prompt)], params)[0]
     if not result.ok:
         raise OrthonError(f"--prompt: {result.error.removeprefix('prompt 0: ')}")
+    if result.matched_stop is not None:
+        return prompt + trim_at_stop(tokenizer.decode(result.tokens), result.matched_stop)
     tokens = result.tokens[:-1] if result.finish_reason == "stop" else result.tokens  # the eos is not text
     return prompt + tokenizer.decode(tokens)
 
 
 def run(args, name):
     print(sample_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                      args.seed, args.tokenizer))
+                      args.seed, args.tokenizer, tuple(args.stop)))
     return 0

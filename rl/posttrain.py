@@ -82,7 +82,7 @@ def evaluate(weights: Path, recipe, tokenizer) -> dict:
     from orthon.pretrain.weights import load_weights
     from orthon.rl.rollout_manager import RolloutManager
 
-    manager = RolloutManager(recipe.rl, tokenizer, InProcessEngine(load_weights(weights), recipe.rl.engine),
+    manager = RolloutManager(recipe.rl, tokenizer, InProcessEngine(load_weights(weights), recipe.rl.engine, tokenizer),
                              recipe.train.seed)
     return manager.evaluate()
 

@@ -74,7 +74,7 @@ class RolloutManager:
         cfg = self.cfg
         return SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=0.0 if greedy else cfg.temperature,
                               top_p=1.0 if greedy else cfg.top_p, stop_token_ids=self.task.stop_token_ids, seed=seed,
-                              logprob_mode=logprob_mode)
+                              logprob_mode=logprob_mode, stop=tuple(cfg.stop))
 
     def _draw(self, n: int) -> list[_Item]:
         items = [_Item(self.drawn + i, p) for i, p in enumerate(self.task.sample(n))]

@@ -18,6 +18,9 @@ class RLConfig:
     max_new_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
+    # Rollouts also end once their text contains one of these (slime's --rollout-stop; the task's stop
+    # tokens still apply). The token completing the string is the response's last, trained on.
+    stop: list[str] = field(default_factory=list)
     # Optimizer steps per rollout (slime's num_steps_per_rollout): the iteration's groups split into this
     # many equal shares, one step each. 1: fully on-policy.
     updates_per_iteration: int = 1
@@ -74,6 +77,8 @@ class RLConfig:
                      "max_sampling_rounds", "rollout_workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if not all(isinstance(t, str) and t for t in self.stop):
+            raise ConfigError(f"stop: must be a list of non-empty strings, got {self.stop!r}")
         if not self.collect_timeout_s > 0:
             raise ConfigError(f"collect_timeout_s: must be positive, got {self.collect_timeout_s}")
         for name in ("max_ahead_groups", "max_staleness", "max_retries"):

@@ -89,7 +89,8 @@ class RLTrainer:
             engine = rollout = None
         elif rollout is None:
             engine_cfg = replace(self.cfg.engine, logprobs="decode") if self.trainer_rescores else self.cfg.engine
-            engine = engine or InProcessEngine(load_weights(policy, device=self.trainer.device), engine_cfg)
+            engine = engine or InProcessEngine(load_weights(policy, device=self.trainer.device), engine_cfg,
+                                               tokenizer)
             rollout = RolloutManager(self.cfg, tokenizer, engine, recipe.train.seed, log=self.log)
         self.engine, self.rollout = engine, rollout
         self.shared_rollouts = RankRollouts(rollout, self.rank, self.trainer.world) if shared else None

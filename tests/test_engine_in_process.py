@@ -175,6 +175,50 @@ def test_stop_token_ends_its_row_and_is_kept_with_its_log_prob():
     assert -math.log(model.config.vocab_size) <= float(rescored[-1]) < 0  # a greedy pick: at least 1 / V
 
 
+class HexTokenizer:
+    """A byte-level tokenizer's decode with two characters a token (id 10 -> "0a"): stop strings can
+    then begin inside one token and end inside a later one."""
+
+    @staticmethod
+    def decode(ids):
+        return "".join(f"{i % 256:02x}" for i in ids)
+
+
+def _first_stop_end(tokens, stop):
+    """How many tokens of ``tokens`` a response keeps that ends once its text contains ``stop``."""
+    return next((n for n in range(1, len(tokens) + 1) if stop in HexTokenizer.decode(tokens[:n])), len(tokens))
+
+
+def test_stop_strings_end_rows_at_the_token_completing_them():
+    model = _model()
+    engine = InProcessEngine(model, tokenizer=HexTokenizer())
+    prompts = _prompts()
+    free = engine.generate(prompts, _greedy(24))
+    spanning = HexTokenizer.decode(free[1].tokens)[7:10]  # token 3's 2nd character on (or earlier)
+    long = HexTokenizer.decode(free[3].tokens)[20:47]  # 27 characters over 14 tokens, the last one half
+    stopped = engine.generate(prompts, [_greedy(24), _greedy(24, stop=("zz", spanning)), _greedy(24),
+                                        _greedy(24, stop=(long,))])
+    for row, (a, b) in enumerate(zip(free, stopped)):
+        stop = {1: spanning, 3: long}.get(row)
+        end = _first_stop_end(a.tokens, stop) if stop else 24
+        assert b.tokens == a.tokens[:end]
+        # Rows that left the batch early do not disturb the rest, nor their own log-probs.
+        torch.testing.assert_close(b.log_probs, a.log_probs[:end], atol=1e-5, rtol=0)
+        hit = stop is not None and stop in HexTokenizer.decode(b.tokens)
+        assert (b.finish_reason, b.matched_stop) == (("stop", stop) if hit else ("length", None))
+    assert len(stopped[1].tokens) <= 5 and stopped[1].matched_stop == spanning
+    assert len(stopped[3].tokens) <= 24 and stopped[3].matched_stop == long
+    # A stop token ends a row first: the token completing the string, made a stop token, names no string.
+    last = free[1].tokens[_first_stop_end(free[1].tokens, spanning) - 1]
+    token = engine.generate(prompts[1:2], SamplingParams(max_new_tokens=24, temperature=0.0, stop=(spanning,),
+                                                        stop_token_ids=(last,)))[0]
+    end = free[1].tokens.index(last) + 1
+    assert (token.tokens, token.finish_reason, token.matched_stop) == (free[1].tokens[:end], "stop", None)
+    # Without a tokenizer an engine cannot read text: such a request is rejected, the others run.
+    bare = InProcessEngine(model).generate(prompts[:2], [_greedy(4, stop=("ab",)), _greedy(4)])
+    assert bare[0].finish_reason == "rejected" and "tokenizer" in bare[0].error and bare[1].tokens == free[1].tokens[:4]
+
+
 def test_default_stop_is_eos_and_immediate_stop_gives_one_token():
     model = _model()
     engine = InProcessEngine(model)

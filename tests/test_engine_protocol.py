@@ -236,7 +236,13 @@ def test_generate_cli_greedy_is_the_models_greedy_continuation(run_dir, capsys):
             if nxt == tokenizer.eos_id:
                 break
             ids.append(nxt)
-    assert printed == "def f(x):" + tokenizer.decode(ids[len(tokenizer.encode("def f(x):")):]) + "\n"
+    continuation = tokenizer.decode(ids[len(tokenizer.encode("def f(x):")):])
+    assert printed == "def f(x):" + continuation + "\n"
+    # --stop: the same continuation, cut before the first occurrence of the string.
+    stop = continuation[len(continuation) // 2:][:2]
+    assert run_cli("generate", [str(run_dir), "--prompt", "def f(x):", "--temperature", "0", "--max-new-tokens", "10",
+                                "--stop", "@@", "--stop", stop]) == 0
+    assert capsys.readouterr().out == "def f(x):" + continuation[:continuation.index(stop)] + "\n"
 
     def sampled(seed):
         run_cli("generate", [str(run_dir), "--prompt", "x = ", "--temperature", "1.0", "--top-k", "20",

@@ -276,6 +276,35 @@ def test_text_requests_use_the_tokenizer_beside_the_weights(server, served, weig
     assert status == 400 and "no tokenizer" in answer["error"]
 
 
+def test_stop_strings_over_http_end_where_the_in_process_engine_ends(server, served, weights, mutable):
+    from orthon.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(served / "tokenizer.json")
+    free = _reference(weights[0], GREEDY, PROMPTS[:1])[0]
+    text = tokenizer.decode(free.tokens)
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, stop_token_ids=(), stop=(stop,))
+    ref = InProcessEngine(load_weights(weights[0]).eval(), tokenizer=tokenizer).generate(PROMPTS[:1], params)[0]
+    assert ref.matched_stop == stop and len(ref.tokens) < len(free.tokens) and ref.tokens == free.tokens[:len(ref.tokens)]
+    got = HTTPEngine(server.url).generate(PROMPTS[:1], params)[0]
+    assert (got.tokens, got.finish_reason, got.matched_stop) == (ref.tokens, "stop", stop)
+    body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True,
+                                                         "stop": [stop]}}
+    status, answer = _request(server.url, "POST", "/generate", body)
+    full = tokenizer.decode(ref.tokens)
+    assert status == 200 and answer["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert answer["text"] == full[:full.index(stop)] and answer["output_ids"] == ref.tokens
+    body["sampling_params"]["no_stop_trim"] = True
+    assert _request(server.url, "POST", "/generate", body)[1]["text"] == full
+    # Refused by name: stop strings where the server has no tokenizer, a stream, an empty text.
+    status, answer = _request(mutable.url, "POST", "/generate", body)
+    assert status == 400 and answer["error"].startswith("sampling_params.stop: this server has no tokenizer")
+    status, answer = _request(server.url, "POST", "/generate", {"text": "a", "stream": True})
+    assert status == 400 and answer["error"].startswith("stream: not supported")
+    status, answer = _request(server.url, "POST", "/generate", {"text": ""})
+    assert status == 400 and answer["error"] == "text: empty (no token ids to continue)"
+
+
 def test_health_and_info_routes(server, served):
     assert _request(server.url, "GET", "/health") == (200, {})
     assert _request(server.url, "GET", "/health_generate") == (200, {"ok": True, "weight_version": "0"})

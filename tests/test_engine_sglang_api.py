@@ -18,6 +18,7 @@ EOS = 1
     SamplingParams(max_new_tokens=7, temperature=0.0, stop_token_ids=()),
     SamplingParams(max_new_tokens=3, temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=(5, 9), seed=42),
     SamplingParams(temperature=1.3, logprob_mode="sampling", stop_token_ids=(EOS,)),
+    SamplingParams(max_new_tokens=9, stop=("</tool_call>", "\n\n")),
 ])
 def test_sampling_params_survive_the_round_trip(params):
     assert sampling_from_sglang(sampling_to_sglang(params), EOS) == params
@@ -47,7 +48,9 @@ def test_sglang_defaults_and_top_k_off():
     ({"temperature": "hot"}, "temperature: expected a number"),
     ({"top_p": 0.0}, "top_p: must be in"),
     ({"min_p": 0.1}, "min_p: not supported"),
-    ({"stop": ["\n"]}, "stop: not supported"),
+    ({"stop": ["\n", ""]}, "stop: expected a string or a list of non-empty strings"),
+    ({"stop": 5}, "stop: expected a string or a list"),
+    ({"no_stop_trim": 1}, "no_stop_trim: expected true or false"),
     ({"best_of": 2}, "best_of: unknown sampling parameter"),
     ({"stop_token_ids": [1.5]}, "stop_token_ids: expected a list of token ids"),
     ({"ignore_eos": "yes"}, "ignore_eos: expected true or false"),
@@ -57,6 +60,29 @@ def test_bad_sampling_params_name_the_key(sampling, match):
     with pytest.raises(BadRequest, match=match) as err:
         sampling_from_sglang(sampling, EOS)
     assert err.value.status == 400
+
+
+def test_stop_strings_as_sglang_takes_them():
+    # One string or a list; "" / [] are none; the text keeps the string only with no_stop_trim.
+    assert sampling_from_sglang({"stop": "</s>"}, EOS).stop == ("</s>",)
+    assert sampling_from_sglang({"stop": ["a", "bc"]}, EOS).stop == ("a", "bc")
+    assert sampling_from_sglang({"stop": ""}, EOS).stop == () == sampling_from_sglang({"stop": []}, EOS).stop
+    assert sampling_to_sglang(SamplingParams(stop=("x",)))["stop"] == ["x"]
+    assert "stop" not in sampling_to_sglang(SamplingParams())
+    trimmed, kept = (parse_generate({"input_ids": [3], "sampling_params": {"stop": "</a>", "no_stop_trim": keep}}, EOS)[0][0]
+                     for keep in (False, True))
+    result = GenerationResult([3], [7, 8, 9], torch.tensor([-0.5, -1.0, -2.0]), "stop", 2, matched_stop="</a>")
+    short, full = answer(result, trimmed, "x = 1</a> and"), answer(result, kept, "x = 1</a> and")
+    assert (short["text"], full["text"]) == ("x = 1", "x = 1</a> and")
+    assert short["output_ids"] == [7, 8, 9]  # every token generated, the one completing the string too
+    assert finish_reason(result) == {"type": "stop", "matched": "</a>"}
+    # The client reads the string back; a stop token stays an id.
+    logprobs = parse_generate({"input_ids": [3], "return_logprob": True}, EOS)[0][0]
+    back = result_from_answer(answer(result, logprobs, ""), [3], SamplingParams(), 0)
+    assert (back.finish_reason, back.matched_stop, back.tokens) == ("stop", "</a>", [7, 8, 9])
+    by_token = GenerationResult([3], [7, EOS], torch.tensor([-0.5, -1.0]), "stop", 2)
+    assert finish_reason(by_token) == {"type": "stop", "matched": EOS}
+    assert result_from_answer(answer(by_token, logprobs, "y"), [3], SamplingParams(), 0).matched_stop is None
 
 
 def test_parse_generate_single_batch_and_text():
@@ -91,6 +117,7 @@ def test_parse_generate_single_batch_and_text():
     ({"input_ids": [1], "return_logprob": "yes"}, "return_logprob"),
     ({"input_ids": [1], "rid": 5}, "rid: expected a string"),
     ({"text": 5}, "text: expected a string"),
+    ({"text": "a", "stream": True}, "stream: not supported"),
     ([1, 2], "expected a JSON object"),
 ])
 def test_bad_generate_bodies_name_what_is_wrong(body, match):

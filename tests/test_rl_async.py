@@ -171,3 +171,21 @@ def test_evaluation_asks_for_no_log_probs_so_a_rescoring_engine_skips_it(tmp_pat
     assert engine.stats.generated_tokens > 0 and rescored == []
     manager.generate(2)
     assert sum(rescored) > 0
+
+
+def test_rollouts_end_at_the_recipes_stop_strings(tmp_path):
+    """rl.stop reaches the engine (the trainer's own has the tokenizer to read text): a response ends at
+    the first token whose text completes a stop string, and no shorter prefix of it holds one."""
+    pre = _pretrain_dir(tmp_path)
+    stops = ("e", "a")
+    trainer, _ = _trainer(tmp_path / "stop", pre, 1, mode="sync", stop=list(stops), max_new_tokens=12)
+    manager = trainer.rollout
+    assert manager.sampling().stop == stops and trainer.engine.tokenizer is manager.tokenizer
+    samples = manager.roll_round(manager._draw(4))
+    decode = manager.tokenizer.decode
+    ended = 0
+    for s in samples:
+        tokens = list(s.response_tokens)
+        assert not any(t in decode(tokens[:n]) for n in range(1, len(tokens)) for t in stops)
+        ended += any(t in decode(tokens) for t in stops)
+    assert ended >= len(samples) // 2  # most random responses of 12 tokens hold an "e" or an "a"
