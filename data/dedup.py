@@ -17,7 +17,7 @@ from typing import Iterable, Iterator
 
 from orthon.data.config import DedupConfig
 from orthon.core.files import atomic_path, atomic_write_json
-from orthon.data.sources import classify, expand_inputs, iter_documents
+from orthon.data.sources import classify, expand_inputs, iter_records
 
 _WORD = re.compile(r"\w+")
 _BULK = 512  # documents hashed together (MinHash.bulk shares the permutations)
@@ -89,7 +89,9 @@ def deduplicate(texts: Iterable[str], threshold: float = 0.8, num_perm: int = 12
 
 
 def dedup_files(cfg: DedupConfig, log=print) -> dict:
-    """Read ``cfg.inputs``, write the kept documents to ``cfg.output`` (JSON lines, field "text").
+    """Read ``cfg.inputs``, write the kept documents to ``cfg.output`` (JSON lines: a JSON-lines or Parquet
+    input's whole record, every field kept; {"text": ...} for plain text); an output naming a folder
+    (ending in "/", or one that exists) gets ``dedup.jsonl`` inside it.
 
     Writes a report beside it (``OUTPUT.report.json``): counts, skipped bad
     documents, and every removed document with its source file and the kept
@@ -98,26 +100,32 @@ def dedup_files(cfg: DedupConfig, log=print) -> dict:
     log = log or (lambda _msg: None)
     files = expand_inputs(cfg.inputs)
     origin: list[tuple[str, int]] = []  # (file, record number) of each deduplicated document
+    records: dict[int, dict] = {}  # the records of documents read and not yet written or dropped
     skipped: dict[str, int] = {}
 
     def texts():
         for path in files:
-            for record_no, text in enumerate(iter_documents(path, cfg.read)):
+            for record_no, (text, record) in enumerate(iter_records(path, cfg.read)):
                 reason = classify(text)
                 if reason:
                     skipped[reason] = skipped.get(reason, 0) + 1
                     continue
+                records[len(origin)] = {"text": text} if record is None else record
                 origin.append((str(path), record_no))
                 yield text
 
     output = Path(cfg.output)
+    if cfg.output.endswith(("/", os.sep)) or output.is_dir():  # a folder: the file goes inside it
+        output = output / "dedup.jsonl"
     output.parent.mkdir(parents=True, exist_ok=True)
     removed: list[dict] = []
     kept = 0
     with atomic_path(output) as tmp, open(tmp, "w", encoding="utf-8") as out:
         for i, text, dup in deduplicate(texts(), cfg.threshold, cfg.num_perm, cfg.ngram, cfg.seed):
+            record = records.pop(i)
             if dup is None:
-                out.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+                # Parquet may hold what JSON has no type for (dates, bytes): written as their str().
+                out.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
                 kept += 1
             else:
                 (file, record), (dup_file, dup_record) = origin[i], origin[dup.duplicate_of]

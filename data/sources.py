@@ -85,6 +85,17 @@ def iter_documents(path: str | Path, read: ReadConfig | None = None) -> Iterator
     Errors from the reader (an unreadable file, a .jsonl file that is not JSON lines) become a DataError
     naming the file.
     """
+    return (text for text, _ in _records(path, read, exact=False))
+
+
+def iter_records(path: str | Path, read: ReadConfig | None = None) -> Iterator[tuple[object, dict | None]]:
+    """``iter_documents``'s texts, each with the whole record it came from: a JSON-lines line's object as
+    written (read line by line: datasets' reader would give every record the file's union of fields, and
+    its numbers one type), a Parquet row, None for plain text and malformed lines."""
+    return _records(path, read, exact=True)
+
+
+def _records(path, read: ReadConfig | None, exact: bool) -> Iterator[tuple[object, dict | None]]:
     import datasets
 
     # The environment variables above only count if datasets was not imported before this module;
@@ -113,11 +124,14 @@ def iter_documents(path: str | Path, read: ReadConfig | None = None) -> Iterator
     else:
         raise DataError(f"{path}: unknown format {fmt!r}")
     field = "text" if fmt == "text" else read.text_field
+    if fmt == "jsonl" and exact:
+        yield from _json_lines(path, field, skip=0)
+        return
     read_so_far = 0
     try:
         ds = datasets.load_dataset(data_files=files, split="train", streaming=True, **kwargs)
         for record in ds:
-            yield record.get(field)
+            yield record.get(field), None if fmt == "text" else record
             read_so_far += 1
     except DataError:
         raise
@@ -128,9 +142,9 @@ def iter_documents(path: str | Path, read: ReadConfig | None = None) -> Iterator
         yield from _json_lines(path, field, skip=read_so_far)
 
 
-def _json_lines(path: Path, field: str, skip: int) -> Iterator[object]:
-    """The file's records line by line after its first ``skip`` valid ones; a line without a JSON object
-    comes out as ``Malformed``. Lines end at "\\n" only (U+2028 may stand inside a JSON string)."""
+def _json_lines(path: Path, field: str, skip: int) -> Iterator[tuple[object, dict | None]]:
+    """The file's (text, record) pairs line by line after its first ``skip`` valid ones; a line without a
+    JSON object comes out as (``Malformed``, None). Lines end at "\\n" only (U+2028 may stand inside a JSON string)."""
     valid = malformed = 0
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
@@ -144,14 +158,14 @@ def _json_lines(path: Path, field: str, skip: int) -> Iterator[object]:
             if isinstance(record, dict):
                 valid += 1
                 if valid > skip:
-                    yield record.get(field)
+                    yield record.get(field), record
                 continue
             if not isinstance(record, Malformed):
                 record = Malformed(line_no, f"a JSON {type(record).__name__}, not an object")
             malformed += 1
             if malformed <= _MALFORMED_LOGGED:
                 log.warning("%s line %d: malformed JSON (%s); skipped and counted", path, line_no, record.error)
-            yield record
+            yield record, None
     if valid == 0:
         raise DataError(f"{path}: not JSON lines: none of its {malformed} lines holds a JSON object")
     if malformed > _MALFORMED_LOGGED:

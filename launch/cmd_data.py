@@ -69,7 +69,7 @@ def register(parser: argparse.ArgumentParser, name: str) -> None:
 
     p = sub.add_parser("dedup", help="remove near-duplicate documents (MinHash-LSH); writes jsonl + a report")
     p.add_argument("inputs", nargs="*")
-    p.add_argument("--out", help="output .jsonl (report beside it)")
+    p.add_argument("--out", help="output .jsonl, or a folder (DIR/: DIR/dedup.jsonl); the report beside it")
     p.add_argument("--threshold", type=float, help="Jaccard similarity counted as duplicate (default 0.8)")
     p.add_argument("--num-perm", type=int)
     p.add_argument("--ngram", type=int)

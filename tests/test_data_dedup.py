@@ -60,3 +60,32 @@ def test_dedup_files_writes_output_and_report(tmp_path):
                                                           r["duplicate_of_record"]) for r in on_disk["removed_documents"]}
     assert gone == {("two.jsonl", 0): ("one.jsonl", 1), ("two.jsonl", 4): ("one.jsonl", 0)}
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_dedup_keeps_every_field_of_the_records_it_keeps(tmp_path):
+    """A JSON-lines or Parquet corpus keeps its metadata (ids, sources, urls) through dedup, each JSON-lines
+    record exactly as written; plain text becomes {"text": ...}. A malformed line is skipped and counted."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from orthon.data.dedup import dedup_files
+
+    rng = random.Random(2)
+    a = [_article(rng) for _ in range(4)]
+    # As written: ints stay ints beside a float, a record keeps only its own fields.
+    records = [{"text": a[0], "id": 7, "meta": {"url": "u0", "tags": ["x"]}}, {"text": a[0], "id": 8.5},
+               {"text": a[1], "source": "s1"}]
+    write_jsonl(tmp_path / "a.jsonl", records)
+    write_jsonl(tmp_path / "d.jsonl", [{"text": a[1], "n": 1}], raw_lines=[b"{broken"])
+    pq.write_table(pa.table({"text": [a[2], a[1]], "source": ["p0", "p1"]}), tmp_path / "b.parquet")
+    (tmp_path / "c.txt").write_text(a[3] + "\n")
+    report = dedup_files(DedupConfig(inputs=[str(tmp_path / n) for n in ("a.jsonl", "b.parquet", "c.txt", "d.jsonl")],
+                                     output=str(tmp_path / "out.jsonl"), threshold=0.7, ngram=3), log=None)
+    kept = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert kept == [records[0], records[2], {"text": a[2], "source": "p0"}, {"text": a[3]}]
+    assert (report["kept"], report["removed"], report["skipped"]) == (4, 3, {"malformed_json": 1})
+    # An output naming a folder gets dedup.jsonl inside it.
+    again = dedup_files(DedupConfig(inputs=[str(tmp_path / "a.jsonl")], output=str(tmp_path / "out") + "/",
+                                    threshold=0.7, ngram=3), log=None)
+    assert again["output"] == str(tmp_path / "out" / "dedup.jsonl") and (tmp_path / "out" / "dedup.jsonl.report.json").is_file()
+    assert [json.loads(line) for line in (tmp_path / "out" / "dedup.jsonl").read_text().splitlines()] == [records[0], records[2]]
