@@ -5,8 +5,10 @@ everything waiting and runs it as one ``generate`` call (a wave; the engine spli
 Around the waves: ``pause`` holds new waves (the requests wait; ``mode="abort"`` also returns every
 waiting request aborted), ``resume`` lets them run again, ``abort`` returns waiting requests by rid,
 and ``exclusive()`` gives a weight update the engine between two waves: it waits for the running wave,
-holds new ones while it runs, and updates never run two at a time. A running wave is never cut short:
-the engine has no way to stop one midway, so "abort" reaches only requests that have not started.
+holds new ones while it runs, and updates never run two at a time. On an engine that takes request
+controls (orthon's in-process engine: ``orthon.engine.control``), ``abort`` and a pause in "abort" mode
+also stop running requests after the engine's current step, each returned with its tokens so far
+(SGLang's abort); elsewhere they reach only requests that have not started.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from orthon.engine.control import RequestControl
 from orthon.engine.protocol import GenerationResult
 from orthon.engine.sampling import SamplingParams
 
@@ -27,12 +30,14 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 
 @dataclass
 class Pending:
-    """A request waiting for its wave; ``future`` receives its GenerationResult."""
+    """A request waiting for its wave; ``future`` receives its GenerationResult; ``control`` reaches it
+    while it runs (cancel it, watch its tokens)."""
 
     prompt: list[int]
     params: SamplingParams
     rid: str
     future: Future = field(default_factory=Future)
+    control: RequestControl = field(default_factory=RequestControl)
 
 
 def aborted(request: Pending, weight_version: int, why: str) -> GenerationResult:
@@ -55,7 +60,8 @@ class ContinuousBatcher:
         self._queue: deque[Pending] = deque()
         self._cond = threading.Condition()
         self._paused = False
-        self._running = 0  # requests in the wave now on the engine
+        self._running: list[Pending] = []  # the wave now on the engine
+        self._controls = bool(getattr(engine, "takes_controls", False))
         self._updates_waiting = 0
         self._update_lock = threading.Lock()  # one weight update at a time
         self._closed = False
@@ -77,19 +83,26 @@ class ContinuousBatcher:
             self._cond.notify_all()
 
     def abort(self, rid: str | None = None, abort_all: bool = False, why: str = "aborted by request") -> int:
-        """Return the waiting requests with ``rid`` (or all of them) aborted; how many there were."""
+        """Return the waiting requests with ``rid`` (or all of them) aborted, and stop the running ones
+        where the engine takes controls (they come back with their tokens so far); how many there were."""
         with self._cond:
             hit = [r for r in self._queue if abort_all or r.rid == rid]
             for r in hit:
                 self._queue.remove(r)
-            self.stats["aborted"] += len(hit)
+            running = [r for r in self._running if (abort_all or r.rid == rid) and not r.control.cancelled]
+            if not self._controls:
+                running = []
+            for r in running:
+                r.control.cancel(why)
+            self.stats["aborted"] += len(hit) + len(running)
         for r in hit:
             r.future.set_result(aborted(r, self.engine.weight_version, why))
-        return len(hit)
+        return len(hit) + len(running)
 
     def pause(self, mode: str = "abort", timeout_s: float | None = None) -> bool:
-        """Hold new waves; with mode "abort" the waiting requests are returned aborted. Returns once the
-        running wave (if any) has finished: True, or False when ``timeout_s`` passed first."""
+        """Hold new waves; with mode "abort" the waiting requests are returned aborted and the running ones
+        stopped (``abort``). Returns once the running wave (if any) has finished: True, or False when
+        ``timeout_s`` passed first."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode: expected one of {PAUSE_MODES}, got {mode!r}")
         with self._cond:
@@ -135,7 +148,7 @@ class ContinuousBatcher:
 
     def snapshot(self) -> dict:
         with self._cond:
-            return {"waiting": len(self._queue), "running": self._running, "paused": self._paused,
+            return {"waiting": len(self._queue), "running": len(self._running), "paused": self._paused,
                     "generate_calls": self.stats["generate_calls"], "requests": self.stats["requests"],
                     "aborted": self.stats["aborted"], "max_batch": self.stats["max_batch"],
                     "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())}}
@@ -165,12 +178,14 @@ class ContinuousBatcher:
                     continue
                 wave = list(self._queue)
                 self._queue.clear()
-                self._running = len(wave)
+                self._running = wave
                 self.stats["generate_calls"] += 1
                 self.stats["max_batch"] = max(self.stats["max_batch"], len(wave))
                 self.batch_sizes[len(wave)] += 1
             try:
-                results = self.engine.generate([r.prompt for r in wave], [r.params for r in wave])
+                prompts, params = [r.prompt for r in wave], [r.params for r in wave]
+                results = (self.engine.generate(prompts, params, controls=[r.control for r in wave]) if self._controls
+                           else self.engine.generate(prompts, params))
                 for r, result in zip(wave, results):
                     r.future.set_result(result)
             except BaseException as exc:  # an engine bug: every caller of the wave gets it, the loop goes on
@@ -179,5 +194,5 @@ class ContinuousBatcher:
                         r.future.set_exception(exc)
             finally:
                 with self._cond:
-                    self._running = 0
+                    self._running = []
                     self._cond.notify_all()

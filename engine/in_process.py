@@ -12,7 +12,8 @@ How a batch runs: prompts are sorted by length and taken in waves of ``max_batch
 left-padded (pads are document -1 and RoPE positions are shifted, so each row sees only its own
 tokens), prefilled in one forward, then decoded one token per step through the absorbed-attention
 cache path (the fused runner of orthon.engine.fused_decode by default). A row leaves the batch
-(``KVCache.select``) the step it finishes, so the cost follows the live rows. Bad requests (empty
+(``KVCache.select``) the step it finishes (or the step after its ``RequestControl`` was cancelled:
+``orthon.engine.control``), so the cost follows the live rows. Bad requests (empty
 prompt, token id outside the vocabulary, prompt that leaves no room in the context) come back as
 "rejected" results with the reason, counted in ``stats``; the rest of the batch runs.
 
@@ -34,6 +35,7 @@ import torch
 from safetensors.torch import load_file
 
 from orthon.core.errors import CheckpointError, ConfigError, WrongBaseVersion
+from orthon.engine.control import RequestControl
 from orthon.engine.delta import row_views
 from orthon.engine.fused_decode import DecodeWeights
 from orthon.engine.protocol import GenerationResult, WeightDelta, WeightsSource
@@ -87,6 +89,7 @@ class _Request:
     stops: tuple[int, ...]
     budget: int  # new tokens allowed: min(max_new_tokens, room left in the context)
     context_bound: bool  # the budget is the context's, not max_new_tokens
+    control: RequestControl | None = None
 
 
 @dataclass
@@ -103,6 +106,8 @@ class EngineStats:
 
 class InProcessEngine:
     """The ``Engine`` on a GLMForCausalLM held in this process (``orthon.engine.protocol``)."""
+
+    takes_controls = True  # generate(..., controls=...): orthon.engine.control
 
     def __init__(self, model: GLMForCausalLM, config: EngineConfig | None = None, tokenizer=None):
         self.model = model
@@ -261,22 +266,29 @@ class InProcessEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                 routing_keys: Sequence[str | None] | None = None) -> list[GenerationResult]:
+                 routing_keys: Sequence[str | None] | None = None,
+                 controls: Sequence[RequestControl | None] | None = None) -> list[GenerationResult]:
         """The Engine's generate; ``routing_keys`` are for routers (one engine in this process serves
-        every session)."""
+        every session). ``controls``: one ``RequestControl`` or None per prompt (orthon.engine.control:
+        cancel a request while it runs, watch its tokens)."""
         per = per_request_params(sampling, len(prompts))
+        controls = list(controls) if controls is not None else [None] * len(prompts)
+        if len(controls) != len(prompts):
+            raise ValueError(f"generate: {len(controls)} controls for {len(prompts)} prompts")
         with self._lock:
             results: list[GenerationResult | None] = [None] * len(prompts)
             requests = []
-            for i, (prompt, params) in enumerate(zip(prompts, per)):
+            for i, (prompt, params, control) in enumerate(zip(prompts, per, controls)):
                 admitted = self._admit(i, prompt, params)
                 if isinstance(admitted, GenerationResult):
                     results[i] = admitted
-                elif admitted.budget == 0:  # max_new_tokens = 0: nothing to run
-                    self.stats.finished["length"] += 1
-                    results[i] = GenerationResult(admitted.prompt, [], torch.zeros(0), "length", self.weight_version,
-                                                  admitted.seed)
+                elif admitted.budget == 0 or (control is not None and control.cancelled):  # nothing to run
+                    reason = "length" if admitted.budget == 0 else "abort"
+                    self.stats.finished[reason] += 1
+                    results[i] = GenerationResult(admitted.prompt, [], torch.zeros(0), reason, self.weight_version,
+                                                  admitted.seed, error=control.reason if reason == "abort" else None)
                 else:
+                    admitted.control = control
                     requests.append(admitted)
             self.stats.requests += len(prompts)
             # Similar lengths together: less padding per wave.
@@ -307,20 +319,22 @@ class InProcessEngine:
         out_logps = torch.zeros(B, steps, dtype=torch.float32, device=device)
         produced = torch.zeros(B, dtype=torch.long, device=device)  # tokens each row ended with
         stopped = torch.zeros(B, dtype=torch.bool, device=device)
+        aborted = torch.zeros(B, dtype=torch.bool)
         texts = StopStringWatch([r.params.stop for r in wave], self.tokenizer and self.tokenizer.decode)
-        self._decode(wave, lengths, width, budgets, steps, out_tokens, out_logps, produced, stopped, texts)
+        self._decode(wave, lengths, width, budgets, steps, out_tokens, out_logps, produced, stopped, texts, aborted)
         if self.config.logprobs == "rescore":
             self._rescore(wave, out_tokens, out_logps, produced)
         results = []
         for row, request in enumerate(wave):
             n = int(produced[row])
-            reason = "stop" if bool(stopped[row]) else "context" if request.context_bound else "length"
+            reason = ("abort" if bool(aborted[row]) else "stop" if bool(stopped[row])
+                      else "context" if request.context_bound else "length")
             self.stats.finished[reason] += 1
             self.stats.generated_tokens += n
             results.append(GenerationResult(
                 prompt=request.prompt, tokens=out_tokens[row, :n].tolist(), log_probs=out_logps[row, :n].cpu().clone(),
                 finish_reason=reason, weight_version=self.weight_version, seed=request.seed,
-                matched_stop=texts.matched.get(row),
+                matched_stop=texts.matched.get(row), error=request.control.reason if reason == "abort" else None,
             ))
         return results
 
@@ -335,6 +349,19 @@ class InProcessEngine:
         for k, (r, n) in enumerate(zip(rows, counts)):
             out_logps[r, :n] = scored.log_probs[k, :n]
 
+    @staticmethod
+    def _watch(controls, live, out_tokens, step) -> torch.Tensor:
+        """After a step: each controlled live row's tokens so far to its listener; which rows were cancelled."""
+        cancelled = torch.zeros(len(live), dtype=torch.bool)
+        for i, row in enumerate(live.tolist()):
+            control = controls[row]
+            if control is None:
+                continue
+            if control.on_tokens is not None:
+                control.on_tokens(out_tokens[row, : step + 1].tolist())
+            cancelled[i] = control.cancelled
+        return cancelled.to(live.device)
+
     def _decode_weights(self) -> DecodeWeights | None:
         """The fused decode weights of the current parameters, or None where they do not apply."""
         if not self.config.fused_decode or self.model.config.attention_bias:
@@ -345,7 +372,7 @@ class InProcessEngine:
             self._fused.refresh()
         return self._fused
 
-    def _decode(self, wave, lengths, width, budgets, steps, out_tokens, out_logps, produced, stopped, texts):
+    def _decode(self, wave, lengths, width, budgets, steps, out_tokens, out_logps, produced, stopped, texts, aborted):
         model = self.model
         fused = self._decode_weights()
         device = lengths.device
@@ -374,6 +401,8 @@ class InProcessEngine:
         sampling_mode = torch.tensor([p.logprob_mode == "sampling" for p in params], device=device)
         any_sampling_mode = bool(sampling_mode.any())
         stops = stop_table([r.stops for r in wave], device)
+        controls = [r.control for r in wave]
+        controlled = any(c is not None for c in controls)
 
         cache = model.new_cache(B, width + steps)
         hidden, _ = model.hidden_states(ids, cache, positions, doc_ids=docs)
@@ -391,10 +420,15 @@ class InProcessEngine:
             if texts:  # a row that sampled a stop token has ended: its text is not read
                 hit_stop |= texts.check(live, out_tokens, step, skip=hit_stop)
             done = hit_stop | (budgets[live] <= step + 1)
+            if controlled:
+                cancelled = self._watch(controls, live, out_tokens, step) & ~done
+                done |= cancelled
             if bool(done.any()):
                 finished = live[done]
                 produced[finished] = step + 1
                 stopped[finished] = hit_stop[done]
+                if controlled:
+                    aborted[finished.cpu()] = cancelled[done].cpu()
                 keep = (~done).nonzero().squeeze(-1)
                 if keep.numel() == 0:
                     break

@@ -6,13 +6,15 @@ The routes are listed in the README (``orthon serve``); request and answer shape
 ``orthon.engine.sglang_api``, the weight-update routes in ``orthon.engine.server_weights``.
 
 Concurrent callers share waves (``orthon.engine.batcher``): a single thread runs everything waiting as
-one engine call. Bad input is a 400 (413 for a body over the limit) with {"error": message}, and the
+one engine call. A request can stream (server-sent events after each token) and be aborted while it
+runs (``orthon.engine.control``). Bad input is a 400 (413 for a body over the limit) with {"error": message}, and the
 server goes on serving; a batch with a request the engine rejects (a token id outside the vocabulary,
 a prompt longer than the context) is refused whole, like SGLang refuses it.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import threading
 import uuid
@@ -21,13 +23,13 @@ from importlib import metadata
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from orthon.engine.batcher import DEFAULT_WINDOW_S, PAUSE_MODES, ContinuousBatcher, Pending
 from orthon.engine.sampling import SamplingParams
 from orthon.engine.server_state import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_DELTA_BYTES, ServerState, read_json
 from orthon.engine.server_weights import add_weight_routes
-from orthon.engine.sglang_api import BadRequest, answer, parse_generate
+from orthon.engine.sglang_api import BadRequest, answer, parse_generate, partial_answer, wants_stream
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 ARCHITECTURE = "GlmMoeDsaForCausalLM"
@@ -73,6 +75,37 @@ def _rejections(results, items, batched: bool) -> list[str]:
     return out
 
 
+def _event(data) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+async def _events(state: ServerState, pending: Pending, item):
+    """A streamed /generate (server-sent events, as SGLang sends them): an event with the answer so far
+    after each new token (events the client has not yet read are merged into the newest), the final
+    answer, then ``data: [DONE]``. A refused request is one event {"error": message}. A client that
+    goes away aborts its request."""
+    loop = asyncio.get_running_loop()
+    updates: asyncio.Queue = asyncio.Queue()
+    pending.control.on_tokens = lambda tokens: loop.call_soon_threadsafe(updates.put_nowait, tokens)
+    pending.future.add_done_callback(lambda _: loop.call_soon_threadsafe(updates.put_nowait, None))
+    state.batcher.submit([pending])
+    try:
+        while (tokens := await updates.get()) is not None:
+            while not updates.empty() and tokens is not None:  # only the newest prefix is worth sending
+                tokens = updates.get_nowait()
+            if tokens is None:
+                break
+            yield _event(partial_answer(item, pending.prompt, tokens, state.detokenize(tokens),
+                                        state.engine.weight_version))
+        result = pending.future.result()
+        refused = _rejections([result], [item], False)
+        yield _event({"error": refused[0]} if refused else answer(result, item, state.detokenize(result.tokens)))
+        yield "data: [DONE]\n\n"
+    finally:
+        if not pending.future.done():
+            state.batcher.abort(pending.rid, why="the client went away")
+
+
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
@@ -97,11 +130,14 @@ def create_app(state: ServerState) -> FastAPI:
     async def generate(request: Request):
         body = await read_json(request, state.max_body_bytes)
         items, batched = parse_generate(body, config.eos_token_id)
+        stream = wants_stream(body, batched)
         if state.tokenizer is None and any(item.params.stop for item in items):
             raise BadRequest("sampling_params.stop: this server has no tokenizer to read text with (none beside "
                              "the weights and no --tokenizer); use stop_token_ids")
         prompts = [item.prompt if item.prompt is not None else state.tokenize(item.text) for item in items]
         pending = [Pending(prompt, item.params, item.rid) for prompt, item in zip(prompts, items)]
+        if stream:
+            return StreamingResponse(_events(state, pending[0], items[0]), media_type="text/event-stream")
         state.batcher.submit(pending)
         results = await asyncio.gather(*(asyncio.wrap_future(p.future) for p in pending))
         refused = _rejections(results, items, batched)

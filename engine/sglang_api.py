@@ -132,9 +132,6 @@ def parse_generate(body: Any, eos_token_id: int | None) -> tuple[list[GenerateIt
     """The requests of a /generate body and whether it was a batch (answered with a list)."""
     if not isinstance(body, Mapping):
         raise BadRequest(f"body: expected a JSON object, got {type(body).__name__}")
-    if body.get("stream"):
-        raise BadRequest("stream: not supported (this server answers once each request has finished); "
-                         "send stream: false")
     ids, text = body.get("input_ids"), body.get("text")
     if ids is not None and text is not None:
         raise BadRequest("give input_ids or text, not both")
@@ -178,6 +175,24 @@ def parse_generate(body: Any, eos_token_id: int | None) -> tuple[list[GenerateIt
         keep_stop = (sampling[i] or {}).get("no_stop_trim", False)  # a bool: checked with the params
         items.append(GenerateItem(prompts[i], texts[i], params, rid, logprob[i], trim_stop=not keep_stop))
     return items, batched
+
+
+def wants_stream(body: Mapping, batched: bool) -> bool:
+    """Whether a /generate body asks for a stream (server-sent events); one request at a time."""
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest(f"stream: expected true or false, got {stream!r}")
+    if stream and batched:
+        raise BadRequest("stream: one request at a time (a batch is answered whole); send stream: false")
+    return stream
+
+
+def partial_answer(item: GenerateItem, prompt: list[int], tokens: list[int], text: str, weight_version: int) -> dict:
+    """A stream's answer so far: the response's text and ids to now (each event holds all of them, as
+    SGLang streams by default), no finish_reason yet."""
+    meta = {"id": item.rid, "finish_reason": None, "prompt_tokens": len(prompt), "completion_tokens": len(tokens),
+            "cached_tokens": 0, "weight_version": str(weight_version)}
+    return {"text": text, "output_ids": list(tokens), "meta_info": meta}
 
 
 def parse_weight_version(value) -> int | None:

@@ -219,6 +219,36 @@ def test_stop_strings_end_rows_at_the_token_completing_them():
     assert bare[0].finish_reason == "rejected" and "tokenizer" in bare[0].error and bare[1].tokens == free[1].tokens[:4]
 
 
+def test_a_cancelled_request_ends_aborted_with_its_tokens_so_far_and_listeners_see_each_prefix():
+    from orthon.engine.control import RequestControl
+
+    engine = InProcessEngine(_model())
+    prompts = _prompts()
+    free = engine.generate(prompts, _greedy(12))
+    seen = {1: [], 2: []}
+
+    def cancel_after_five(tokens):
+        seen[2].append(tokens)
+        if len(tokens) == 5:
+            controls[2].cancel("enough")
+
+    controls = [None, RequestControl(on_tokens=seen[1].append), RequestControl(on_tokens=cancel_after_five),
+                RequestControl()]
+    controls[3].cancel()  # before its wave: nothing runs
+    got = engine.generate(prompts, _greedy(12), controls=controls)
+    assert [r.finish_reason for r in got] == ["length", "length", "abort", "abort"]
+    assert (got[2].tokens, got[2].error) == (free[2].tokens[:5], "enough")
+    assert (got[3].tokens, got[3].error) == ([], "aborted by request")
+    for a, b in zip(free[:3], got[:3]):  # the others run on, as without controls
+        assert b.tokens == a.tokens[:len(b.tokens)]
+        torch.testing.assert_close(b.log_probs, a.log_probs[:len(b.tokens)], atol=1e-5, rtol=0)
+    # Each listener saw its response grow a token a step: row 1 to its end, row 2 to the cancel.
+    assert seen[1] == [free[1].tokens[:n] for n in range(1, 13)]
+    assert seen[2] == [free[2].tokens[:n] for n in range(1, 6)]
+    with pytest.raises(ValueError, match="2 controls for 4 prompts"):
+        engine.generate(prompts, _greedy(2), controls=[None, None])
+
+
 def test_default_stop_is_eos_and_immediate_stop_gives_one_token():
     model = _model()
     engine = InProcessEngine(model)

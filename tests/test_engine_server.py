@@ -296,13 +296,85 @@ def test_stop_strings_over_http_end_where_the_in_process_engine_ends(server, ser
     assert answer["text"] == full[:full.index(stop)] and answer["output_ids"] == ref.tokens
     body["sampling_params"]["no_stop_trim"] = True
     assert _request(server.url, "POST", "/generate", body)[1]["text"] == full
-    # Refused by name: stop strings where the server has no tokenizer, a stream, an empty text.
+    # Refused by name: stop strings where the server has no tokenizer, an empty text.
     status, answer = _request(mutable.url, "POST", "/generate", body)
     assert status == 400 and answer["error"].startswith("sampling_params.stop: this server has no tokenizer")
-    status, answer = _request(server.url, "POST", "/generate", {"text": "a", "stream": True})
-    assert status == 400 and answer["error"].startswith("stream: not supported")
     status, answer = _request(server.url, "POST", "/generate", {"text": ""})
     assert status == 400 and answer["error"] == "text: empty (no token ids to continue)"
+
+
+def _stream(url: str, payload: dict, timeout_s: float = 120.0) -> tuple[int, str, list]:
+    """(status, content type, the data of each server-sent event) of a streamed /generate."""
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    try:
+        connection.request("POST", "/generate", body=json.dumps(payload).encode(),
+                           headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        raw = response.read().decode()
+        events = [block.removeprefix("data: ") for block in raw.split("\n\n") if block]
+        return response.status, response.getheader("content-type"), [e if e == "[DONE]" else json.loads(e) for e in events]
+    finally:
+        connection.close()
+
+
+def test_a_streamed_generate_sends_each_prefix_then_the_answer(server, served):
+    from orthon.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(served / "tokenizer.json")
+    body = {"input_ids": PROMPTS[1], "rid": "s", "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+    whole = _request(server.url, "POST", "/generate", body)[1]
+    status, kind, events = _stream(server.url, {**body, "stream": True})
+    assert status == 200 and kind.startswith("text/event-stream") and events[-1] == "[DONE]"
+    *partial, final = events[:-1]
+    assert final == whole  # the last event is the whole answer
+    ids = whole["output_ids"]
+    assert 1 <= len(partial) <= len(ids)  # one a token, or fewer where the client read late (merged)
+    for event in partial:
+        n = event["meta_info"]["completion_tokens"]
+        assert event["output_ids"] == ids[:n] and event["text"] == tokenizer.decode(ids[:n])
+        assert event["meta_info"]["finish_reason"] is None and event["meta_info"]["id"] == "s"
+    assert [e["meta_info"]["completion_tokens"] for e in partial] == sorted({e["meta_info"]["completion_tokens"] for e in partial})
+    # A refused request streams one error event; a batch cannot stream.
+    assert _stream(server.url, {"input_ids": [5, 999], "stream": True})[2] == [
+        {"error": "input_ids: token id 999 is outside the vocabulary (0..319)"}, "[DONE]"]
+    status, answer = _request(server.url, "POST", "/generate", {"input_ids": [[5], [6]], "stream": True})
+    assert status == 400 and answer["error"].startswith("stream: one request at a time")
+
+
+def test_abort_stops_a_running_request_with_its_tokens_so_far(server):
+    body = {"input_ids": [4, 5, 6], "rid": "long", "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}}
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_request, server.url, "POST", "/generate", body)
+        deadline = time.monotonic() + 60
+        while _info(server.url)["batching"]["running"] < 1:
+            assert time.monotonic() < deadline and not running.done()
+            time.sleep(0.02)
+        time.sleep(0.2)  # some tokens in
+        assert _request(server.url, "POST", "/abort_request", {"rid": "long"}) == (200, {"success": True, "aborted": 1})
+        status, answer = running.result(60)
+    meta = answer["meta_info"]
+    assert status == 200 and meta["finish_reason"] == {"type": "abort", "message": "aborted by request"}
+    assert 0 < len(answer["output_ids"]) < 3000 and len(meta["output_token_logprobs"]) == len(answer["output_ids"])
+    greedy = _request(server.url, "POST", "/generate", {**body, "rid": "again", "sampling_params": {
+        **body["sampling_params"], "max_new_tokens": len(answer["output_ids"])}})[1]
+    assert greedy["output_ids"] == answer["output_ids"]  # the tokens so far are the ones the run would give
+    # A stream whose client goes away is aborted, not left generating.
+    aborted = _info(server.url)["batching"]["aborted"]
+    host, port = server.url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection.request("POST", "/generate", body=json.dumps({**body, "rid": "gone", "stream": True}).encode(),
+                       headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.read(6) == b"data: "
+    connection.sock.shutdown(2)
+    connection.close()
+    deadline = time.monotonic() + 30
+    while _info(server.url)["batching"]["aborted"] == aborted or _info(server.url)["batching"]["running"]:
+        assert time.monotonic() < deadline, _info(server.url)["batching"]
+        time.sleep(0.05)
 
 
 def test_health_and_info_routes(server, served):

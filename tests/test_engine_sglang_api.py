@@ -85,6 +85,20 @@ def test_stop_strings_as_sglang_takes_them():
     assert result_from_answer(answer(by_token, logprobs, "y"), [3], SamplingParams(), 0).matched_stop is None
 
 
+def test_streams_are_asked_for_one_request_at_a_time():
+    from orthon.engine.sglang_api import partial_answer, wants_stream
+
+    assert wants_stream({"stream": True}, batched=False) and not wants_stream({}, batched=True)
+    with pytest.raises(BadRequest, match="stream: one request at a time"):
+        wants_stream({"stream": True}, batched=True)
+    with pytest.raises(BadRequest, match="stream: expected true or false"):
+        wants_stream({"stream": "yes"}, batched=False)
+    item = parse_generate({"input_ids": [3, 4], "rid": "r"}, EOS)[0][0]
+    assert partial_answer(item, [3, 4], [9, 8], "ab", 5) == {"text": "ab", "output_ids": [9, 8], "meta_info": {
+        "id": "r", "finish_reason": None, "prompt_tokens": 2, "completion_tokens": 2, "cached_tokens": 0,
+        "weight_version": "5"}}
+
+
 def test_parse_generate_single_batch_and_text():
     items, batched = parse_generate({"input_ids": [3, 4], "rid": "a", "return_logprob": True,
                                      "sampling_params": {"max_new_tokens": 2}}, EOS)
@@ -117,7 +131,6 @@ def test_parse_generate_single_batch_and_text():
     ({"input_ids": [1], "return_logprob": "yes"}, "return_logprob"),
     ({"input_ids": [1], "rid": 5}, "rid: expected a string"),
     ({"text": 5}, "text: expected a string"),
-    ({"text": "a", "stream": True}, "stream: not supported"),
     ([1, 2], "expected a JSON object"),
 ])
 def test_bad_generate_bodies_name_what_is_wrong(body, match):
