@@ -48,7 +48,7 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest", "pytest-xdist", "transformers>=5.20"],
+        "test": ["pytest", "pytest-xdist", "transformers>=5.20", "openai"],
         "data": ["datasets", "sentencepiece", "tokenizers", "datasketch", "pyarrow"],
         "rl": ["ray", "zstandard", "xxhash", "math-verify", "sglang-router", "fastapi", "uvicorn"],
         "mindspore": ["mindspore"],

@@ -3,8 +3,9 @@
 ``InProcessEngine.generate(prompts, sampling, controls=[...])`` takes one ``RequestControl`` (or None)
 per prompt. After every decode step the engine reads each controlled row: a row whose control was
 cancelled leaves the batch there with finish reason "abort", keeping its tokens and log-probs so far
-(SGLang aborts running requests the same way), and ``on_tokens`` gets the response so far (what a
-streaming answer sends). Both run on the engine's thread; a request without a control costs nothing.
+(SGLang aborts running requests the same way), and ``on_tokens`` gets the response so far while it runs
+(what a streaming answer sends; the step that ends a request gives its result instead). Both run on the
+engine's thread; a request without a control costs nothing.
 """
 from __future__ import annotations
 

@@ -350,12 +350,13 @@ class InProcessEngine:
             out_logps[r, :n] = scored.log_probs[k, :n]
 
     @staticmethod
-    def _watch(controls, live, out_tokens, step) -> torch.Tensor:
-        """After a step: each controlled live row's tokens so far to its listener; which rows were cancelled."""
+    def _watch(controls, live, out_tokens, step, done) -> torch.Tensor:
+        """After a step, for each controlled live row that goes on (a row that finished has its result):
+        its tokens so far to its listener; which of them were cancelled."""
         cancelled = torch.zeros(len(live), dtype=torch.bool)
-        for i, row in enumerate(live.tolist()):
+        for i, (row, finished) in enumerate(zip(live.tolist(), done.tolist())):
             control = controls[row]
-            if control is None:
+            if control is None or finished:
                 continue
             if control.on_tokens is not None:
                 control.on_tokens(out_tokens[row, : step + 1].tolist())
@@ -421,7 +422,7 @@ class InProcessEngine:
                 hit_stop |= texts.check(live, out_tokens, step, skip=hit_stop)
             done = hit_stop | (budgets[live] <= step + 1)
             if controlled:
-                cancelled = self._watch(controls, live, out_tokens, step) & ~done
+                cancelled = self._watch(controls, live, out_tokens, step, done)
                 done |= cancelled
             if bool(done.any()):
                 finished = live[done]

@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from orthon.engine.batcher import DEFAULT_WINDOW_S, PAUSE_MODES, ContinuousBatcher, Pending
+from orthon.engine.openai_routes import add_openai_routes
 from orthon.engine.sampling import SamplingParams
 from orthon.engine.server_state import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_DELTA_BYTES, ServerState, read_json
 from orthon.engine.server_weights import add_weight_routes
@@ -44,9 +45,10 @@ def _version() -> str:
 
 def build_state(weights_dir, max_batch_size: int = 64, tokenizer: str | None = None,
                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_delta_bytes: int = DEFAULT_MAX_DELTA_BYTES,
-                batch_window_s: float = DEFAULT_WINDOW_S, max_length: int | None = None) -> ServerState:
+                batch_window_s: float = DEFAULT_WINDOW_S, max_length: int | None = None, chat=None) -> ServerState:
     """The engine of a weights directory (orthon.pretrain.weights.load_weights) and what serves it. The
-    tokenizer: ``tokenizer`` if given, else the directory's own (``weights_tokenizer``), else none."""
+    tokenizer: ``tokenizer`` if given, else the directory's own (``weights_tokenizer``), else none.
+    ``chat``: the chat format /v1/chat/completions renders conversations with (none: that route refuses)."""
     from orthon.data.tokenizer import load_tokenizer
     from orthon.engine.in_process import EngineConfig, InProcessEngine
     from orthon.pretrain.hf_io import read_hf_config
@@ -60,7 +62,7 @@ def build_state(weights_dir, max_batch_size: int = 64, tokenizer: str | None = N
     return ServerState(engine=engine, batcher=ContinuousBatcher(engine, batch_window_s), model_path=str(weights_dir),
                        tokenizer=text, tokenizer_path=str(tokenizer_path) if tokenizer_path else None,
                        max_body_bytes=max_body_bytes,
-                       max_delta_bytes=max_delta_bytes, hf_config=read_hf_config(weights_dir))
+                       max_delta_bytes=max_delta_bytes, hf_config=read_hf_config(weights_dir), chat=chat)
 
 
 def _rejections(results, items, batched: bool) -> list[str]:
@@ -120,6 +122,9 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(BadRequest)
     async def bad_request(request: Request, exc: BadRequest):
+        if request.url.path.startswith("/v1/"):  # OpenAI's error shape, which its clients read
+            return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error", "param": None,
+                                           "code": None}}, status_code=exc.status)
         return JSONResponse({"error": str(exc)}, status_code=exc.status)
 
     @app.exception_handler(Exception)
@@ -226,20 +231,21 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
     add_weight_routes(app, state)
+    add_openai_routes(app, state)
     return app
 
 
 def serve(weights_dir, host: str = "127.0.0.1", port: int = 30000, max_batch_size: int = 64,
           tokenizer: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           max_delta_bytes: int = DEFAULT_MAX_DELTA_BYTES, batch_window_s: float = DEFAULT_WINDOW_S,
-          max_length: int | None = None, log=lambda line: print(line, flush=True)) -> None:
+          max_length: int | None = None, log=lambda line: print(line, flush=True), chat=None) -> None:
     """Serve until SIGTERM / SIGINT. Once listening, ``log`` gets one line: "serving WEIGHTS on
     http://host:port" (the port the OS gave when ``port`` is 0). On a signal: no new connections,
     waiting requests come back aborted, the running wave finishes (up to 10 s), then the process ends."""
     import uvicorn
 
     state = build_state(weights_dir, max_batch_size, tokenizer, max_body_bytes, max_delta_bytes, batch_window_s,
-                        max_length)
+                        max_length, chat)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None):

@@ -24,6 +24,7 @@ class ServerState:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_delta_bytes: int = DEFAULT_MAX_DELTA_BYTES
     hf_config: dict = field(default_factory=dict)
+    chat: object | None = None  # the model's chat format (orthon.engine.openai_api.ChatFormat) for /v1/chat
     groups: dict = field(default_factory=dict)  # weight-update group name -> orthon.engine.weight_transfer.UpdateGroup
     weight_updates: int = 0
 

@@ -1,5 +1,6 @@
 """`orthon serve WEIGHTS_DIR --port P`: the engine server (orthon.engine.server), SGLang's HTTP worker
-API over an in-process engine on the weights, for sglang-router and orthon's HTTP engine client."""
+API over an in-process engine on the weights, for sglang-router and orthon's HTTP engine client, and
+OpenAI's completions and chat API (conversations in orthon's chat format, orthon.rl.chat)."""
 from __future__ import annotations
 
 
@@ -26,6 +27,7 @@ def register(parser, name):
 def run(args, name):
     from orthon.core.errors import ConfigError
     from orthon.engine.server import serve
+    from orthon.rl.chat import ChatTemplate
     from orthon.launch.threads import set_threads
 
     if not 0 <= args.port < 65536:
@@ -40,5 +42,5 @@ def run(args, name):
         set_threads(args.threads)
     serve(args.weights_dir, args.host, args.port, args.max_batch_size, args.tokenizer, args.max_body_bytes,
           args.max_delta_bytes, args.batch_window_ms / 1000, max_length=args.max_length,
-          log=lambda line: print(line, flush=True))
+          log=lambda line: print(line, flush=True), chat=ChatTemplate())
     return 0

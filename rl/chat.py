@@ -51,6 +51,17 @@ def render(messages: list[Message], clear_thinking: bool = False, generation_pro
     return text + (f"{ROLE_TOKENS['assistant']}\n" if generation_prompt else "")
 
 
+class ChatTemplate:
+    """The chat format as a server renders OpenAI conversations with it (orthon.engine.openai_api.ChatFormat):
+    an assistant turn ends where the model opens the next turn, a user's or a tool's."""
+
+    stop = (ROLE_TOKENS["user"], ROLE_TOKENS["observation"])
+    think = (THINK_OPEN, THINK_CLOSE)
+
+    def render(self, messages: list[tuple[str, str]]) -> str:
+        return render([Message(role, content) for role, content in messages])
+
+
 def split_assistant(text: str) -> Message:
     """An assistant turn's generated text (after its role line) as a Message: the thinking block
     apart, the end-of-turn role token stripped."""
