@@ -89,7 +89,8 @@ class ContinuousBatcher:
             hit = [r for r in self._queue if abort_all or r.rid == rid]
             for r in hit:
                 self._queue.remove(r)
-            running = [r for r in self._running if (abort_all or r.rid == rid) and not r.control.cancelled]
+            running = [r for r in self._running
+                       if (abort_all or r.rid == rid) and not r.control.cancelled and not r.future.done()]
             if not self._controls:
                 running = []
             for r in running:

@@ -6,7 +6,6 @@ still turn out to be a stop string is held back), and a client that goes away ab
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -19,6 +18,7 @@ from orthon.engine.openai_api import (OpenAIRequest, chat_answer, completion_ans
 from orthon.engine.sampling import SamplingParams
 from orthon.engine.server_state import ServerState, read_json
 from orthon.engine.sglang_api import BadRequest
+from orthon.engine.streaming import SSE_DONE, request_updates, sse
 
 
 def _pending(state: ServerState, request: OpenAIRequest) -> list[Pending]:
@@ -44,58 +44,38 @@ def _refused(results, n: int) -> None:
         raise BadRequest("; ".join(problems))
 
 
-def _event(data) -> str:
-    return f"data: {json.dumps(data)}\n\n"
-
-
 async def _stream(state: ServerState, request: OpenAIRequest, pending: list[Pending], kind: str):
     """Each choice's new text (chat: and reasoning) as it settles, its end with its finish reason, then [DONE]."""
-    loop = asyncio.get_running_loop()
-    updates: asyncio.Queue = asyncio.Queue()
-    for index, p in enumerate(pending):
-        p.control.on_tokens = lambda tokens, i=index: loop.call_soon_threadsafe(updates.put_nowait, (i, tokens))
-        p.future.add_done_callback(lambda _, i=index: loop.call_soon_threadsafe(updates.put_nowait, (i, None)))
-    state.batcher.submit(pending)
     chunk_id = new_id("chatcmpl" if kind == "chat" else "cmpl")
     think = state.chat.think if kind == "chat" else None
     holds = request.params.stop + (think if think else ())
-    sent = [("", "") for _ in pending]  # (reasoning, content) sent so far, per choice
+    sent = [("", "")] * len(pending)  # (reasoning, content) sent so far, per choice
     settled = [0] * len(pending)  # characters of each choice's text sent so far
-    open_choices = len(pending)
 
     def delta(index: int, text: str, finish: str | None) -> str:
         reasoning, content = split_reasoning(text, think)
-        old_reasoning, old_content = sent[index]
-        sent[index] = (reasoning, content)
-        new_content = content[len(old_content):]
-        new_reasoning = reasoning[len(old_reasoning):]
-        return _event(stream_chunk(kind, chunk_id, request.model, index, new_content if new_content or finish else None,
-                                   finish, reasoning=new_reasoning or None))
+        (old_reasoning, old_content), sent[index] = sent[index], (reasoning, content)
+        new_content, new_reasoning = content[len(old_content):], reasoning[len(old_reasoning):]
+        return sse(stream_chunk(kind, chunk_id, request.model, index, new_content if new_content or finish else None,
+                                finish, reasoning=new_reasoning or None))
 
-    try:
-        if kind == "chat":  # the role first, as OpenAI streams it
-            for index in range(len(pending)):
-                yield _event(stream_chunk(kind, chunk_id, request.model, index, None, None, first=True))
-        while open_choices:
-            index, tokens = await updates.get()
-            if tokens is not None:
-                text = settled_text(state.detokenize(tokens), holds)
-                if len(text) > settled[index]:
-                    settled[index] = len(text)
-                    yield delta(index, text, None)
-                continue
-            open_choices -= 1
-            result = pending[index].future.result()
-            if not result.ok:
-                yield _event({"error": {"message": f"prompt {index // request.n}: {result.error.split(': ', 1)[-1]}",
-                                        "type": "invalid_request_error"}})
-                continue
-            yield delta(index, response_text(result, state.detokenize), finish_reason(result))
-        yield "data: [DONE]\n\n"
-    finally:
-        for p in pending:
-            if not p.future.done():
-                state.batcher.abort(p.rid, why="the client went away")
+    if kind == "chat":  # the role first, as OpenAI streams it
+        for index in range(len(pending)):
+            yield sse(stream_chunk(kind, chunk_id, request.model, index, None, None, first=True))
+    async for index, tokens in request_updates(state.batcher, pending):
+        if tokens is not None:
+            text = settled_text(state.detokenize(tokens), holds)
+            if len(text) > settled[index]:
+                settled[index] = len(text)
+                yield delta(index, text, None)
+            continue
+        result = pending[index].future.result()
+        if not result.ok:
+            yield sse({"error": {"message": f"prompt {index // request.n}: {result.error.split(': ', 1)[-1]}",
+                                 "type": "invalid_request_error"}})
+            continue
+        yield delta(index, response_text(result, state.detokenize), finish_reason(result))
+    yield SSE_DONE
 
 
 def add_openai_routes(app: FastAPI, state: ServerState) -> None:

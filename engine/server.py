@@ -14,7 +14,6 @@ a prompt longer than the context) is refused whole, like SGLang refuses it.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import threading
 import uuid
@@ -31,6 +30,7 @@ from orthon.engine.sampling import SamplingParams
 from orthon.engine.server_state import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_DELTA_BYTES, ServerState, read_json
 from orthon.engine.server_weights import add_weight_routes
 from orthon.engine.sglang_api import BadRequest, answer, parse_generate, partial_answer, wants_stream
+from orthon.engine.streaming import SSE_DONE, request_updates, sse
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 ARCHITECTURE = "GlmMoeDsaForCausalLM"
@@ -77,35 +77,17 @@ def _rejections(results, items, batched: bool) -> list[str]:
     return out
 
 
-def _event(data) -> str:
-    return f"data: {json.dumps(data)}\n\n"
-
-
 async def _events(state: ServerState, pending: Pending, item):
-    """A streamed /generate (server-sent events, as SGLang sends them): an event with the answer so far
-    after each new token (events the client has not yet read are merged into the newest), the final
-    answer, then ``data: [DONE]``. A refused request is one event {"error": message}. A client that
-    goes away aborts its request."""
-    loop = asyncio.get_running_loop()
-    updates: asyncio.Queue = asyncio.Queue()
-    pending.control.on_tokens = lambda tokens: loop.call_soon_threadsafe(updates.put_nowait, tokens)
-    pending.future.add_done_callback(lambda _: loop.call_soon_threadsafe(updates.put_nowait, None))
-    state.batcher.submit([pending])
-    try:
-        while (tokens := await updates.get()) is not None:
-            while not updates.empty() and tokens is not None:  # only the newest prefix is worth sending
-                tokens = updates.get_nowait()
-            if tokens is None:
-                break
-            yield _event(partial_answer(item, pending.prompt, tokens, state.detokenize(tokens),
-                                        state.engine.weight_version))
-        result = pending.future.result()
-        refused = _rejections([result], [item], False)
-        yield _event({"error": refused[0]} if refused else answer(result, item, state.detokenize(result.tokens)))
-        yield "data: [DONE]\n\n"
-    finally:
-        if not pending.future.done():
-            state.batcher.abort(pending.rid, why="the client went away")
+    """A streamed /generate (server-sent events, as SGLang sends them): the answer so far as the engine
+    decodes (``orthon.engine.streaming``), the final answer, then ``data: [DONE]``. A refused request is
+    one event {"error": message}. A client that goes away aborts its request."""
+    async for _, tokens in request_updates(state.batcher, [pending]):
+        if tokens is not None:
+            yield sse(partial_answer(item, pending.prompt, tokens, state.detokenize(tokens), state.engine.weight_version))
+    result = pending.future.result()
+    refused = _rejections([result], [item], False)
+    yield sse({"error": refused[0]} if refused else answer(result, item, state.detokenize(result.tokens)))
+    yield SSE_DONE
 
 
 def create_app(state: ServerState) -> FastAPI:
