@@ -19,7 +19,7 @@ from orthon.core.errors import ConfigError
 from orthon.engine.protocol import GenerationResult
 from orthon.engine.sampling import SamplingParams
 from orthon.engine.sglang_api import BadRequest, _is_token
-from orthon.engine.stop_strings import trim_at_stop
+from orthon.engine.stop_strings import response_text
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Keys that only change what OpenAI's own service does (billing, storage, moderation, latency tiers).
@@ -162,14 +162,6 @@ def parse_chat(body: Any, chat: ChatFormat, default_model: str, default_max: int
     return OpenAIRequest([chat.render(pairs)], params, n, stream, logprobs, str(body.get("model") or default_model))
 
 
-def response_text(result: GenerationResult, decode) -> str:
-    """The text of a result as OpenAI returns it: without the stop token or the stop string that ended it."""
-    if result.matched_stop is not None:
-        return trim_at_stop(decode(result.tokens), result.matched_stop)
-    tokens = result.tokens[:-1] if result.finish_reason == "stop" else result.tokens
-    return decode(tokens)
-
-
 def finish_reason(result: GenerationResult) -> str:
     return {"stop": "stop", "length": "length", "context": "length"}.get(result.finish_reason, result.finish_reason)
 
@@ -224,11 +216,3 @@ def stream_chunk(kind: str, chunk_id: str, model: str, index: int, text: str | N
     choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
     return {"id": chunk_id, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [choice]}
-
-
-def settled_text(text: str, stops: tuple[str, ...]) -> str:
-    """The part of a growing response's text that can be sent: not a character still being decoded (a
-    trailing U+FFFD), nor the last characters that may yet begin a stop string."""
-    text = text.rstrip("\ufffd")
-    hold = max((len(s) - 1 for s in stops), default=0)
-    return text[: len(text) - hold] if hold else text

@@ -12,12 +12,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from orthon.engine.batcher import Pending
-from orthon.engine.openai_api import (OpenAIRequest, chat_answer, completion_answer, new_id, parse_chat,
-                                      parse_completion, response_text, settled_text, split_reasoning, stream_chunk,
-                                      finish_reason)
+from orthon.engine.openai_api import (OpenAIRequest, chat_answer, completion_answer, finish_reason, new_id,
+                                      parse_chat, parse_completion, split_reasoning, stream_chunk)
 from orthon.engine.sampling import SamplingParams
 from orthon.engine.server_state import ServerState, read_json
 from orthon.engine.sglang_api import BadRequest
+from orthon.engine.stop_strings import response_text, settled_text
 from orthon.engine.streaming import SSE_DONE, request_updates, sse
 
 

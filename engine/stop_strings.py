@@ -34,6 +34,22 @@ def trim_at_stop(text: str, stop: str | None) -> str:
     return text if at < 0 else text[:at]
 
 
+def response_text(result, decode) -> str:
+    """A GenerationResult's response as text for a reader: without the stop token or the stop string
+    that ended it (``decode``: the tokenizer's)."""
+    if result.matched_stop is not None:
+        return trim_at_stop(decode(result.tokens), result.matched_stop)
+    return decode(result.tokens[:-1] if result.finish_reason == "stop" else result.tokens)
+
+
+def settled_text(text: str, stops: Sequence[str]) -> str:
+    """The part of a growing response's text that can be shown: not a character still being decoded (a
+    trailing U+FFFD), nor the last characters that may yet begin a stop string."""
+    text = text.rstrip("\ufffd")
+    hold = max((len(s) - 1 for s in stops), default=0)
+    return text[: len(text) - hold] if hold else text
+
+
 class StopStringWatch:
     """The rows of a decode wave that have stop strings, checked after each step."""
 

@@ -21,16 +21,18 @@ def register(parser, name):
 
 
 def sample_text(run_dir, prompt: str, max_new_tokens: int = 100, temperature: float = 0.8, top_k: int = 40,
-                top_p: float = 1.0, seed: int = 0, tokenizer=None, stop: tuple[str, ...] = ()) -> str:
+                top_p: float = 1.0, seed: int = 0, tokenizer=None, stop: tuple[str, ...] = (), on_text=None) -> str:
     """The prompt and its continuation by the run's final model (RUN_DIR/final, the tokenizer its
     config.yaml names) or a weights directory's model (its own tokenizer), ending at the tokenizer's
     end-of-sequence token, before the first of the ``stop`` strings, or after max_new_tokens.
-    ``tokenizer`` replaces the one found there."""
+    ``tokenizer`` replaces the one found there. ``on_text`` gets the continuation in pieces as it is
+    generated (their sum is the continuation)."""
     from orthon.core.errors import OrthonError
     from orthon.data.tokenizer import load_tokenizer
+    from orthon.engine.control import RequestControl
     from orthon.engine.in_process import InProcessEngine
     from orthon.engine.sampling import SamplingParams
-    from orthon.engine.stop_strings import trim_at_stop
+    from orthon.engine.stop_strings import response_text, settled_text
     from orthon.launch.args import check_weights_fit
     from orthon.pretrain.weights import load_config, load_weights, weights_tokenizer
 
@@ -57,16 +59,38 @@ def sample_text(run_dir, prompt: str, max_new_tokens: int = 100, temperature: fl
     eos = tokenizer.eos_id
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             stop_token_ids=() if eos is None else (eos,), seed=seed, stop=tuple(stop))
-    result = InProcessEngine(load_weights(weights), tokenizer=tokenizer).generate([tokenizer.encode(prompt)], params)[0]
+    shown = 0  # characters of the continuation handed to on_text
+
+    def show(tokens):
+        nonlocal shown
+        text = settled_text(tokenizer.decode(tokens), stop)
+        if len(text) > shown:
+            on_text(text[shown:])
+            shown = len(text)
+
+    control = None if on_text is None else RequestControl(on_tokens=show)
+    engine = InProcessEngine(load_weights(weights), tokenizer=tokenizer)
+    result = engine.generate([tokenizer.encode(prompt)], params, controls=[control])[0]
     if not result.ok:
         raise OrthonError(f"--prompt: {result.error.removeprefix('prompt 0: ')}")
-    if result.matched_stop is not None:
-        return prompt + trim_at_stop(tokenizer.decode(result.tokens), result.matched_stop)
-    tokens = result.tokens[:-1] if result.finish_reason == "stop" else result.tokens  # the eos is not text
-    return prompt + tokenizer.decode(tokens)
+    text = response_text(result, tokenizer.decode)  # the eos or the stop string is not text
+    if on_text is not None:
+        on_text(text[shown:])
+    return prompt + text
 
 
 def run(args, name):
-    print(sample_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                      args.seed, args.tokenizer, tuple(args.stop)))
+    """Prints the prompt, then the continuation as it is generated."""
+    started = False
+
+    def show(piece):
+        nonlocal started
+        if not started:  # once the model has loaded: an error before that prints nothing
+            print(args.prompt, end="", flush=True)
+            started = True
+        print(piece, end="", flush=True)
+
+    sample_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                args.seed, args.tokenizer, tuple(args.stop), on_text=show)
+    print()
     return 0

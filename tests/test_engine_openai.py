@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from orthon.engine.in_process import InProcessEngine
-from orthon.engine.openai_api import parse_chat, parse_completion, settled_text, split_reasoning
+from orthon.engine.openai_api import parse_chat, parse_completion, split_reasoning
+from orthon.engine.stop_strings import settled_text
 from orthon.engine.sampling import SamplingParams
 from orthon.engine.sglang_api import BadRequest
 from orthon.pretrain.weights import load_weights

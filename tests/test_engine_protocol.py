@@ -243,6 +243,12 @@ def test_generate_cli_greedy_is_the_models_greedy_continuation(run_dir, capsys):
     assert run_cli("generate", [str(run_dir), "--prompt", "def f(x):", "--temperature", "0", "--max-new-tokens", "10",
                                 "--stop", "@@", "--stop", stop]) == 0
     assert capsys.readouterr().out == "def f(x):" + continuation[:continuation.index(stop)] + "\n"
+    # The command prints the continuation as it is generated: pieces that add up to it.
+    from orthon.launch.cmd_generate import sample_text
+
+    pieces = []
+    whole = sample_text(run_dir, "def f(x):", 10, temperature=0.0, on_text=pieces.append)
+    assert whole == "def f(x):" + continuation and "".join(pieces) == continuation and len(pieces) > 2
 
     def sampled(seed):
         run_cli("generate", [str(run_dir), "--prompt", "x = ", "--temperature", "1.0", "--top-k", "20",
