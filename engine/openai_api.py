@@ -126,7 +126,7 @@ def parse_completion(body: Any, default_model: str) -> OpenAIRequest:
     else:
         raise BadRequest("prompt: expected a string, a list of strings, a list of token ids or a list of such lists")
     logprobs = body.get("logprobs")
-    if logprobs not in (None, 0):
+    if logprobs is not None and (isinstance(logprobs, bool) or logprobs != 0):
         raise BadRequest(f"logprobs: only 0 (the sampled tokens' log-probs; no top alternatives), got {logprobs!r}")
     return OpenAIRequest(prompts, params, n, stream, logprobs == 0, str(body.get("model") or default_model))
 

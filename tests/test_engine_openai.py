@@ -132,6 +132,9 @@ def test_request_parsing_and_the_stream_helpers():
     with pytest.raises(BadRequest, match="colour: unknown parameter"):
         parse_completion({"prompt": "a", "colour": 1}, "m")
     assert parse_completion({"prompt": "a"}, "m").params.max_new_tokens == 16  # OpenAI's default
+    assert parse_completion({"prompt": [3, 4], "logprobs": 0}, "m").logprobs and not parse_completion({"prompt": "a"}, "m").logprobs
+    with pytest.raises(BadRequest, match="logprobs: only 0"):
+        parse_completion({"prompt": "a", "logprobs": False}, "m")
     # A growing text is split the same way whole or in part, so a stream never takes text back.
     think = ("<think>", "</think>")
     assert split_reasoning("<thi", think) == ("", "") and split_reasoning("<think>ab", think) == ("ab", "")
