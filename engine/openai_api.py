@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Protocol
 
 from orthon.core.errors import ConfigError
@@ -158,7 +158,7 @@ def parse_chat(body: Any, chat: ChatFormat, default_model: str, default_max: int
     if not isinstance(logprobs, bool):
         raise BadRequest(f"logprobs: expected true or false, got {logprobs!r}")
     stops = params.stop + tuple(s for s in chat.stop if s not in params.stop)
-    params = SamplingParams(**{**vars(params), "stop": stops})
+    params = replace(params, stop=stops)
     return OpenAIRequest([chat.render(pairs)], params, n, stream, logprobs, str(body.get("model") or default_model))
 
 

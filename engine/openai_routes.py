@@ -6,6 +6,7 @@ still turn out to be a stop string is held back), and a client that goes away ab
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -14,7 +15,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from orthon.engine.batcher import Pending
 from orthon.engine.openai_api import (OpenAIRequest, chat_answer, completion_answer, finish_reason, new_id,
                                       parse_chat, parse_completion, split_reasoning, stream_chunk)
-from orthon.engine.sampling import SamplingParams
 from orthon.engine.server_state import ServerState, read_json
 from orthon.engine.sglang_api import BadRequest
 from orthon.engine.stop_strings import response_text, settled_text
@@ -28,13 +28,13 @@ def _pending(state: ServerState, request: OpenAIRequest) -> list[Pending]:
                          "--tokenizer)")
     base = request.params
     if not request.logprobs:
-        base = SamplingParams(**{**vars(base), "logprob_mode": "none"})  # nobody reads them: no rescore
+        base = replace(base, logprob_mode="none")  # nobody reads them: no rescore
     out = []
     for prompt in request.prompts:
         ids = state.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         for _ in range(request.n):
             seed = None if base.seed is None else base.seed + len(out)
-            out.append(Pending(ids, SamplingParams(**{**vars(base), "seed": seed}), new_id("req")))
+            out.append(Pending(ids, replace(base, seed=seed), new_id("req")))
     return out
 
 
