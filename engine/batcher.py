@@ -46,6 +46,11 @@ def aborted(request: Pending, weight_version: int, why: str) -> GenerationResult
                             weight_version=weight_version, seed=request.params.seed, error=why)
 
 
+def _answer(request: Pending, result: GenerationResult) -> None:
+    if not request.future.done():
+        request.future.set_result(result)
+
+
 DEFAULT_WINDOW_S = 0.003
 
 
@@ -185,10 +190,14 @@ class ContinuousBatcher:
                 self.batch_sizes[len(wave)] += 1
             try:
                 prompts, params = [r.prompt for r in wave], [r.params for r in wave]
-                results = (self.engine.generate(prompts, params, controls=[r.control for r in wave]) if self._controls
-                           else self.engine.generate(prompts, params))
+                if self._controls:  # each answered the step it finishes, not when the wave's longest does
+                    for r in wave:
+                        r.control.on_finish = lambda result, r=r: _answer(r, result)
+                    results = self.engine.generate(prompts, params, controls=[r.control for r in wave])
+                else:
+                    results = self.engine.generate(prompts, params)
                 for r, result in zip(wave, results):
-                    r.future.set_result(result)
+                    _answer(r, result)
             except BaseException as exc:  # an engine bug: every caller of the wave gets it, the loop goes on
                 for r in wave:
                     if not r.future.done():

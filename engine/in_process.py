@@ -92,6 +92,26 @@ class _Request:
     control: RequestControl | None = None
 
 
+class _Wave:
+    """A wave's requests and what its decode writes: each row's tokens and log-probs, how many it made,
+    whether a stop (token or string) or a cancel ended it, and the results already handed over."""
+
+    def __init__(self, requests: list[_Request], device, tokenizer):
+        B = len(requests)
+        self.requests = requests
+        self.lengths = torch.tensor([len(r.prompt) for r in requests], device=device)
+        self.width = int(self.lengths.max())
+        self.budgets = torch.tensor([r.budget for r in requests], device=device)
+        self.steps = int(self.budgets.max())
+        self.tokens = torch.zeros(B, self.steps, dtype=torch.long, device=device)
+        self.log_probs = torch.zeros(B, self.steps, dtype=torch.float32, device=device)
+        self.produced = torch.zeros(B, dtype=torch.long, device=device)  # tokens each row ended with
+        self.stopped = torch.zeros(B, dtype=torch.bool, device=device)
+        self.aborted = torch.zeros(B, dtype=torch.bool)
+        self.texts = StopStringWatch([r.params.stop for r in requests], tokenizer and tokenizer.decode)
+        self.results: dict[int, GenerationResult] = {}  # rows handed over as they finished
+
+
 @dataclass
 class EngineStats:
     requests: int = 0
@@ -308,35 +328,36 @@ class InProcessEngine:
     # ------------------------------------------------------------ the decode loop
     @torch.inference_mode()
     def _run_wave(self, wave: list[_Request]) -> list[GenerationResult]:
-        model = self.model
-        device = model.lm_head.weight.device
-        B = len(wave)
-        lengths = torch.tensor([len(r.prompt) for r in wave], device=device)
-        width = int(lengths.max())
-        budgets = torch.tensor([r.budget for r in wave], device=device)
-        steps = int(budgets.max())
-        out_tokens = torch.zeros(B, steps, dtype=torch.long, device=device)
-        out_logps = torch.zeros(B, steps, dtype=torch.float32, device=device)
-        produced = torch.zeros(B, dtype=torch.long, device=device)  # tokens each row ended with
-        stopped = torch.zeros(B, dtype=torch.bool, device=device)
-        aborted = torch.zeros(B, dtype=torch.bool)
-        texts = StopStringWatch([r.params.stop for r in wave], self.tokenizer and self.tokenizer.decode)
-        self._decode(wave, lengths, width, budgets, steps, out_tokens, out_logps, produced, stopped, texts, aborted)
+        out = _Wave(wave, self.model.lm_head.weight.device, self.tokenizer)
+        self._decode(out)
         if self.config.logprobs == "rescore":
-            self._rescore(wave, out_tokens, out_logps, produced)
-        results = []
-        for row, request in enumerate(wave):
-            n = int(produced[row])
-            reason = ("abort" if bool(aborted[row]) else "stop" if bool(stopped[row])
-                      else "context" if request.context_bound else "length")
-            self.stats.finished[reason] += 1
-            self.stats.generated_tokens += n
-            results.append(GenerationResult(
-                prompt=request.prompt, tokens=out_tokens[row, :n].tolist(), log_probs=out_logps[row, :n].cpu().clone(),
-                finish_reason=reason, weight_version=self.weight_version, seed=request.seed,
-                matched_stop=texts.matched.get(row), error=request.control.reason if reason == "abort" else None,
-            ))
-        return results
+            self._rescore(wave, out.tokens, out.log_probs, out.produced)
+        return [out.results.get(row) or self._result(out, row) for row in range(len(wave))]
+
+    def _result(self, out: "_Wave", row: int) -> GenerationResult:
+        """The finished row's result (counted in ``stats``)."""
+        request, n = out.requests[row], int(out.produced[row])
+        reason = ("abort" if bool(out.aborted[row]) else "stop" if bool(out.stopped[row])
+                  else "context" if request.context_bound else "length")
+        self.stats.finished[reason] += 1
+        self.stats.generated_tokens += n
+        return GenerationResult(
+            prompt=request.prompt, tokens=out.tokens[row, :n].tolist(), log_probs=out.log_probs[row, :n].cpu().clone(),
+            finish_reason=reason, weight_version=self.weight_version, seed=request.seed,
+            matched_stop=out.texts.matched.get(row), error=request.control.reason if reason == "abort" else None,
+        )
+
+    def _deliver(self, out: "_Wave", rows: torch.Tensor) -> None:
+        """Rows that finished this step whose control wants its result now (``on_finish``): built and handed
+        over at once, so a short request is not held until the wave's longest ends. Under ``logprobs:
+        rescore`` results wait for the wave's rescoring."""
+        if self.config.logprobs == "rescore":
+            return
+        for row in rows.tolist():
+            control = out.requests[row].control
+            if control is not None and control.on_finish is not None:
+                out.results[row] = self._result(out, row)
+                control.on_finish(out.results[row])
 
     def _rescore(self, wave, out_tokens, out_logps, produced):
         """Replace the policy-mode log-probs of the wave by the trainer's recompute of them."""
@@ -373,9 +394,11 @@ class InProcessEngine:
             self._fused.refresh()
         return self._fused
 
-    def _decode(self, wave, lengths, width, budgets, steps, out_tokens, out_logps, produced, stopped, texts, aborted):
+    def _decode(self, out: "_Wave"):
         model = self.model
         fused = self._decode_weights()
+        wave, lengths, width, budgets, steps = out.requests, out.lengths, out.width, out.budgets, out.steps
+        out_tokens, out_logps, texts = out.tokens, out.log_probs, out.texts
         device = lengths.device
         B = len(wave)
         pads = width - lengths
@@ -426,10 +449,11 @@ class InProcessEngine:
                 done |= cancelled
             if bool(done.any()):
                 finished = live[done]
-                produced[finished] = step + 1
-                stopped[finished] = hit_stop[done]
+                out.produced[finished] = step + 1
+                out.stopped[finished] = hit_stop[done]
                 if controlled:
-                    aborted[finished.cpu()] = cancelled[done].cpu()
+                    out.aborted[finished.cpu()] = cancelled[done].cpu()
+                    self._deliver(out, finished)
                 keep = (~done).nonzero().squeeze(-1)
                 if keep.numel() == 0:
                     break

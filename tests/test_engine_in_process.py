@@ -250,6 +250,25 @@ def test_a_cancelled_request_ends_aborted_with_its_tokens_so_far_and_listeners_s
         engine.generate(prompts, _greedy(2), controls=[None, None])
 
 
+def test_a_finished_request_is_handed_over_the_step_it_ends():
+    """on_finish gets a short request's result while the long one beside it still decodes (what lets a
+    server answer it at once); the result is the one generate returns. Under rescoring it waits."""
+    from orthon.engine.control import RequestControl
+
+    model = _model()
+    prompts = _prompts()[:2]
+    long_seen, handed = [], []
+    controls = [RequestControl(on_finish=lambda r: handed.append((r, len(long_seen)))),
+                RequestControl(on_tokens=long_seen.append)]
+    got = InProcessEngine(model).generate(prompts, [_greedy(3), _greedy(12)], controls=controls)
+    assert len(handed) == 1 and handed[0][0] is got[0] and len(got[0].tokens) == 3
+    assert handed[0][1] == 3 and len(long_seen) == 11  # the long row had made 3 of its 12 tokens
+    assert got[0].tokens == InProcessEngine(model).generate(prompts[:1], _greedy(3))[0].tokens
+    handed.clear()
+    InProcessEngine(model, EngineConfig(logprobs="rescore")).generate(prompts, [_greedy(3), _greedy(12)], controls=controls)
+    assert handed == []
+
+
 def test_default_stop_is_eos_and_immediate_stop_gives_one_token():
     model = _model()
     engine = InProcessEngine(model)

@@ -343,6 +343,27 @@ def test_a_streamed_generate_sends_each_prefix_then_the_answer(server, served):
     assert status == 400 and answer["error"].startswith("stream: one request at a time")
 
 
+def test_a_short_request_is_answered_before_the_long_one_of_its_wave_ends(server):
+    long = {"input_ids": [4, 5, 6], "rid": "long-wave", "sampling_params": {"max_new_tokens": 3000, "temperature": 0,
+                                                                             "ignore_eos": True}}
+    short = {"input_ids": [7, 8], "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}}
+    client = HTTPEngine(server.url)
+    client.pause(mode="retract")  # both wait, then run as one wave
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(_request, server.url, "POST", "/generate", long)
+        _wait_waiting(server.url, 1)
+        answered = pool.submit(_request, server.url, "POST", "/generate", short)
+        _wait_waiting(server.url, 2)
+        calls = _info(server.url)["batching"]["generate_calls"]
+        client.resume()
+        status, answer = answered.result(60)
+        assert status == 200 and len(answer["output_ids"]) == 2
+        info = _info(server.url)["batching"]
+        assert info["generate_calls"] == calls + 1 and info["running"] == 2 and not running.done()
+        assert _request(server.url, "POST", "/abort_request", {"rid": "long-wave"})[1]["aborted"] == 1
+        assert running.result(60)[1]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
 def test_abort_stops_a_running_request_with_its_tokens_so_far(server):
     body = {"input_ids": [4, 5, 6], "rid": "long", "return_logprob": True,
             "sampling_params": {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}}
