@@ -2,6 +2,11 @@
 everything waiting and runs it as one ``generate`` call (a wave; the engine splits it into waves of its
 ``max_batch_size``), so sixteen HTTP callers arriving together cost one engine call, not sixteen.
 
+While a wave decodes, waiting requests join it as its rows finish (continuous batching, on an engine
+that takes them: orthon's in-process one; a request whose prompt is longer than the wave has cached,
+or whose response would outgrow the wave, starts the next wave instead), and each request is answered
+the step it finishes.
+
 Around the waves: ``pause`` holds new waves (the requests wait; ``mode="abort"`` also returns every
 waiting request aborted), ``resume`` lets them run again, ``abort`` returns waiting requests by rid,
 and ``exclusive()`` gives a weight update the engine between two waves: it waits for the running wave,
@@ -156,8 +161,24 @@ class ContinuousBatcher:
         with self._cond:
             return {"waiting": len(self._queue), "running": len(self._running), "paused": self._paused,
                     "generate_calls": self.stats["generate_calls"], "requests": self.stats["requests"],
-                    "aborted": self.stats["aborted"], "max_batch": self.stats["max_batch"],
+                    "aborted": self.stats["aborted"], "max_batch": self.stats["max_batch"], "joined": self.stats["joined"],
                     "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())}}
+
+    def _joins(self, room: int, fits) -> list:
+        """Waiting requests that join the running wave as its rows free up (continuous batching; called by
+        the engine between decode steps): up to ``room``, in arrival order, passing over those that do not
+        fit it yet (they start the next wave). None while paused, closing, or a weight update waits (so the
+        wave drains and the update gets the engine)."""
+        with self._cond:
+            if self._paused or self._updates_waiting or self._closed or not self._queue:
+                return []
+            taken = [r for r in self._queue if fits(len(r.prompt), r.params.max_new_tokens)][:room]
+            for r in taken:
+                self._queue.remove(r)
+                r.control.on_finish = lambda result, r=r: _answer(r, result)
+            self._running.extend(taken)
+            self.stats["joined"] += len(taken)
+        return [(r.prompt, r.params, r.control) for r in taken]
 
     # ------------------------------------------------------------ the worker
     def _ready(self) -> bool:
@@ -193,7 +214,8 @@ class ContinuousBatcher:
                 if self._controls:  # each answered the step it finishes, not when the wave's longest does
                     for r in wave:
                         r.control.on_finish = lambda result, r=r: _answer(r, result)
-                    results = self.engine.generate(prompts, params, controls=[r.control for r in wave])
+                    results = self.engine.generate(prompts, params, controls=[r.control for r in wave],
+                                                   joins=self._joins)
                 else:
                     results = self.engine.generate(prompts, params)
                 for r, result in zip(wave, results):

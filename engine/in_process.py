@@ -92,24 +92,84 @@ class _Request:
     control: RequestControl | None = None
 
 
+def _left_padded(prompts: list[list[int]], device):
+    """The prompts as one left-padded batch for a prefill: (ids, pads, docs, positions); the pads are
+    document -1 and the RoPE positions start at each prompt's first token (docs and positions None
+    when no prompt is padded)."""
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    width = int(lengths.max())
+    pads = width - lengths
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        ids[row, int(pads[row]):] = torch.tensor(prompt, device=device)
+    if not bool((pads > 0).any()):
+        return ids, pads, None, None
+    slots = torch.arange(width, device=device)
+    return ids, pads, torch.where(slots[None] < pads[:, None], -1, 0), (slots[None] - pads[:, None]).clamp(min=0)
+
+
 class _Wave:
-    """A wave's requests and what its decode writes: each row's tokens and log-probs, how many it made,
-    whether a stop (token or string) or a cancel ended it, and the results already handed over."""
+    """A wave's requests, their sampling settings, and what its decode writes: each row's tokens and
+    log-probs, how many it made, whether a stop (token or string) or a cancel ended it, the results
+    already handed over. Rows that join while it decodes are appended (``add``); a row's first token
+    is sampled at step ``start`` of the wave."""
 
     def __init__(self, requests: list[_Request], device, tokenizer):
-        B = len(requests)
-        self.requests = requests
-        self.lengths = torch.tensor([len(r.prompt) for r in requests], device=device)
-        self.width = int(self.lengths.max())
-        self.budgets = torch.tensor([r.budget for r in requests], device=device)
-        self.steps = int(self.budgets.max())
-        self.tokens = torch.zeros(B, self.steps, dtype=torch.long, device=device)
-        self.log_probs = torch.zeros(B, self.steps, dtype=torch.float32, device=device)
-        self.produced = torch.zeros(B, dtype=torch.long, device=device)  # tokens each row ended with
-        self.stopped = torch.zeros(B, dtype=torch.bool, device=device)
-        self.aborted = torch.zeros(B, dtype=torch.bool)
-        self.texts = StopStringWatch([r.params.stop for r in requests], tokenizer and tokenizer.decode)
+        self.device = device
+        lengths = torch.tensor([len(r.prompt) for r in requests], device=device)
+        self.width = int(lengths.max())
+        self.steps = max(r.budget for r in requests)
+        self.pads = self.width - lengths  # left padding of each row in the cache's slots
+        self.requests: list[_Request] = []
+        self.texts = StopStringWatch([], tokenizer and tokenizer.decode)
         self.results: dict[int, GenerationResult] = {}  # rows handed over as they finished
+        self._new_rows(requests, self.pads, 0)
+
+    def _new_rows(self, requests: list[_Request], pads: torch.Tensor, start: int) -> None:
+        dev, n, first = self.device, len(requests), len(self.requests)
+        params = [r.params for r in requests]
+        uniforms = torch.zeros(n, self.steps, dtype=torch.float64)
+        for row, request in enumerate(requests):
+            if request.seed is not None and not request.params.greedy:  # each request's own draws, up front
+                uniforms[row, : request.budget] = request_uniforms(request.seed, request.budget)
+        stops = [r.stops for r in self.requests + requests]
+        fresh = {
+            "budgets": torch.tensor([r.budget for r in requests], device=dev),
+            "start": torch.full((n,), start, dtype=torch.long, device=dev),
+            "temperature": torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+            "top_k": torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
+            "top_p": torch.tensor([p.top_p for p in params], dtype=torch.float64, device=dev),
+            "uniforms": uniforms.to(dev),
+            "sampling_mode": torch.tensor([p.logprob_mode == "sampling" for p in params], device=dev),
+            "tokens": torch.zeros(n, self.steps, dtype=torch.long, device=dev),
+            "log_probs": torch.zeros(n, self.steps, dtype=torch.float32, device=dev),
+            "produced": torch.zeros(n, dtype=torch.long, device=dev),  # tokens each row ended with
+            "stopped": torch.zeros(n, dtype=torch.bool, device=dev),
+            "aborted": torch.zeros(n, dtype=torch.bool),
+        }
+        for name, value in fresh.items():
+            setattr(self, name, value if not first else torch.cat([getattr(self, name), value]))
+        if first:
+            self.pads = torch.cat([self.pads, pads])
+        self.stop_ids = stop_table(stops, dev)
+        self.requests += requests
+        self.controls = [r.control for r in self.requests]
+        self.texts.add(first, [p.stop for p in params])
+
+    def grow(self, steps: int) -> None:
+        """Room for ``steps`` decode steps (a joining request whose response outlasts the wave's)."""
+        extra = steps - self.steps
+        if extra > 0:
+            for name in ("tokens", "log_probs", "uniforms"):
+                t = getattr(self, name)
+                setattr(self, name, torch.cat([t, t.new_zeros(t.shape[0], extra)], dim=1))
+            self.steps = steps
+
+    def add(self, requests: list[_Request], pads: torch.Tensor, start: int) -> torch.Tensor:
+        """Append rows joining at step ``start`` (their pads in the cache's slots); returns their rows."""
+        first = len(self.requests)
+        self._new_rows(requests, pads, start)
+        return torch.arange(first, len(self.requests), device=self.device)
 
 
 @dataclass
@@ -287,10 +347,14 @@ class InProcessEngine:
     def generate(self, prompts: Sequence[Sequence[int]],
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  routing_keys: Sequence[str | None] | None = None,
-                 controls: Sequence[RequestControl | None] | None = None) -> list[GenerationResult]:
+                 controls: Sequence[RequestControl | None] | None = None, joins=None) -> list[GenerationResult]:
         """The Engine's generate; ``routing_keys`` are for routers (one engine in this process serves
         every session). ``controls``: one ``RequestControl`` or None per prompt (orthon.engine.control:
-        cancel a request while it runs, watch its tokens)."""
+        cancel a request while it runs, watch its tokens). ``joins(room, fits)``: more requests to take
+        into the last wave while it decodes, as rows free up (continuous batching): up to ``room``
+        (prompt, SamplingParams, RequestControl) triples for which ``fits(prompt_len, max_new_tokens)``
+        holds, each answered through its control's ``on_finish`` (their results are not in the list
+        returned). Not under ``logprobs: rescore``, whose results wait for their wave."""
         per = per_request_params(sampling, len(prompts))
         controls = list(controls) if controls is not None else [None] * len(prompts)
         if len(controls) != len(prompts):
@@ -317,9 +381,11 @@ class InProcessEngine:
             was_training = self.model.training
             self.model.eval()
             try:
+                joins = joins if self.config.logprobs == "decode" else None
                 for start in range(0, len(requests), size):
                     wave = requests[start : start + size]
-                    for request, result in zip(wave, self._run_wave(wave)):
+                    last = start + size >= len(requests)  # only the last wave takes newcomers: none overtake
+                    for request, result in zip(wave, self._run_wave(wave, joins if last else None)):
                         results[request.index] = result
             finally:
                 self.model.train(was_training)
@@ -327,9 +393,9 @@ class InProcessEngine:
 
     # ------------------------------------------------------------ the decode loop
     @torch.inference_mode()
-    def _run_wave(self, wave: list[_Request]) -> list[GenerationResult]:
+    def _run_wave(self, wave: list[_Request], joins=None) -> list[GenerationResult]:
         out = _Wave(wave, self.model.lm_head.weight.device, self.tokenizer)
-        self._decode(out)
+        self._decode(out, joins)
         if self.config.logprobs == "rescore":
             self._rescore(wave, out.tokens, out.log_probs, out.produced)
         return [out.results.get(row) or self._result(out, row) for row in range(len(wave))]
@@ -370,17 +436,55 @@ class InProcessEngine:
         for k, (r, n) in enumerate(zip(rows, counts)):
             out_logps[r, :n] = scored.log_probs[k, :n]
 
+    def _join(self, out: "_Wave", cache, joins, step: int, n_live: int):
+        """Requests that join the running wave at ``step`` (``joins(room, fits)`` hands over up to ``room``
+        of those ``fits`` accepts: a prompt no longer than the tokens cached, so that it can end where the
+        wave's rows do): checked, prefilled on a cache of their own, their entries copied into the wave's
+        cache, which grows when a response outlasts the wave. Returns their rows and the logits of their
+        first tokens, or None."""
+        length = cache.length
+
+        def fits(prompt_len: int, max_new_tokens: int) -> bool:
+            return prompt_len <= length and min(max_new_tokens, self.max_length - prompt_len) > 0
+
+        admitted = []
+        for prompt, params, control in joins(self.config.max_batch_size - n_live, fits):
+            self.stats.requests += 1
+            request = self._admit(0, prompt, params)
+            if isinstance(request, GenerationResult) or control.cancelled:  # answered at once, never run
+                result = request if isinstance(request, GenerationResult) else GenerationResult(
+                    request.prompt, [], torch.zeros(0), "abort", self.weight_version, request.seed, error=control.reason)
+                if result.ok:
+                    self.stats.finished["abort"] += 1
+                control.on_finish(result)
+                continue
+            request.control = control
+            admitted.append(request)
+        if not admitted:
+            return None
+        need = step + max(r.budget for r in admitted)  # the wave's steps for the longest joining response
+        if need > out.steps:
+            out.grow(need)
+            cache.grow(out.width + need)
+        ids, pads, docs, positions = _left_padded([r.prompt for r in admitted], out.device)
+        sub = self.model.new_cache(len(admitted), ids.shape[1])
+        hidden, _ = self.model.hidden_states(ids, sub, positions, doc_ids=docs)
+        cache.add_rows(sub, at=length - ids.shape[1])
+        rows = out.add(admitted, pads + (length - ids.shape[1]), start=step)
+        return rows, self.model.lm_head(hidden[:, -1]).float()
+
     @staticmethod
-    def _watch(controls, live, out_tokens, step, done) -> torch.Tensor:
+    def _watch(controls, live, out_tokens, counts, done) -> torch.Tensor:
         """After a step, for each controlled live row that goes on (a row that finished has its result):
-        its tokens so far to its listener; which of them were cancelled."""
+        its tokens so far (``counts`` of them) to its listener; which of them were cancelled."""
         cancelled = torch.zeros(len(live), dtype=torch.bool)
-        for i, (row, finished) in enumerate(zip(live.tolist(), done.tolist())):
+        counts = counts.tolist() if isinstance(counts, torch.Tensor) else [counts] * len(live)
+        for i, (row, count, finished) in enumerate(zip(live.tolist(), counts, done.tolist())):
             control = controls[row]
             if control is None or finished:
                 continue
             if control.on_tokens is not None:
-                control.on_tokens(out_tokens[row, : step + 1].tolist())
+                control.on_tokens(out_tokens[row, :count].tolist())
             cancelled[i] = control.cancelled
         return cancelled.to(live.device)
 
@@ -394,62 +498,48 @@ class InProcessEngine:
             self._fused.refresh()
         return self._fused
 
-    def _decode(self, out: "_Wave"):
+    def _decode(self, out: "_Wave", joins=None):
         model = self.model
         fused = self._decode_weights()
-        wave, lengths, width, budgets, steps = out.requests, out.lengths, out.width, out.budgets, out.steps
-        out_tokens, out_logps, texts = out.tokens, out.log_probs, out.texts
-        device = lengths.device
-        B = len(wave)
-        pads = width - lengths
-        ids = torch.zeros(B, width, dtype=torch.long, device=device)
-        for row, request in enumerate(wave):
-            ids[row, int(pads[row]):] = torch.tensor(request.prompt, device=device)
-        padded = bool((pads > 0).any())
-        docs = positions = None
-        if padded:
-            slots = torch.arange(width, device=device)
-            docs = torch.where(slots[None] < pads[:, None], -1, 0)
-            positions = (slots[None] - pads[:, None]).clamp(min=0)
+        device, width, B = out.device, out.width, len(out.requests)
+        ids, _, docs, positions = _left_padded([r.prompt for r in out.requests], device)
+        padded = docs is not None
+        any_sampling_mode = bool(out.sampling_mode.any())
+        controlled = any(c is not None for c in out.controls)
 
-        # Per-row sampling settings, uniforms drawn up front from each request's own generator.
-        params = [r.params for r in wave]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device)
-        uniforms = torch.zeros(B, steps, dtype=torch.float64)
-        for row, request in enumerate(wave):
-            if request.seed is not None and not request.params.greedy:
-                uniforms[row, : request.budget] = request_uniforms(request.seed, request.budget)
-        uniforms = uniforms.to(device)
-        sampling_mode = torch.tensor([p.logprob_mode == "sampling" for p in params], device=device)
-        any_sampling_mode = bool(sampling_mode.any())
-        stops = stop_table([r.stops for r in wave], device)
-        controls = [r.control for r in wave]
-        controlled = any(c is not None for c in controls)
-
-        cache = model.new_cache(B, width + steps)
+        cache = model.new_cache(B, width + out.steps)
         hidden, _ = model.hidden_states(ids, cache, positions, doc_ids=docs)
         logits = model.lm_head(hidden[:, -1]).float()  # only the last position is sampled from
         live = torch.arange(B, device=device)  # wave rows still decoding, in cache order
-        for step in range(steps):
-            tokens, sampled_lp = sample_step(logits, temperature[live], top_k[live], top_p[live],
-                                             uniforms[live, step], want_sampling_log_probs=any_sampling_mode)
+        staggered = False  # some row started after step 0
+        step = -1
+        while (step := step + 1) < out.steps:  # joining requests may add steps
+            if joins is not None and len(live) < self.config.max_batch_size:
+                joined = self._join(out, cache, joins, step, len(live))
+                if joined is not None:  # their first tokens come from their prefill's logits
+                    live, logits = torch.cat([live, joined[0]]), torch.cat([logits, joined[1]])
+                    padded, controlled, any_sampling_mode = True, True, bool(out.sampling_mode.any())
+                    staggered = True
+            # Tokens each live row made before this step: the step itself until a row joins late.
+            made = step - out.start[live] if staggered else step
+            tokens, sampled_lp = sample_step(logits, out.temperature[live], out.top_k[live], out.top_p[live],
+                                             out.uniforms[live, made], want_sampling_log_probs=any_sampling_mode)
             logp = gather_log_probs(logits, tokens)
             if any_sampling_mode:
-                logp = torch.where(sampling_mode[live], sampled_lp, logp)
-            out_tokens[live, step] = tokens
-            out_logps[live, step] = logp
-            hit_stop = (tokens[:, None] == stops[live]).any(dim=-1)
-            if texts:  # a row that sampled a stop token has ended: its text is not read
-                hit_stop |= texts.check(live, out_tokens, step, skip=hit_stop)
-            done = hit_stop | (budgets[live] <= step + 1)
+                logp = torch.where(out.sampling_mode[live], sampled_lp, logp)
+            out.tokens[live, made] = tokens
+            out.log_probs[live, made] = logp
+            counts = made + 1
+            hit_stop = (tokens[:, None] == out.stop_ids[live]).any(dim=-1)
+            if out.texts:  # a row that sampled a stop token has ended: its text is not read
+                hit_stop |= out.texts.check(live, out.tokens, counts, skip=hit_stop)
+            done = hit_stop | (out.budgets[live] <= counts)
             if controlled:
-                cancelled = self._watch(controls, live, out_tokens, step, done)
+                cancelled = self._watch(out.controls, live, out.tokens, counts, done)
                 done |= cancelled
             if bool(done.any()):
                 finished = live[done]
-                out.produced[finished] = step + 1
+                out.produced[finished] = counts[done] if staggered else counts
                 out.stopped[finished] = hit_stop[done]
                 if controlled:
                     out.aborted[finished.cpu()] = cancelled[done].cpu()
@@ -459,7 +549,7 @@ class InProcessEngine:
                     break
                 cache.select(keep)
                 live, tokens = live[keep], tokens[keep]
-            pos = (width + step - pads[live])[:, None] if padded else None
+            pos = (width + step - out.pads[live])[:, None] if padded else None
             if fused is not None:
                 logits = fused.logits(fused.step(tokens, cache, pos))
             else:

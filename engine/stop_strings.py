@@ -54,26 +54,34 @@ class StopStringWatch:
     """The rows of a decode wave that have stop strings, checked after each step."""
 
     def __init__(self, stops_by_row: Sequence[Sequence[str]], decode: Callable[[list[int]], str] | None):
-        self.rows = {row: (tuple(stops), 4 * max(map(len, stops)) + _SLACK_TOKENS)
-                     for row, stops in enumerate(stops_by_row) if stops}
-        if self.rows and decode is None:
-            raise ValueError("stop strings need a tokenizer to read the response's text")
+        self.rows: dict[int, tuple[tuple[str, ...], int]] = {}
         self.decode = decode
         self.matched: dict[int, str] = {}  # wave row -> the stop string that ended it
+        self.add(0, stops_by_row)
+
+    def add(self, first_row: int, stops_by_row: Sequence[Sequence[str]]) -> None:
+        """Watch rows ``first_row``, ``first_row + 1``, ... for their stop strings (rows joining a wave)."""
+        for row, stops in enumerate(stops_by_row, first_row):
+            if stops:
+                if self.decode is None:
+                    raise ValueError("stop strings need a tokenizer to read the response's text")
+                self.rows[row] = (tuple(stops), 4 * max(map(len, stops)) + _SLACK_TOKENS)
 
     def __bool__(self) -> bool:
         return bool(self.rows)
 
-    def check(self, live: torch.Tensor, out_tokens: torch.Tensor, step: int, skip: torch.Tensor) -> torch.Tensor:
-        """(len(live),) bool: which live rows' responses (``out_tokens[row, :step + 1]``) now contain
-        one of their stop strings; records the string of each. Rows where ``skip`` is set are not read."""
+    def check(self, live: torch.Tensor, out_tokens: torch.Tensor, counts, skip: torch.Tensor) -> torch.Tensor:
+        """(len(live),) bool: which live rows' responses (``out_tokens[row, :count]``, ``counts`` the
+        tokens each has made, or one int for all) now contain one of their stop strings; records the string of each. Rows
+        where ``skip`` is set are not read."""
         hits = torch.zeros(len(live), dtype=torch.bool)
-        for i, (row, skipped) in enumerate(zip(live.tolist(), skip.tolist())):
+        counts = counts.tolist() if isinstance(counts, torch.Tensor) else [counts] * len(live)
+        for i, (row, count, skipped) in enumerate(zip(live.tolist(), counts, skip.tolist())):
             entry = self.rows.get(row)
             if entry is None or skipped:
                 continue
             stops, window = entry
-            text = self.decode(out_tokens[row, max(0, step + 1 - window): step + 1].tolist())
+            text = self.decode(out_tokens[row, max(0, count - window): count].tolist())
             found = first_stop(text, stops)
             if found is not None:
                 self.matched[row] = found

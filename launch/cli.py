@@ -33,7 +33,7 @@ COMMANDS = {
     "ablate": ("orthon.launch.cmd_ablate", "optimizer ablation: AdamW vs Muon vs Muon + Split on one recipe"),
     "midtrain": ("orthon.launch.cmd_midtrain", "long-context mid-training + DSA adaptation (--from a pretraining run); --eval: passkey heat map, perplexity by position"),
     "rl": ("orthon.launch.cmd_rl", "GRPO + IcePop from a pretraining run (--from RUN_DIR)"),
-    "serve": ("orthon.launch.cmd_serve", "serve a weights directory over SGLang's HTTP API and OpenAI's (batched, streams)"),
+    "serve": ("orthon.launch.cmd_serve", "serve a weights directory over SGLang's HTTP API and OpenAI's (continuous batching, streams)"),
     "distill": ("orthon.launch.cmd_rl", "on-policy distillation from rl.opd.teachers (--from RUN_DIR)"),
     "posttrain": ("orthon.launch.cmd_posttrain", "SFT -> reasoning RL -> agentic RL -> general RL -> OPD as one plan"),
     "optim-plan": ("orthon.launch.cmd_optim_plan", "which optimizer updates each parameter, with Muon Split blocks and totals"),

@@ -57,6 +57,43 @@ class KVCache:
     def advance(self, num_new: int) -> None:
         self.length += num_new
 
+    def grow(self, capacity: int) -> None:
+        """Room for ``capacity`` tokens a row (a running batch taking a request with a longer response)."""
+        extra = capacity - self.capacity
+        if extra <= 0:
+            return
+
+        def wider(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t.new_zeros((t.shape[0], extra) + tuple(t.shape[2:]))], dim=1)
+
+        self.latent = [wider(t) for t in self.latent]
+        self.index_keys = [None if t is None else wider(t) for t in self.index_keys]
+        if self.docs is not None:
+            self.docs = wider(self.docs)
+        self.capacity = capacity
+
+    def add_rows(self, other: "KVCache", at: int) -> None:
+        """Append ``other``'s rows (requests joining a running batch): their ``other.length`` cached
+        tokens land at slots [at, at + other.length), which must end where this cache's tokens do; the
+        slots before them are left padding (document -1)."""
+        if at < 0 or at + other.length != self.length:
+            raise ValueError(f"add_rows: {other.length} tokens at slot {at} do not end at this cache's {self.length}")
+        n = other.batch_size
+
+        def placed(mine: torch.Tensor, theirs: torch.Tensor, fill: int = 0) -> torch.Tensor:
+            rows = mine.new_full((n,) + tuple(mine.shape[1:]), fill)
+            rows[:, at:self.length] = theirs[:, : other.length]
+            return torch.cat([mine, rows])
+
+        self.latent = [placed(a, b) for a, b in zip(self.latent, other.latent)]
+        self.index_keys = [None if a is None else placed(a, b) for a, b in zip(self.index_keys, other.index_keys)]
+        if self.docs is None:  # every row so far unpadded: document 0 throughout
+            self.docs = torch.zeros(self.batch_size, self.capacity, dtype=torch.long, device=self.device)
+        theirs = other.docs if other.docs is not None else torch.zeros(n, other.capacity, dtype=torch.long,
+                                                                       device=self.device)
+        self.docs = placed(self.docs, theirs, fill=-1)
+        self.batch_size += n
+
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (e.g. drop finished sequences)."""
         self.latent = [t.index_select(0, rows) for t in self.latent]

@@ -73,3 +73,26 @@ def test_left_padded_batch_decodes_like_each_prompt_alone():
     for row, prompt in enumerate(prompts):
         alone = _greedy(model, prompt[None], steps, use_cache=True)[0, len(prompt):]
         assert torch.equal(batched[row], alone), row
+
+
+def test_a_cache_grows_and_takes_rows_that_end_where_its_own_do():
+    """KVCache.grow keeps what is cached; add_rows places a joining batch's entries to end at the cache's
+    length, its earlier slots left padding (document -1), and refuses entries that would not end there."""
+    import pytest
+
+    model = GLMForCausalLM(small_config("dsa")).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 6))
+    with torch.no_grad():
+        cache = model.new_cache(2, 8)
+        model(ids, cache=cache)
+        before = [t.clone() for t in cache.latent]
+        cache.grow(12)
+        assert cache.capacity == 12 and all(torch.equal(t[:, :8], b) for t, b in zip(cache.latent, before))
+        other = model.new_cache(1, 4)
+        model(ids[:1, :4], cache=other)
+        with pytest.raises(ValueError, match="do not end at this cache's 6"):
+            cache.add_rows(other, at=1)
+        cache.add_rows(other, at=2)
+    assert cache.batch_size == 3 and cache.latent[0].shape == (3, 12, cache.latent[0].shape[2])
+    assert torch.equal(cache.latent[0][2, 2:6], other.latent[0][0, :4]) and not cache.latent[0][2, :2].any()
+    assert cache.docs[2, :6].tolist() == [-1, -1, 0, 0, 0, 0] and cache.docs[:2, :6].eq(0).all()

@@ -269,6 +269,47 @@ def test_a_finished_request_is_handed_over_the_step_it_ends():
     assert handed == []
 
 
+@pytest.mark.parametrize("case,overrides,fused", [("moe", dict(sparse_attention=False), True),
+                                                 ("dsa", dict(index_topk=8), True), ("dsa", dict(index_topk=8), False)])
+def test_requests_joining_a_running_wave_decode_as_they_would_alone(case, overrides, fused):
+    """Continuous batching: as rows finish, waiting requests join the wave (prefilled on their own, their
+    cache entries placed to end where the wave's do) and decode as they would alone: the same greedy and
+    seeded tokens, log-probs to float round-off; a request that does not fit yet (a prompt longer than
+    what is cached) stays waiting; each joined one is answered through on_finish."""
+    from orthon.engine.control import RequestControl
+
+    model = _model(case, **overrides)
+    first = _prompts((9, 6))
+    waiting = [(_prompts((5,), seed=3)[0], _greedy(7)),
+               (_prompts((30,), seed=4)[0], _greedy(3)),  # longer than the tokens cached when rows free up
+               (_prompts((3,), seed=5)[0], SamplingParams(max_new_tokens=8, temperature=0.9, seed=11, stop_token_ids=()))]
+    answered, calls = {}, []
+
+    def joins(room, fits):
+        calls.append(room)
+        taken = [i for i, (prompt, params) in enumerate(waiting) if i not in answered and fits(len(prompt), params.max_new_tokens)]
+        taken = taken[:room]
+        for i in taken:
+            answered[i] = None
+        return [(waiting[i][0], waiting[i][1], RequestControl(on_finish=lambda r, i=i: answered.__setitem__(i, r)))
+                for i in taken]
+
+    engine = InProcessEngine(model, EngineConfig(max_batch_size=2, fused_decode=fused))
+    got = engine.generate(first, [_greedy(14), _greedy(3)], controls=[RequestControl(), RequestControl()], joins=joins)
+    alone = InProcessEngine(model)
+    for result, prompt, n in zip(got, first, (14, 3)):
+        assert result.tokens == alone.generate([prompt], _greedy(n))[0].tokens
+    # A row had to free up first (step 3: the 5-token prompt, 7 tokens); the 3-token one joined when that
+    # finished (step 10: its 8 tokens outlast the wave's 14 steps, so the cache grew); the 30-token prompt
+    # never fit (no more than 26 tokens were ever cached).
+    assert set(answered) == {0, 2} and calls[0] == 1
+    for i in (0, 2):
+        ref = alone.generate([waiting[i][0]], waiting[i][1])[0]
+        assert answered[i].tokens == ref.tokens and answered[i].finish_reason == ref.finish_reason
+        torch.testing.assert_close(answered[i].log_probs, ref.log_probs, atol=2e-5, rtol=0)
+    assert engine.stats.requests == 4 and engine.stats.finished["length"] == 4
+
+
 def test_default_stop_is_eos_and_immediate_stop_gives_one_token():
     model = _model()
     engine = InProcessEngine(model)

@@ -323,14 +323,16 @@ def test_a_streamed_generate_sends_each_prefix_then_the_answer(server, served):
 
     tokenizer = load_tokenizer(served / "tokenizer.json")
     body = {"input_ids": PROMPTS[1], "rid": "s", "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+            "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
     whole = _request(server.url, "POST", "/generate", body)[1]
     status, kind, events = _stream(server.url, {**body, "stream": True})
     assert status == 200 and kind.startswith("text/event-stream") and events[-1] == "[DONE]"
     *partial, final = events[:-1]
     assert final == whole  # the last event is the whole answer
     ids = whole["output_ids"]
-    assert 1 <= len(partial) <= len(ids)  # one a token, or fewer where the client read late (merged)
+    # One a token, or fewer where the client read late (merged into the newest): 200 tokens take long
+    # enough that some arrive before the end.
+    assert 2 <= len(partial) <= len(ids)
     for event in partial:
         n = event["meta_info"]["completion_tokens"]
         assert event["output_ids"] == ids[:n] and event["text"] == tokenizer.decode(ids[:n])
@@ -362,6 +364,29 @@ def test_a_short_request_is_answered_before_the_long_one_of_its_wave_ends(server
         assert info["generate_calls"] == calls + 1 and info["running"] == 2 and not running.done()
         assert _request(server.url, "POST", "/abort_request", {"rid": "long-wave"})[1]["aborted"] == 1
         assert running.result(60)[1]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_a_request_arriving_while_a_wave_decodes_joins_it(server, weights):
+    """Continuous batching: a request that arrives while a long one decodes joins its wave (no new engine
+    call), is answered as it would be alone, and before the long one ends."""
+    long = {"input_ids": [4, 5, 6, 7, 8, 9], "rid": "long-join", "sampling_params": {
+        "max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}}
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_request, server.url, "POST", "/generate", long)
+        deadline = time.monotonic() + 60
+        while _info(server.url)["batching"]["running"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        before = _info(server.url)["batching"]
+        got = HTTPEngine(server.url).generate([PROMPTS[0]], GREEDY)[0]
+        after = _info(server.url)["batching"]
+        assert not running.done() and after["generate_calls"] == before["generate_calls"]
+        assert after["joined"] == before["joined"] + 1
+        assert _request(server.url, "POST", "/abort_request", {"rid": "long-join"})[1]["aborted"] == 1
+        running.result(60)
+    ref = _reference(weights[0], GREEDY, [PROMPTS[0]])[0]
+    assert got.tokens == ref.tokens
+    torch.testing.assert_close(got.log_probs, ref.log_probs, atol=2e-5, rtol=0)
 
 
 def test_abort_stops_a_running_request_with_its_tokens_so_far(server):
