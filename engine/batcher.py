@@ -60,10 +60,11 @@ DEFAULT_WINDOW_S = 0.003
 
 
 class ContinuousBatcher:
-    def __init__(self, engine, window_s: float = DEFAULT_WINDOW_S):
+    def __init__(self, engine, window_s: float = DEFAULT_WINDOW_S, continuous: bool = True):
         """``window_s``: after the first request reaches an idle engine, the worker waits while more keep
         arriving (each within window_s of the last, at most 20 windows, until a full batch), so a burst
-        of concurrent callers lands in one wave instead of its first request running alone."""
+        of concurrent callers lands in one wave instead of its first request running alone.
+        ``continuous``: requests join a running wave (False: each waits for the next wave)."""
         self.engine = engine
         self.window_s = window_s
         self._full = getattr(getattr(engine, "config", None), "max_batch_size", 64)
@@ -72,6 +73,7 @@ class ContinuousBatcher:
         self._paused = False
         self._running: list[Pending] = []  # the wave now on the engine
         self._controls = bool(getattr(engine, "takes_controls", False))
+        self._continuous = continuous
         self._updates_waiting = 0
         self._update_lock = threading.Lock()  # one weight update at a time
         self._closed = False
@@ -215,7 +217,7 @@ class ContinuousBatcher:
                     for r in wave:
                         r.control.on_finish = lambda result, r=r: _answer(r, result)
                     results = self.engine.generate(prompts, params, controls=[r.control for r in wave],
-                                                   joins=self._joins)
+                                                   joins=self._joins if self._continuous else None)
                 else:
                     results = self.engine.generate(prompts, params)
                 for r, result in zip(wave, results):

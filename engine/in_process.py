@@ -462,10 +462,9 @@ class InProcessEngine:
             admitted.append(request)
         if not admitted:
             return None
-        need = step + max(r.budget for r in admitted)  # the wave's steps for the longest joining response
-        if need > out.steps:
-            out.grow(need)
-            cache.grow(out.width + need)
+        longest = max(r.budget for r in admitted)
+        out.grow(step + longest)  # the wave's steps, and the cache's slots, for the longest joining response
+        cache.grow(length + longest)
         ids, pads, docs, positions = _left_padded([r.prompt for r in admitted], out.device)
         sub = self.model.new_cache(len(admitted), ids.shape[1])
         hidden, _ = self.model.hidden_states(ids, sub, positions, doc_ids=docs)
@@ -549,7 +548,12 @@ class InProcessEngine:
                     break
                 cache.select(keep)
                 live, tokens = live[keep], tokens[keep]
-            pos = (width + step - out.pads[live])[:, None] if padded else None
+            if staggered:  # slots that are padding for every live row: dropped once they are many
+                unused = int(out.pads[live].min())
+                if unused >= max(64, cache.length // 4):
+                    cache.drop_front(unused)
+                    out.pads -= unused
+            pos = (cache.length - out.pads[live])[:, None] if padded else None
             if fused is not None:
                 logits = fused.logits(fused.step(tokens, cache, pos))
             else:

@@ -20,6 +20,9 @@ def register(parser, name):
                         help="largest /generate (or control) request body")
     parser.add_argument("--max-delta-bytes", type=int, default=DEFAULT_MAX_DELTA_BYTES,
                         help="largest delta payload")
+    parser.add_argument("--batching", choices=("continuous", "waves"), default="continuous",
+                        help="continuous: requests join the running batch as rows finish (the faster the more "
+                             "response lengths differ); waves: each waits for the next batch")
     parser.add_argument("--batch-window-ms", type=float, default=DEFAULT_WINDOW_S * 1000,
                         help="how long an idle engine waits for a burst of requests to finish arriving (0: not at all)")
 
@@ -42,5 +45,5 @@ def run(args, name):
         set_threads(args.threads)
     serve(args.weights_dir, args.host, args.port, args.max_batch_size, args.tokenizer, args.max_body_bytes,
           args.max_delta_bytes, args.batch_window_ms / 1000, max_length=args.max_length,
-          log=lambda line: print(line, flush=True), chat=ChatTemplate())
+          log=lambda line: print(line, flush=True), chat=ChatTemplate(), continuous=args.batching == "continuous")
     return 0

@@ -72,6 +72,19 @@ class KVCache:
             self.docs = wider(self.docs)
         self.capacity = capacity
 
+    def drop_front(self, slots: int) -> None:
+        """Forget the first ``slots`` slots of every row (left padding of every row still decoding, once
+        rows that joined late made the batch's slots outrun its rows' contexts); the tokens cached move
+        to the front."""
+        if slots <= 0:
+            return
+        self.latent = [t[:, slots:].contiguous() for t in self.latent]
+        self.index_keys = [None if t is None else t[:, slots:].contiguous() for t in self.index_keys]
+        if self.docs is not None:
+            self.docs = self.docs[:, slots:].contiguous()
+        self.length -= slots
+        self.capacity -= slots
+
     def add_rows(self, other: "KVCache", at: int) -> None:
         """Append ``other``'s rows (requests joining a running batch): their ``other.length`` cached
         tokens land at slots [at, at + other.length), which must end where this cache's tokens do; the
