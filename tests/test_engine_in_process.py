@@ -310,6 +310,43 @@ def test_requests_joining_a_running_wave_decode_as_they_would_alone(case, overri
     assert engine.stats.requests == 4 and engine.stats.finished["length"] == 4
 
 
+def test_a_long_lived_wave_drops_the_slots_no_row_uses_and_decodes_on_unchanged():
+    """Requests keep joining after the wave's first rows end: the slots before every live row's context
+    are dropped from the cache (KVCache.drop_front), and each joined request still decodes as alone."""
+    from orthon.engine.control import RequestControl
+    from orthon.pretrain.cache import KVCache
+
+    model = _model("dsa", index_topk=8)
+    waiting = [(p, _greedy(40)) for p in _prompts((5, 7, 4, 6, 5, 3), seed=9)]
+    answered, dropped = {}, []
+    real_drop = KVCache.drop_front
+
+    def joins(room, fits):
+        taken = [i for i, (prompt, params) in enumerate(waiting) if i not in answered][:room]
+        for i in taken:
+            answered[i] = None
+        return [(waiting[i][0], waiting[i][1], RequestControl(on_finish=lambda r, i=i: answered.__setitem__(i, r)))
+                for i in taken]
+
+    def drop_front(cache, slots):
+        dropped.append(slots)
+        real_drop(cache, slots)
+
+    KVCache.drop_front = drop_front
+    try:
+        engine = InProcessEngine(model, EngineConfig(max_batch_size=2))
+        engine.generate(_prompts((9, 6)), [_greedy(100), _greedy(2)], controls=[RequestControl(), RequestControl()],
+                        joins=joins)
+    finally:
+        KVCache.drop_front = real_drop
+    assert dropped and all(slots >= 64 for slots in dropped) and set(answered) == set(range(6))
+    alone = InProcessEngine(model)
+    for i, (prompt, params) in enumerate(waiting):
+        ref = alone.generate([prompt], params)[0]
+        assert answered[i].tokens == ref.tokens
+        torch.testing.assert_close(answered[i].log_probs, ref.log_probs, atol=2e-5, rtol=0)
+
+
 def test_default_stop_is_eos_and_immediate_stop_gives_one_token():
     model = _model()
     engine = InProcessEngine(model)
