@@ -156,7 +156,6 @@ class _Wave:
             self.pads = torch.cat([self.pads, pads])
         self.stop_ids = stop_table(stops, dev)
         self.requests += requests
-        self.controls = [r.control for r in self.requests]
         self.texts.add(first, [p.stop for p in params])
 
     def grow(self, steps: int) -> None:
@@ -369,11 +368,10 @@ class InProcessEngine:
                 admitted = self._admit(i, prompt, params)
                 if isinstance(admitted, GenerationResult):
                     results[i] = admitted
-                elif admitted.budget == 0 or (control is not None and control.cancelled):  # nothing to run
-                    reason = "length" if admitted.budget == 0 else "abort"
-                    self.stats.finished[reason] += 1
-                    results[i] = GenerationResult(admitted.prompt, [], torch.zeros(0), reason, self.weight_version,
-                                                  admitted.seed, error=control.reason if reason == "abort" else None)
+                elif admitted.budget == 0:  # max_new_tokens = 0: nothing to run
+                    results[i] = self._unrun(admitted, "length")
+                elif control is not None and control.cancelled:
+                    results[i] = self._unrun(admitted, "abort", control.reason)
                 else:
                     admitted.control = control
                     requests.append(admitted)
@@ -416,6 +414,12 @@ class InProcessEngine:
             matched_stop=out.texts.matched.get(row), error=request.control.reason if reason == "abort" else None,
         )
 
+    def _unrun(self, request: _Request, reason: str, error: str | None = None) -> GenerationResult:
+        """The result of an admitted request that ends before it runs (counted in ``stats``)."""
+        self.stats.finished[reason] += 1
+        return GenerationResult(request.prompt, [], torch.zeros(0), reason, self.weight_version, request.seed,
+                                error=error)
+
     def _deliver(self, out: "_Wave", rows: torch.Tensor) -> None:
         """Rows that finished this step whose control wants its result now (``on_finish``): built and handed
         over at once, so a short request is not held until the wave's longest ends. Under ``logprobs:
@@ -455,11 +459,8 @@ class InProcessEngine:
             self.stats.requests += 1
             request = self._admit(0, prompt, params)
             if isinstance(request, GenerationResult) or control.cancelled:  # answered at once, never run
-                result = request if isinstance(request, GenerationResult) else GenerationResult(
-                    request.prompt, [], torch.zeros(0), "abort", self.weight_version, request.seed, error=control.reason)
-                if result.ok:
-                    self.stats.finished["abort"] += 1
-                control.on_finish(result)
+                control.on_finish(request if isinstance(request, GenerationResult)
+                                  else self._unrun(request, "abort", control.reason))
                 continue
             request.control = control
             admitted.append(request)
@@ -476,17 +477,17 @@ class InProcessEngine:
         return rows, self.model.lm_head(hidden[:, -1]).float()
 
     @staticmethod
-    def _watch(controls, live, out_tokens, counts, done) -> torch.Tensor:
+    def _watch(out: "_Wave", live, counts, done) -> torch.Tensor:
         """After a step, for each controlled live row that goes on (a row that finished has its result):
         its tokens so far (``counts`` of them) to its listener; which of them were cancelled."""
         cancelled = torch.zeros(len(live), dtype=torch.bool)
         counts = counts.tolist() if isinstance(counts, torch.Tensor) else [counts] * len(live)
         for i, (row, count, finished) in enumerate(zip(live.tolist(), counts, done.tolist())):
-            control = controls[row]
+            control = out.requests[row].control
             if control is None or finished:
                 continue
             if control.on_tokens is not None:
-                control.on_tokens(out_tokens[row, :count].tolist())
+                control.on_tokens(out.tokens[row, :count].tolist())
             cancelled[i] = control.cancelled
         return cancelled.to(live.device)
 
@@ -507,7 +508,7 @@ class InProcessEngine:
         ids, _, docs, positions = _left_padded([r.prompt for r in out.requests], device)
         padded = docs is not None
         any_sampling_mode = bool(out.sampling_mode.any())
-        controlled = any(c is not None for c in out.controls)
+        controlled = any(r.control is not None for r in out.requests)
 
         cache = model.new_cache(B, width + out.steps)
         hidden, _ = model.hidden_states(ids, cache, positions, doc_ids=docs)
@@ -537,7 +538,7 @@ class InProcessEngine:
                 hit_stop |= out.texts.check(live, out.tokens, counts, skip=hit_stop)
             done = hit_stop | (out.budgets[live] <= counts)
             if controlled:
-                cancelled = self._watch(out.controls, live, out.tokens, counts, done)
+                cancelled = self._watch(out, live, counts, done)
                 done |= cancelled
             if bool(done.any()):
                 finished = live[done]

@@ -23,9 +23,8 @@ from orthon.engine.streaming import SSE_DONE, request_updates, sse
 
 def _pending(state: ServerState, request: OpenAIRequest) -> list[Pending]:
     """n requests a prompt, prompt by prompt (choice i of them all draws from seed + i where a seed is given)."""
-    if request.params.stop and state.tokenizer is None:
-        raise BadRequest("stop: this server has no tokenizer to read text with (none beside the weights and no "
-                         "--tokenizer)")
+    if request.params.stop:
+        state.require_tokenizer("stop")
     base = request.params
     if not request.logprobs:
         base = replace(base, logprob_mode="none")  # nobody reads them: no rescore
@@ -108,6 +107,5 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         body = await read_json(http, state.max_body_bytes)
         if state.chat is None:
             raise BadRequest("messages: this server has no chat format (orthon serve gives it orthon's)")
-        if state.tokenizer is None:
-            raise BadRequest("messages: this server has no tokenizer (none beside the weights and no --tokenizer)")
+        state.require_tokenizer("messages")
         return await serve(parse_chat(body, state.chat, model_name, state.engine.max_length), "chat")

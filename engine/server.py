@@ -120,9 +120,8 @@ def create_app(state: ServerState) -> FastAPI:
         body = await read_json(request, state.max_body_bytes)
         items, batched = parse_generate(body, config.eos_token_id)
         stream = wants_stream(body, batched)
-        if state.tokenizer is None and any(item.params.stop for item in items):
-            raise BadRequest("sampling_params.stop: this server has no tokenizer to read text with (none beside "
-                             "the weights and no --tokenizer); use stop_token_ids")
+        if any(item.params.stop for item in items):
+            state.require_tokenizer("sampling_params.stop", "use stop_token_ids")
         prompts = [item.prompt if item.prompt is not None else state.tokenize(item.text) for item in items]
         pending = [Pending(prompt, item.params, item.rid) for prompt, item in zip(prompts, items)]
         if stream:

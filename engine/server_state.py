@@ -28,10 +28,14 @@ class ServerState:
     groups: dict = field(default_factory=dict)  # weight-update group name -> orthon.engine.weight_transfer.UpdateGroup
     weight_updates: int = 0
 
-    def tokenize(self, text: str) -> list[int]:
+    def require_tokenizer(self, field: str, instead: str = "") -> None:
+        """BadRequest naming ``field`` (and what to send ``instead``) when the server has no tokenizer."""
         if self.tokenizer is None:
-            raise BadRequest("text: this server has no tokenizer (none beside the weights and no --tokenizer); "
-                             "send input_ids")
+            raise BadRequest(f"{field}: this server has no tokenizer (none beside the weights and no --tokenizer)"
+                             + (f"; {instead}" if instead else ""))
+
+    def tokenize(self, text: str) -> list[int]:
+        self.require_tokenizer("text", "send input_ids")
         return self.tokenizer.encode(text)
 
     def detokenize(self, ids: list[int]) -> str:
