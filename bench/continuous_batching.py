@@ -115,7 +115,8 @@ def main():
     print(f"CPU: {cpu_kind()}; 1 thread; {args.clients} clients, {args.requests} requests a mix")
     config = load_recipe(ROOT / "configs/tiny.yaml").model
     torch.manual_seed(0)
-    engine = InProcessEngine(GLMForCausalLM(config).eval(), EngineConfig(max_batch_size=args.clients))
+    # No prefix cache: both ways run the same requests in turn (bench/prefix_cache.py measures it).
+    engine = InProcessEngine(GLMForCausalLM(config).eval(), EngineConfig(max_batch_size=args.clients, prefix_cache_tokens=0))
     rng = random.Random(1)
 
     def requests(length):

@@ -33,7 +33,7 @@ from common import cpu_kind, report  # noqa: E402
 
 from orthon.core.net import get_json  # noqa: E402
 from orthon.engine.client import HTTPEngine  # noqa: E402
-from orthon.engine.in_process import InProcessEngine  # noqa: E402
+from orthon.engine.in_process import EngineConfig, InProcessEngine  # noqa: E402
 from orthon.engine.sampling import SamplingParams  # noqa: E402
 from orthon.pretrain.model import GLMForCausalLM  # noqa: E402
 from orthon.pretrain.recipe import load_recipe  # noqa: E402
@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def start_server(weights: Path, log: Path) -> tuple[subprocess.Popen, str]:
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "orthon.launch.cli", "serve", str(weights), "--port", "0",
+        proc = subprocess.Popen([sys.executable, "-m", "orthon.launch.cli", "serve", str(weights), "--port", "0", "--prefix-cache-tokens", "0",
                                  "--threads", "1"], stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.monotonic() + 300
@@ -70,7 +70,8 @@ def main():
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         weights = save_weights(GLMForCausalLM(config), Path(tmp) / "weights")
-        engine = InProcessEngine(load_weights(weights).eval())
+        # No prefix cache: the rounds repeat their prompts, which would measure the cache (bench/prefix_cache.py).
+        engine = InProcessEngine(load_weights(weights).eval(), EngineConfig(prefix_cache_tokens=0))
         proc, url = start_server(weights, Path(tmp) / "server.log")
         try:
             client = HTTPEngine(url, timeout_s=600)

@@ -61,7 +61,9 @@ def main():
     ours, hf = tiny_pair()
     ours.eval(), hf.eval()
     config = ours.config
-    engine = InProcessEngine(ours, EngineConfig(max_batch_size=max(int(b) for b in args.batches.split(","))))
+    # No prefix cache: the repeats rerun the same prompts, which transformers would have to prefill again.
+    engine = InProcessEngine(ours, EngineConfig(max_batch_size=max(int(b) for b in args.batches.split(",")),
+                                                prefix_cache_tokens=0))
     n_new, temp, top_k = args.new_tokens, (1.0 if args.sample else 0.0), (50 if args.sample else 0)
     params = SamplingParams(max_new_tokens=n_new, temperature=temp, top_k=top_k, stop_token_ids=(), seed=0)
 

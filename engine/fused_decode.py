@@ -68,6 +68,12 @@ class _Rotation:
         return torch.cat([rotate(rope, rotation), rest], dim=-1)
 
 
+def weights_fingerprint(model) -> tuple:
+    """Changes whenever a parameter does: every in-place change (optimizer step, copy_,
+    load_state_dict) bumps its version, and a move or cast gives it new storage."""
+    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+
+
 def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a fused gate/up output (gate half first)."""
     g, u = gate_up.chunk(2, dim=-1)
@@ -99,13 +105,9 @@ class DecodeWeights:
         self.layers: list[_Layer] = []
         self.refresh()
 
-    def _fingerprint(self) -> tuple:
-        # Every in-place change of a parameter (optimizer step, copy_, load_state_dict) bumps its version.
-        return tuple((p.data_ptr(), p._version) for p in self.model.parameters())
-
     def stale(self) -> bool:
         """True when a parameter changed since the last refresh."""
-        return self._fingerprint() != self._built_from
+        return weights_fingerprint(self.model) != self._built_from
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -147,7 +149,7 @@ class DecodeWeights:
                                  idx, mlp_in, mlp_down, moe, packed_moe))
         self.layers = layers
         self.lm_head = PackedLinear(self.model.lm_head.weight)
-        self._built_from = self._fingerprint()
+        self._built_from = weights_fingerprint(self.model)
 
     # ------------------------------------------------------------ the step
     @torch.no_grad()

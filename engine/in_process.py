@@ -40,7 +40,8 @@ from safetensors.torch import load_file
 from orthon.core.errors import CheckpointError, ConfigError, WrongBaseVersion
 from orthon.engine.control import RequestControl
 from orthon.engine.delta import row_views
-from orthon.engine.fused_decode import DecodeWeights
+from orthon.engine.fused_decode import DecodeWeights, weights_fingerprint
+from orthon.engine.prefix_cache import PrefixCache
 from orthon.engine.protocol import GenerationResult, WeightDelta, WeightsSource
 from orthon.engine.sampling import SamplingParams, per_request_params, request_uniforms, sample_step, stop_table
 from orthon.engine.stop_strings import StopStringWatch
@@ -67,12 +68,19 @@ class EngineConfig:
     # model's cached forward to float round-off, about 1.6x faster at batch 8 on a CPU. False: the
     # model's own forward (bit-compatible with the layer-by-layer code).
     fused_decode: bool = True
+    # Tokens of prefilled and generated sequences kept for reuse (orthon.engine.prefix_cache: a prompt's
+    # longest prefix held is copied into the cache instead of recomputed; identical prompts in a batch
+    # are prefilled once). 0: off. A token costs layers x (kv_lora_rank + qk_rope_head_dim +
+    # index_head_dim where indexed) x the dtype's bytes (4.7 KB for the tiny model in fp32).
+    prefix_cache_tokens: int = 65536
 
     def __post_init__(self):
         if self.max_length is not None and (isinstance(self.max_length, bool) or self.max_length < 2):
             raise ConfigError(f"max_length: must be >= 2 or None, got {self.max_length!r}")
         if isinstance(self.max_batch_size, bool) or self.max_batch_size < 1:
             raise ConfigError(f"max_batch_size: must be >= 1, got {self.max_batch_size!r}")
+        if isinstance(self.prefix_cache_tokens, bool) or self.prefix_cache_tokens < 0:
+            raise ConfigError(f"prefix_cache_tokens: must be >= 0, got {self.prefix_cache_tokens!r}")
         if self.logprobs not in ("decode", "rescore"):
             raise ConfigError(f"logprobs: must be 'decode' or 'rescore', got {self.logprobs!r}")
 
@@ -93,14 +101,31 @@ class _Request:
     budget: int  # new tokens allowed: min(max_new_tokens, room left in the context)
     context_bound: bool  # the budget is the context's, not max_new_tokens
     control: RequestControl | None = None
+    cached: int = 0  # prompt tokens whose entries came from the prefix cache
 
 
-def _left_padded(prompts: list[list[int]], device):
-    """The prompts as one left-padded batch for a prefill: (ids, pads, docs, positions); the pads are
-    document -1 and the RoPE positions start at each prompt's first token (docs and positions None
-    when no prompt is padded)."""
+def _run_groups(runs: list[int], overhead: int = 64) -> list[list[int]]:
+    """Rows (by index) in one prefill batch, or two where that runs fewer tokens: a batch runs each row's
+    last max(runs) tokens, so rows with little left to run (most of the prompt held in the prefix cache)
+    beside rows with much would rerun what is held. The split puts the k rows with the longest runs in
+    a batch of their own, k chosen for the fewest tokens run; a second batch must save ``overhead``
+    tokens (a forward's fixed cost) to be worth it."""
+    order = sorted(range(len(runs)), key=lambda r: -runs[r])
+    longest = runs[order[0]]
+    best, split = len(runs) * longest, None
+    for k in range(1, len(order)):
+        cost = k * longest + (len(order) - k) * runs[order[k]] + overhead
+        if cost < best:
+            best, split = cost, k
+    return [order] if split is None else [order[:split], order[split:]]
+
+
+def _left_padded(prompts: list[list[int]], device, width: int | None = None):
+    """The prompts as one left-padded batch for a prefill, ``width`` wide (the longest prompt's length by
+    default): (ids, pads, docs, positions); the pads are document -1 and the RoPE positions start at each
+    prompt's first token (docs and positions None when no prompt is padded)."""
     lengths = torch.tensor([len(p) for p in prompts], device=device)
-    width = int(lengths.max())
+    width = int(lengths.max()) if width is None else width
     pads = width - lengths
     ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
     for row, prompt in enumerate(prompts):
@@ -178,11 +203,14 @@ class _Wave:
 class EngineStats:
     requests: int = 0
     generated_tokens: int = 0
+    prompt_tokens: int = 0  # prefilled, whether computed or taken from the prefix cache
+    cached_tokens: int = 0  # of those, taken from the prefix cache
     finished: Counter = field(default_factory=Counter)  # by finish reason
     rejected: Counter = field(default_factory=Counter)  # by cause
 
     def as_dict(self) -> dict:
         return {"requests": self.requests, "generated_tokens": self.generated_tokens,
+                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                 "finished": dict(self.finished), "rejected": dict(self.rejected)}
 
 
@@ -202,6 +230,8 @@ class InProcessEngine:
         self.stats = EngineStats()
         self._rng = torch.Generator().manual_seed(self.config.seed)
         self._fused: DecodeWeights | None = None  # built on first use, refreshed when the weights change
+        self._prefixes = PrefixCache(self.config.prefix_cache_tokens)
+        self._prefixes_of = None  # the weights (and attention mode) the prefix cache's entries are from
         # generate() and update_weights() never interleave: a wave runs on one set of weights.
         self._lock = threading.RLock()
 
@@ -244,6 +274,7 @@ class InProcessEngine:
             for name, value in items:
                 targets[name].data.copy_(value)
             self._fused = None  # .data writes bump no version counter: rebuild the fused weights
+            self._prefixes.clear()  # entries of the old weights
             self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
 
@@ -273,6 +304,7 @@ class InProcessEngine:
             self._check_delta_base(delta)
             delta.apply_in_place(targets)
             self._fused = None
+            self._prefixes.clear()
             if getattr(delta, "final", True):  # else more parts of the version follow: it holds the base still
                 new = version if version is not None else target_version
                 self.weight_version = self.weight_version + 1 if new is None else _check_version(new)
@@ -294,17 +326,27 @@ class InProcessEngine:
 
     # ------------------------------------------------------------ state
     def flush(self) -> None:
-        """Drop the packed decode weights (rebuilt on the next generate). The engine keeps no KV or
-        prefix cache between calls, so nothing else is held; results do not change."""
+        """Drop the packed decode weights (rebuilt on the next generate). And empty the prefix
+        cache (SGLang's /flush_cache); results do not change beyond float round-off."""
         with self._lock:
             self._fused = None
+            self._prefixes.clear()
+
+    def _check_prefixes(self) -> None:
+        """Empty the prefix cache if the weights or the attention mode changed since its entries were made
+        (an update, or a colocated trainer's step on the same parameters)."""
+        now = (weights_fingerprint(self.model), self.model.runtime.sparse_attention)
+        if now != self._prefixes_of:
+            self._prefixes.clear()
+            self._prefixes_of = now
 
     def health(self) -> dict:
         weight = self.model.lm_head.weight
         return {"ok": True, "engine": "in_process", "weight_version": self.weight_version,
                 "device": str(weight.device), "dtype": str(weight.dtype).replace("torch.", ""),
                 "max_length": self.max_length, "max_batch_size": self.config.max_batch_size,
-                "fused_decode": self._fused is not None, "stats": self.stats.as_dict()}
+                "fused_decode": self._fused is not None, "prefix_cache": self._prefixes.stats(),
+                "stats": self.stats.as_dict()}
 
     # ------------------------------------------------------------ requests
     def _admit(self, index: int, prompt, params: SamplingParams) -> _Request | GenerationResult:
@@ -362,6 +404,7 @@ class InProcessEngine:
         if len(controls) != len(prompts):
             raise ValueError(f"generate: {len(controls)} controls for {len(prompts)} prompts")
         with self._lock:
+            self._check_prefixes()
             results: list[GenerationResult | None] = [None] * len(prompts)
             requests = []
             for i, (prompt, params, control) in enumerate(zip(prompts, per, controls)):
@@ -412,6 +455,7 @@ class InProcessEngine:
             prompt=request.prompt, tokens=out.tokens[row, :n].tolist(), log_probs=out.log_probs[row, :n].cpu().clone(),
             finish_reason=reason, weight_version=self.weight_version, seed=request.seed,
             matched_stop=out.texts.matched.get(row), error=request.control.reason if reason == "abort" else None,
+            cached_tokens=request.cached,
         )
 
     def _unrun(self, request: _Request, reason: str, error: str | None = None) -> GenerationResult:
@@ -469,12 +513,78 @@ class InProcessEngine:
         longest = max(r.budget for r in admitted)
         out.grow(step + longest)  # the wave's steps, and the cache's slots, for the longest joining response
         cache.grow(length + longest)
-        ids, pads, docs, positions = _left_padded([r.prompt for r in admitted], out.device)
-        sub = self.model.new_cache(len(admitted), ids.shape[1])
-        hidden, _ = self.model.hidden_states(ids, sub, positions, doc_ids=docs)
-        cache.add_rows(sub, at=length - ids.shape[1])
-        rows = out.add(admitted, pads + (length - ids.shape[1]), start=step)
-        return rows, self.model.lm_head(hidden[:, -1]).float()
+        sub, logits, pads = self._prefill(admitted, 0)
+        cache.add_rows(sub, at=length - sub.length)
+        rows = out.add(admitted, pads + (length - sub.length), start=step)
+        return rows, logits
+
+    def _prefill(self, requests: list[_Request], room: int):
+        """The requests' prompts prefilled, left-padded to the longest, on a new cache with ``room`` more
+        slots a row: identical prompts run once, and the longest prefix of each that the prefix cache
+        holds is copied in instead of recomputed. A batch runs the last T tokens of each of its rows (T
+        its longest part not held); where that would rerun many held tokens, the rows with the longest
+        such parts run as a batch of their own (``_run_groups``). Records each request's ``cached``
+        tokens and holds the prompts' entries. Returns the cache, the logits of each row's first
+        response token, and each row's left padding."""
+        device, held = self.model.lm_head.weight.device, self._prefixes
+        distinct: dict[tuple[int, ...], int] = {}
+        inverse = [distinct.setdefault(tuple(r.prompt), len(distinct)) for r in requests]
+        prompts = [list(p) for p in distinct]
+        width = max(map(len, prompts))
+        hits = [held.match(p, limit=len(p) - 1) if held.max_tokens else (0, None) for p in prompts]
+        order, caches, logits, reused = [], [], [], [0] * len(prompts)
+        for rows in _run_groups([len(p) - n for p, (n, _) in zip(prompts, hits)]):
+            cache, first, taken = self._prefill_rows([prompts[r] for r in rows], [hits[r][1] for r in rows], width, room)
+            order += rows
+            caches.append(cache)
+            logits.append(first)
+            for r, n in zip(rows, taken):
+                reused[r] = n
+        cache = caches[0]
+        for other in caches[1:]:
+            cache.add_rows(other, at=0)
+        if held.max_tokens:
+            for i, row in enumerate(order):  # the cache's row i is the prompt order[i]
+                pad = width - len(prompts[row])
+                held.insert(prompts[row], lambda a, i=i, pad=pad: cache.row_entries(i, pad + a, width))
+        ran = set()
+        for request, row in zip(requests, inverse):  # a prompt's repeats computed nothing of their own
+            request.cached = len(request.prompt) if row in ran else reused[row]
+            ran.add(row)
+        self.stats.prompt_tokens += sum(len(r.prompt) for r in requests)
+        self.stats.cached_tokens += sum(r.cached for r in requests)
+        slot_of = {row: i for i, row in enumerate(order)}
+        index = [slot_of[row] for row in inverse]
+        logits = torch.cat(logits)
+        if index != list(range(len(order))):
+            index = torch.tensor(index, device=device)
+            cache.select(index)
+            logits = logits[index]
+        pads = torch.tensor([width - len(r.prompt) for r in requests], device=device)
+        return cache, logits, pads
+
+    def _prefill_rows(self, prompts: list[list[int]], held: list, width: int, room: int):
+        """One prefill batch, ``width`` wide: ``held[i]`` the prefix cache's entries for the start of
+        prompt i (or None). Returns the cache, the last position's logits and the tokens taken a row."""
+        model, device = self.model, self.model.lm_head.weight.device
+        ids, pads, docs, positions = _left_padded(prompts, device, width)
+        run = max(len(p) - (0 if e is None else e[0].shape[0]) for p, e in zip(prompts, held))
+        cache = model.new_cache(len(prompts), width + room)
+        taken = [0] * len(prompts)
+        if run < width:  # the first width - run slots of every row come from the prefix cache
+            start = width - run
+            for row, entries in enumerate(held):
+                taken[row] = max(start - int(pads[row]), 0)  # at most what is held: run >= len - held
+                if taken[row]:
+                    cache.write_row_entries(row, int(pads[row]), tuple(e[: taken[row]] for e in entries))
+            if docs is not None:
+                cache.docs = torch.zeros(len(prompts), cache.capacity, dtype=torch.long, device=device)
+                cache.docs[:, :start] = docs[:, :start]
+                docs, positions = docs[:, start:], positions[:, start:]
+            cache.advance(start)
+            ids = ids[:, start:]
+        hidden, _ = model.hidden_states(ids, cache, positions, doc_ids=docs)
+        return cache, model.lm_head(hidden[:, -1]).float(), taken
 
     @staticmethod
     def _watch(out: "_Wave", live, counts, done) -> torch.Tensor:
@@ -491,6 +601,20 @@ class InProcessEngine:
             cancelled[i] = control.cancelled
         return cancelled.to(live.device)
 
+    def _hold(self, out: "_Wave", cache, live: torch.Tensor, done: torch.Tensor, counts) -> None:
+        """Put the sequences of the rows that finished this step into the prefix cache: each row's prompt
+        and response but its last token (sampled, never run: it has no entries)."""
+        if not self._prefixes.max_tokens:
+            return
+        for i in done.nonzero().squeeze(-1).tolist():
+            row = int(live[i])
+            made = int(counts[i] if isinstance(counts, torch.Tensor) else counts) - 1
+            tokens = out.requests[row].prompt + out.tokens[row, :made].tolist()
+            start = int(out.pads[row])
+            if cache.length - start != len(tokens):
+                raise AssertionError(f"row {row}: {cache.length - start} slots cached for {len(tokens)} tokens")
+            self._prefixes.insert(tokens, lambda a, i=i, start=start: cache.row_entries(i, start + a, cache.length))
+
     def _decode_weights(self) -> DecodeWeights | None:
         """The fused decode weights of the current parameters, or None where they do not apply."""
         if not self.config.fused_decode or self.model.config.attention_bias:
@@ -505,14 +629,11 @@ class InProcessEngine:
         model = self.model
         fused = self._decode_weights()
         device, width, B = out.device, out.width, len(out.requests)
-        ids, _, docs, positions = _left_padded([r.prompt for r in out.requests], device)
-        padded = docs is not None
+        padded = bool((out.pads > 0).any())
         any_sampling_mode = bool(out.sampling_mode.any())
         controlled = any(r.control is not None for r in out.requests)
 
-        cache = model.new_cache(B, width + out.steps)
-        hidden, _ = model.hidden_states(ids, cache, positions, doc_ids=docs)
-        logits = model.lm_head(hidden[:, -1]).float()  # only the last position is sampled from
+        cache, logits, _ = self._prefill(out.requests, out.steps)  # only the last position is sampled from
         live = torch.arange(B, device=device)  # wave rows still decoding, in cache order
         staggered = False  # some row started after step 0
         step = -1
@@ -542,6 +663,7 @@ class InProcessEngine:
                 done |= cancelled
             if bool(done.any()):
                 finished = live[done]
+                self._hold(out, cache, live, done, counts)
                 out.produced[finished] = counts[done] if staggered else counts
                 out.stopped[finished] = hit_stop[done]
                 if controlled:

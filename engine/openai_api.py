@@ -166,10 +166,14 @@ def finish_reason(result: GenerationResult) -> str:
     return {"stop": "stop", "length": "length", "context": "length"}.get(result.finish_reason, result.finish_reason)
 
 
-def usage(results: list[GenerationResult], prompt_lengths: list[int]) -> dict:
-    prompt = sum(prompt_lengths)
+def usage(results: list[GenerationResult], prompt_lengths: list[int], n: int) -> dict:
+    """OpenAI's usage of n choices a prompt (choice k of prompt i at i x n + k): each prompt counted
+    once, with the tokens of it the engine took from its prefix cache rather than computed."""
+    prompt = sum(prompt_lengths[::n])
     completion = sum(len(r.tokens) for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(r.cached_tokens for r in results[::n])
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def new_id(kind: str) -> str:
@@ -185,7 +189,7 @@ def completion_answer(request: OpenAIRequest, results: list[GenerationResult], d
                                   "top_logprobs": None, "text_offset": None}
         choices.append(choice)
     return {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": request.model,
-            "choices": choices, "usage": usage(results, prompt_lengths)}
+            "choices": choices, "usage": usage(results, prompt_lengths, request.n)}
 
 
 def chat_answer(request: OpenAIRequest, results: list[GenerationResult], decode, chat: ChatFormat, prompt_lengths) -> dict:
@@ -201,7 +205,7 @@ def chat_answer(request: OpenAIRequest, results: list[GenerationResult], decode,
                                               for t, lp in zip(r.tokens, r.log_probs.tolist())]}
         choices.append(choice)
     return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
-            "model": request.model, "choices": choices, "usage": usage(results, prompt_lengths)}
+            "model": request.model, "choices": choices, "usage": usage(results, prompt_lengths, request.n)}
 
 
 def stream_chunk(kind: str, chunk_id: str, model: str, index: int, text: str | None, finish: str | None,

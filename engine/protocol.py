@@ -39,6 +39,7 @@ class GenerationResult:
     seed: int | None = None  # the seed its draws came from (drawn by the engine when the request had none)
     error: str | None = None  # set on rejected requests
     matched_stop: str | None = None  # the stop string that ended the response (finish_reason "stop")
+    cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache (SGLang's meta_info)
 
     def __post_init__(self):
         if self.finish_reason not in FINISH_REASONS:

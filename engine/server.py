@@ -43,11 +43,11 @@ def _version() -> str:
         return "unknown"
 
 
-def build_state(weights_dir, max_batch_size: int = 64, tokenizer: str | None = None,
+def build_state(weights_dir, engine_config=None, tokenizer: str | None = None,
                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_delta_bytes: int = DEFAULT_MAX_DELTA_BYTES,
-                batch_window_s: float = DEFAULT_WINDOW_S, max_length: int | None = None, chat=None,
-                continuous: bool = True) -> ServerState:
-    """The engine of a weights directory (orthon.pretrain.weights.load_weights) and what serves it. The
+                batch_window_s: float = DEFAULT_WINDOW_S, chat=None, continuous: bool = True) -> ServerState:
+    """The engine of a weights directory (orthon.pretrain.weights.load_weights; ``engine_config``: an
+    EngineConfig, the defaults if None) and what serves it. The
     tokenizer: ``tokenizer`` if given, else the directory's own (``weights_tokenizer``), else none.
     ``chat``: the chat format /v1/chat/completions renders conversations with (none: that route refuses).
     ``continuous``: requests join a running batch (False: each waits for the next; orthon.engine.batcher)."""
@@ -59,8 +59,7 @@ def build_state(weights_dir, max_batch_size: int = 64, tokenizer: str | None = N
     weights_dir = Path(weights_dir).resolve()
     tokenizer_path = tokenizer or weights_tokenizer(weights_dir)
     text = load_tokenizer(tokenizer_path) if tokenizer_path else None
-    engine = InProcessEngine(load_weights(weights_dir).eval(), EngineConfig(max_batch_size=max_batch_size,
-                                                                            max_length=max_length), text)
+    engine = InProcessEngine(load_weights(weights_dir).eval(), engine_config or EngineConfig(), text)
     return ServerState(engine=engine, batcher=ContinuousBatcher(engine, batch_window_s, continuous), model_path=str(weights_dir),
                        tokenizer=text, tokenizer_path=str(tokenizer_path) if tokenizer_path else None,
                        max_body_bytes=max_body_bytes,
@@ -218,18 +217,17 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-def serve(weights_dir, host: str = "127.0.0.1", port: int = 30000, max_batch_size: int = 64,
+def serve(weights_dir, host: str = "127.0.0.1", port: int = 30000, engine_config=None,
           tokenizer: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           max_delta_bytes: int = DEFAULT_MAX_DELTA_BYTES, batch_window_s: float = DEFAULT_WINDOW_S,
-          max_length: int | None = None, log=lambda line: print(line, flush=True), chat=None,
-          continuous: bool = True) -> None:
+          log=lambda line: print(line, flush=True), chat=None, continuous: bool = True) -> None:
     """Serve until SIGTERM / SIGINT. Once listening, ``log`` gets one line: "serving WEIGHTS on
     http://host:port" (the port the OS gave when ``port`` is 0). On a signal: no new connections,
     waiting requests come back aborted, the running wave finishes (up to 10 s), then the process ends."""
     import uvicorn
 
-    state = build_state(weights_dir, max_batch_size, tokenizer, max_body_bytes, max_delta_bytes, batch_window_s,
-                        max_length, chat, continuous)
+    state = build_state(weights_dir, engine_config, tokenizer, max_body_bytes, max_delta_bytes, batch_window_s,
+                        chat, continuous)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None):

@@ -219,7 +219,7 @@ def finish_reason(result: GenerationResult) -> dict:
 
 def answer(result: GenerationResult, item: GenerateItem, text: str) -> dict:
     meta = {"id": item.rid, "finish_reason": finish_reason(result), "orthon_finish_reason": result.finish_reason,
-            "prompt_tokens": len(result.prompt), "completion_tokens": len(result.tokens), "cached_tokens": 0,
+            "prompt_tokens": len(result.prompt), "completion_tokens": len(result.tokens), "cached_tokens": result.cached_tokens,
             "weight_version": str(result.weight_version), "sampling_seed": result.seed}
     if item.return_logprob:
         meta["output_token_logprobs"] = [[float(lp), int(t), None]
@@ -285,9 +285,11 @@ def result_from_answer(data: Any, prompt: list[int], params: SamplingParams, fal
     if reason == "abort":
         message = meta.get("finish_reason")
         error = message.get("message") if isinstance(message, Mapping) else None
+    cached = meta.get("cached_tokens", 0)
     return GenerationResult(prompt=list(prompt), tokens=list(tokens), log_probs=torch.tensor(values, dtype=torch.float32),
                             finish_reason=reason, weight_version=version, seed=seed if _is_token(seed) else None,
-                            error=error, matched_stop=matched if isinstance(matched, str) else None)
+                            error=error, matched_stop=matched if isinstance(matched, str) else None,
+                            cached_tokens=cached if _is_token(cached) and cached >= 0 else 0)
 
 
 def error_message(data: Any) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 def register(parser, name):
     from orthon.engine.batcher import DEFAULT_WINDOW_S
+    from orthon.engine.in_process import EngineConfig
     from orthon.engine.server_state import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_DELTA_BYTES
 
     parser.add_argument("weights_dir", help="a weights directory (HF layout + orthon.json, e.g. RUN_DIR/final)")
@@ -20,6 +21,9 @@ def register(parser, name):
                         help="largest /generate (or control) request body")
     parser.add_argument("--max-delta-bytes", type=int, default=DEFAULT_MAX_DELTA_BYTES,
                         help="largest delta payload")
+    parser.add_argument("--prefix-cache-tokens", type=int, default=EngineConfig.prefix_cache_tokens,
+                        help="tokens of prompts and responses kept so that a prompt starting with them prefills "
+                             "only the rest (multi-turn, GRPO groups, shared system prompts); 0: off")
     parser.add_argument("--batching", choices=("continuous", "waves"), default="continuous",
                         help="continuous: requests join the running batch as rows finish (the faster the more "
                              "response lengths differ); waves: each waits for the next batch")
@@ -29,21 +33,24 @@ def register(parser, name):
 
 def run(args, name):
     from orthon.core.errors import ConfigError
+    from orthon.engine.in_process import EngineConfig
     from orthon.engine.server import serve
     from orthon.rl.chat import ChatTemplate
     from orthon.launch.threads import set_threads
 
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port: {args.port} is not a TCP port")
-    if args.max_batch_size < 1 or args.max_body_bytes < 1 or args.max_delta_bytes < 1:
-        raise ConfigError("--max-batch-size, --max-body-bytes and --max-delta-bytes must be positive")
+    if args.max_body_bytes < 1 or args.max_delta_bytes < 1:
+        raise ConfigError("--max-body-bytes and --max-delta-bytes must be positive")
     if not 0 <= args.batch_window_ms <= 1000:
         raise ConfigError(f"--batch-window-ms: must be in 0..1000, got {args.batch_window_ms}")
     if args.threads is not None:
         if args.threads < 1:
             raise ConfigError(f"--threads: must be >= 1, got {args.threads}")
         set_threads(args.threads)
-    serve(args.weights_dir, args.host, args.port, args.max_batch_size, args.tokenizer, args.max_body_bytes,
-          args.max_delta_bytes, args.batch_window_ms / 1000, max_length=args.max_length,
-          log=lambda line: print(line, flush=True), chat=ChatTemplate(), continuous=args.batching == "continuous")
+    engine = EngineConfig(max_batch_size=args.max_batch_size, max_length=args.max_length,
+                          prefix_cache_tokens=args.prefix_cache_tokens)
+    serve(args.weights_dir, args.host, args.port, engine, args.tokenizer, args.max_body_bytes,
+          args.max_delta_bytes, args.batch_window_ms / 1000, log=lambda line: print(line, flush=True),
+          chat=ChatTemplate(), continuous=args.batching == "continuous")
     return 0

@@ -107,6 +107,21 @@ class KVCache:
         self.docs = placed(self.docs, theirs, fill=-1)
         self.batch_size += n
 
+    def row_entries(self, row: int, start: int, end: int) -> tuple[torch.Tensor, ...]:
+        """Slots [start, end) of one row, token first: the latents (n, layers, width) and, where layers
+        have an indexer, their keys (n, indexed layers, dim) (what a prefix cache keeps)."""
+        latent = torch.stack([t[row, start:end] for t in self.latent], dim=1)
+        keys = [t[row, start:end] for t in self.index_keys if t is not None]
+        return (latent, torch.stack(keys, dim=1)) if keys else (latent,)
+
+    def write_row_entries(self, row: int, start: int, entries: tuple[torch.Tensor, ...]) -> None:
+        """``row_entries``' inverse: write them at slots [start, start + n) of one row."""
+        end = start + entries[0].shape[0]
+        for layer, t in enumerate(self.latent):
+            t[row, start:end] = entries[0][:, layer]
+        for k, t in enumerate(t for t in self.index_keys if t is not None):
+            t[row, start:end] = entries[1][:, k]
+
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (e.g. drop finished sequences)."""
         self.latent = [t.index_select(0, rows) for t in self.latent]

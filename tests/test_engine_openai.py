@@ -69,6 +69,11 @@ def test_completions_equal_the_in_process_engine(client, reference):
     refs = engine.generate([tokenizer.encode(prompt)] * 2 + [ids] * 2, params)
     assert [c.text for c in sampled.choices] == [_text(r, tokenizer) for r in refs]
     assert [c.index for c in sampled.choices] == [0, 1, 2, 3]
+    # Each prompt counted once. The first ran before and is held in the prefix cache; the second is new
+    # (its n = 2 samples prefilled once), and the batch runs its tokens on both rows (too few to be
+    # worth a batch of their own): the first takes the tokens before them from the cache.
+    assert sampled.usage.prompt_tokens == len(ref.prompt) + len(ids)
+    assert sampled.usage.prompt_tokens_details.cached_tokens == len(ref.prompt) - len(ids)
     # A stop string ends the text before it.
     stop = _text(ref, tokenizer)[5:7]
     stopped = client.completions.create(model="x", prompt=prompt, max_tokens=12, temperature=0, stop=[stop])

@@ -120,6 +120,9 @@ def test_greedy_generate_equals_the_in_process_engine(server, weights):
                                                         "sampling_params": {"max_new_tokens": 10, "temperature": 0,
                                                                             "ignore_eos": True}})[1]
     assert single["output_ids"] == reference[1].tokens and "output_token_logprobs" not in single["meta_info"]
+    # The batch before ran this prompt: all of it but the last token (which must run to give the first
+    # response token's logits) came from the prefix cache, as SGLang reports it.
+    assert single["meta_info"]["cached_tokens"] == len(PROMPTS[1]) - 1
 
     client = HTTPEngine(server.url)
     results = client.generate(PROMPTS, GREEDY)
@@ -328,7 +331,10 @@ def test_a_streamed_generate_sends_each_prefix_then_the_answer(server, served):
     status, kind, events = _stream(server.url, {**body, "stream": True})
     assert status == 200 and kind.startswith("text/event-stream") and events[-1] == "[DONE]"
     *partial, final = events[:-1]
-    assert final == whole  # the last event is the whole answer
+    # The last event is the whole answer, but for the prompt tokens the request before left in the cache.
+    assert final["meta_info"].pop("cached_tokens") == len(PROMPTS[1]) - 1
+    whole["meta_info"].pop("cached_tokens")
+    assert final == whole
     ids = whole["output_ids"]
     # One a token, or fewer where the client read late (merged into the newest): 200 tokens take long
     # enough that some arrive before the end.
