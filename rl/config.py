@@ -162,6 +162,7 @@ class ClusterConfig:
     trainer_gpus: bool = False  # each trainer rank on a GPU of its own (Ray sets CUDA_VISIBLE_DEVICES)
     engine_threads: int = 1  # torch threads of each engine server
     engine_max_batch_size: int = 64
+    engine_prefix_cache_tokens: int = 65536  # each engine's prefix cache (orthon serve --prefix-cache-tokens)
     router: bool = True  # sglang-router in front of the engines (session affinity by routing key)
     reward_workers: int = 0  # Ray actors scoring rewards; 0: the rollout manager's threads score
     # How new weights reach the engines (orthon.rl.weight_sync); with delta: true only the changed bytes
@@ -180,8 +181,9 @@ class ClusterConfig:
     def __post_init__(self):
         _positive(self, "engines", "engine_threads", "trainer_ranks", "trainer_threads", "engine_max_batch_size",
                   "part_bytes", "health_interval_s", "health_failures", "request_timeout_s", "startup_timeout_s")
-        if self.reward_workers < 0:
-            raise ConfigError(f"reward_workers: must be >= 0, got {self.reward_workers}")
+        for name in ("reward_workers", "engine_prefix_cache_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
 
     @property
     def gathers_whole(self) -> bool:

@@ -44,9 +44,10 @@ class EngineServer:
     """Supervises one ``orthon serve`` process (wrapped in ``ray.remote`` by the fleet)."""
 
     def __init__(self, weights_dir: str, log_dir: str, threads: int = 1, max_batch_size: int = 64,
-                 host: str = "127.0.0.1", startup_timeout_s: float = 180.0):
+                 host: str = "127.0.0.1", startup_timeout_s: float = 180.0, prefix_cache_tokens: int = 65536):
         self.weights_dir, self.log_dir, self.threads = weights_dir, Path(log_dir), threads
         self.max_batch_size, self.host, self.startup_timeout_s = max_batch_size, host, startup_timeout_s
+        self.prefix_cache_tokens = prefix_cache_tokens
         self.proc: subprocess.Popen | None = None
         self.start()
 
@@ -69,7 +70,8 @@ class EngineServer:
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "orthon.launch.cli", "serve", self.weights_dir, "--host", self.host,
-             "--port", str(port), "--max-batch-size", str(self.max_batch_size)],
+             "--port", str(port), "--max-batch-size", str(self.max_batch_size),
+             "--prefix-cache-tokens", str(self.prefix_cache_tokens)],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
         try:
@@ -129,7 +131,8 @@ class EngineFleet:
 
         server = ray.remote(num_cpus=self.cfg.engine_threads)(EngineServer)
         args = (self.weights_dir, str(self.run_dir / "engines"), self.cfg.engine_threads,
-                self.cfg.engine_max_batch_size, "127.0.0.1", self.cfg.startup_timeout_s)
+                self.cfg.engine_max_batch_size, "127.0.0.1", self.cfg.startup_timeout_s,
+                self.cfg.engine_prefix_cache_tokens)
         self._server = lambda i: (server.options(scheduling_strategy=self.placement(i)) if self.placement else server).remote(*args)
         self.actors = [self._server(i) for i in range(self.cfg.engines)]
         self.urls = ray.get([a.url.remote() for a in self.actors])

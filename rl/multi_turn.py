@@ -24,7 +24,7 @@ from collections import Counter
 from orthon.core.plugins import resolve
 from orthon.rl.chat import ROLE_TOKENS, Message, ToolCall, parse_tool_call, render, render_message, split_assistant
 from orthon.rl.rewards.registry import call_with_timeout
-from orthon.rl.rollout import RolloutContext, score
+from orthon.rl.rollout import RolloutContext, count_prompt_tokens, score
 from orthon.rl.sample import Sample, SampleStatus
 from orthon.rl.trajectory import Trajectory
 
@@ -99,6 +99,7 @@ def tool_rollout(ctx: RolloutContext, prompts) -> list[Sample]:
             break
         results = ctx.engine.generate([contexts[i] for i in keep], [params[i] for i in keep],
                                       routing_keys=[s.trajectory.session_id for s in active])
+        count_prompt_tokens(ctx, results)
         for s, result in zip(active, results):
             if not result.ok:
                 s.done, s.status = True, SampleStatus.FAILED

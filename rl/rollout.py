@@ -27,12 +27,22 @@ class RolloutContext:
     stats: Counter | None = None  # the plug-in's counters (truncations, parse errors, ...) go here
 
 
+def count_prompt_tokens(ctx: RolloutContext, results) -> None:
+    """The engine calls' prompt tokens, and those the engine took from its prefix cache (the next turns
+    of multi-turn sessions, a group's repeats), into the plug-in's counters."""
+    if ctx.stats is not None:
+        ran = [r for r in results if r.ok]
+        ctx.stats["prompt_tokens"] += sum(len(r.prompt) for r in ran)
+        ctx.stats["prompt_tokens_cached"] += sum(r.cached_tokens for r in ran)
+
+
 def single_turn(ctx: RolloutContext, prompts) -> list[Sample]:
     """One generation per sample: G samples of each prompt, each scored by the binary reward. The whole
     response is the model's, so the loss mask is all ones; a request the engine rejected is FAILED
     with reward 0 (counted by the buffer, never trained on)."""
     requests = [p for p in prompts for _ in range(ctx.group_size)]
     results = ctx.engine.generate([p.ids for p in requests], ctx.sampling)
+    count_prompt_tokens(ctx, results)
     samples = [to_sample(result, Sample(prompt.instance_id, prompt.ids, metadata={"label": prompt.label}))
                for prompt, result in zip(requests, results)]
     scored = [s for s in samples if s.status is not SampleStatus.FAILED]

@@ -62,6 +62,10 @@ def test_async_trains_every_prompt_once_with_bounded_staleness(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["staleness_max"] <= 3 for r in records if "staleness_max" in r)
     assert [r["policy_version"] for r in records if "policy_version" in r] == [1, 2, 3, 4]
+    # The prompt tokens the engine ran and took from its prefix cache, so far: a group's second sample
+    # repeats its first's prompt in the same call, so at least half of them came from the cache.
+    counted = [r for r in records if "prompt_tokens" in r][-1]
+    assert counted["prompt_tokens"] > counted["prompt_tokens_cached"] >= counted["prompt_tokens"] / 2 > 0
 
 
 def test_async_drops_stale_groups_and_counts_them(tmp_path):
