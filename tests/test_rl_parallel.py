@@ -10,7 +10,7 @@ import yaml
 from safetensors.torch import load_file
 
 from pretrain_support import orthon
-from test_rl_loop import TIMED, _pretrain_dir, _recipe
+from test_rl_loop import CACHED, TIMED, _pretrain_dir, _recipe
 
 ITERATIONS = 3
 
@@ -96,7 +96,7 @@ def test_two_ranks_train_what_one_does(setup, parallel, experts):
         # every other figure, the rollout and reward counters gathered from the ranks included, is the one
         # process's.
         assert (a["rollout_ranks"], b["rollout_ranks"]) == (1, 2 if parallel == "ddp" and experts == 1 else 1)
-        differ = {"micro_batches", "dp_balance", "rollout_ranks", "entropy", *TIMED}
+        differ = {"micro_batches", "dp_balance", "rollout_ranks", "entropy", *TIMED, *CACHED}
         assert {k: v for k, v in a.items() if k not in differ} == {k: v for k, v in b.items() if k not in differ}
     assert not _trained_apart(w1, w2, _weights(pre / "final"))
     assert any(not torch.equal(w1[name], w2[name]) for name in w1)  # round-off differs: two ranks summed
@@ -136,8 +136,8 @@ def test_two_ranks_resume_where_they_stopped(tmp_path):
     _run(tmp_path, pre, "split", 2, iterations=2, total_steps=4)
     out, split, w_split = _run(tmp_path, pre, "split", 2, iterations=4, total_steps=4, resume=True)
     assert "resumed RL at iteration 2" in out.stdout + out.stderr
-    assert ([{k: v for k, v in r.items() if k not in TIMED} for r in split]
-            == [{k: v for k, v in r.items() if k not in TIMED} for r in whole])
+    assert ([{k: v for k, v in r.items() if k not in TIMED + CACHED} for r in split]
+            == [{k: v for k, v in r.items() if k not in TIMED + CACHED} for r in whole])
     assert all(torch.equal(w_whole[k], w_split[k]) for k in w_whole)
 
 
