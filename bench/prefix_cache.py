@@ -9,8 +9,10 @@ Without the cache each turn prefills the whole conversation of every row; with i
 share one prefill and each later turn runs only the new tokens. Reported: wall time and prompt
 tokens computed each way (best of --repeats), the ratio, and how many responses came out the same
 (the two ways differ only by float round-off, so a sampled token can flip where two are near-tied).
-A second, single-turn workload of distinct prompts (nothing to reuse) shows what the cache costs
-where it cannot help.
+Two single-turn workloads: one RL iteration's rollouts on an empty cache (as after every weight
+update), 2 x --prompts tasks behind the system prompt, G samples each (the system prompt runs once,
+each task once); and distinct prompts with nothing to reuse, which shows what the cache costs where
+it cannot help.
 
     python bench/prefix_cache.py [--prompts 4] [--group 8] [--turns 3] [--repeats 2]
 """
@@ -95,11 +97,15 @@ def main():
     system = tokens(args.system)
     agentic = ([system + tokens(args.task) for _ in range(args.prompts)], args.group, args.turns, args.response,
                [[tokens(args.tool) for _ in range(args.prompts)] for _ in range(args.turns)])
+    # One RL iteration after a weight update (the cache empty): 2 x prompts tasks behind the system
+    # prompt, G samples each, one turn.
+    first_turn = ([system + tokens(args.task) for _ in range(2 * args.prompts)], args.group, 1, args.response,
+                  [[[]] * (2 * args.prompts)])
     n = args.prompts * args.group  # as many rows, all different, one turn
     distinct = ([tokens(args.system + args.task) for _ in range(n)], 1, 1, args.response, [[[]] * n])
     rollout(InProcessEngine(model), distinct[0][:4], 1, 1, 4, [[[]] * 4])  # warm (allocator, packed decode weights)
     figures, ratios = {}, {}
-    for label, workload in (("agentic_grpo", agentic), ("distinct_prompts", distinct)):
+    for label, workload in (("agentic_grpo", agentic), ("rl_first_turn", first_turn), ("distinct_prompts", distinct)):
         f, r = measure(model, label, workload, args.repeats)
         figures.update(f)
         ratios.update(r)

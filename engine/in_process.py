@@ -70,8 +70,9 @@ class EngineConfig:
     fused_decode: bool = True
     # Tokens of prefilled and generated sequences kept for reuse (orthon.engine.prefix_cache: a prompt's
     # longest prefix held is copied into the cache instead of recomputed; identical prompts in a batch
-    # are prefilled once). 0: off. A token costs layers x (kv_lora_rank + qk_rope_head_dim) +
-    # indexed layers x index_head_dim values: 1.8 KB for the tiny model in fp32, 110 KB for GLM-5 in bf16.
+    # are prefilled once, a long prefix several share runs once). 0: no reuse of any kind. A token
+    # costs layers x (kv_lora_rank + qk_rope_head_dim) + indexed layers x index_head_dim values: 1.8 KB
+    # for the tiny model in fp32, 110 KB for GLM-5 in bf16.
     prefix_cache_tokens: int = 65536
 
     def __post_init__(self):
@@ -118,6 +119,31 @@ def _run_groups(runs: list[int], overhead: int = 64) -> list[list[int]]:
         if cost < best:
             best, split = cost, k
     return [order] if split is None else [order[:split], order[split:]]
+
+
+def _shared_prefixes(prompts: list[list[int]], min_len: int = 32) -> list[tuple[list[int], list[int]]]:
+    """Sets of prompts (by index) that start with the same ``min_len`` or more tokens, each with the
+    prefix its prompts share (shorter than the shortest of them, which must still run a token of its
+    own). Sorted, prompts with a common prefix are neighbours: a set is a run of neighbours whose
+    common prefixes are all long enough."""
+    def common(a, b):
+        n = min(len(a), len(b))
+        return next((i for i in range(n) if a[i] != b[i]), n)
+
+    order = sorted(range(len(prompts)), key=lambda i: prompts[i])
+    found, start, shared = [], 0, None
+    for k in range(1, len(order) + 1):
+        n = common(prompts[order[k - 1]], prompts[order[k]]) if k < len(order) else 0
+        if n >= min_len:
+            shared = n if shared is None else min(shared, n)
+            continue
+        members = order[start:k]
+        if shared is not None:
+            shared = min(shared, min(len(prompts[i]) for i in members) - 1)
+            if shared >= min_len:
+                found.append((prompts[members[0]][:shared], members))
+        start, shared = k, None
+    return found
 
 
 def _left_padded(prompts: list[list[int]], device, width: int | None = None):
@@ -527,10 +553,14 @@ class InProcessEngine:
         tokens and holds the prompts' entries. Returns the cache, the logits of each row's first
         response token, and each row's left padding."""
         device, held = self.model.lm_head.weight.device, self._prefixes
-        distinct: dict[tuple[int, ...], int] = {}
-        inverse = [distinct.setdefault(tuple(r.prompt), len(distinct)) for r in requests]
-        prompts = [list(p) for p in distinct]
+        if held.max_tokens:
+            distinct: dict[tuple[int, ...], int] = {}
+            inverse = [distinct.setdefault(tuple(r.prompt), len(distinct)) for r in requests]
+            prompts = [list(p) for p in distinct]
+        else:  # no reuse of any kind: every prompt runs in full
+            inverse, prompts = list(range(len(requests))), [r.prompt for r in requests]
         width = max(map(len, prompts))
+        ran_for = self._prefill_shared(prompts) if held.max_tokens else {}
         hits = [held.match(p, limit=len(p) - 1) if held.max_tokens else (0, None) for p in prompts]
         order, caches, logits, reused = [], [], [], [0] * len(prompts)
         for rows in _run_groups([len(p) - n for p, (n, _) in zip(prompts, hits)]):
@@ -539,7 +569,7 @@ class InProcessEngine:
             caches.append(cache)
             logits.append(first)
             for r, n in zip(rows, taken):
-                reused[r] = n
+                reused[r] = max(n - ran_for.get(r, 0), 0)
         cache = caches[0]
         for other in caches[1:]:
             cache.add_rows(other, at=0)
@@ -562,6 +592,26 @@ class InProcessEngine:
             logits = logits[index]
         pads = torch.tensor([width - len(r.prompt) for r in requests], device=device)
         return cache, logits, pads
+
+    def _prefill_shared(self, prompts: list[list[int]], overhead: int = 64) -> dict[int, int]:
+        """Run once, and hold, the long prefixes that several prompts of a batch share and the prefix
+        cache does not hold yet (a system prompt every RL prompt starts with, after a weight update
+        emptied the cache), where that saves ``overhead`` tokens or more. Returns, for the first prompt
+        of each set, the tokens run here for the set (so that they are not counted as cached)."""
+        held, todo = self._prefixes, []
+        for prefix, members in _shared_prefixes(prompts):
+            have = held.length(prefix)
+            if (len(members) - 1) * (len(prefix) - have) >= overhead:
+                todo.append((prefix, members))
+        if not todo:
+            return {}
+        prefixes = [prefix for prefix, _ in todo]
+        hits = [held.match(p, limit=len(p) - 1) for p in prefixes]
+        width = max(map(len, prefixes))
+        cache, _, _ = self._prefill_rows(prefixes, [entries for _, entries in hits], width, 0)
+        for i, prefix in enumerate(prefixes):
+            held.insert(prefix, lambda a, i=i, pad=width - len(prefix): cache.row_entries(i, pad + a, width))
+        return {members[0]: len(prefix) - n for (prefix, members), (n, _) in zip(todo, hits)}
 
     def _prefill_rows(self, prompts: list[list[int]], held: list, width: int, room: int):
         """One prefill batch, ``width`` wide: ``held[i]`` the prefix cache's entries for the start of

@@ -5,7 +5,8 @@ A token's cached entry (its MLA latent and indexer keys in every layer) depends 
 before it, so any request whose prompt starts with tokens the engine already ran can take their
 entries and prefill only the rest: the G samples of a GRPO prompt, the next turn of a multi-turn or
 agentic rollout (whose prompt is the last turn's prompt, its response and the tool's answer), a
-system prompt every request shares. The tree holds the sequences the engine prefilled and
+system prompt every request shares (the engine runs such a prefix once for a batch whose prompts
+share it, then holds it). The tree holds the sequences the engine prefilled and
 generated; each node owns the entries of its edge's tokens (a tuple of tensors whose first dimension
 is the token). Entries are only valid for the weights that computed them: the engine clears the tree
 whenever its weights change.
@@ -57,21 +58,31 @@ class PrefixCache:
         """The longest prefix of ``tokens`` (at most ``limit`` of them) held: its length and its entries
         (copies, concatenated), or (0, None). Marks the path as used."""
         query = np.asarray(tokens, dtype=np.int64)[: len(tokens) if limit is None else max(limit, 0)]
-        node, done, pieces, stamp = self._root, 0, [], next(self._clock)
+        stamp, pieces = next(self._clock), []
+        for node, n in self._path(query):
+            node.stamp = stamp
+            pieces.append(tuple(p[:n] for p in node.planes))
+        if not pieces:
+            return 0, None
+        return sum(len(p[0]) for p in pieces), tuple(torch.cat(parts) for parts in zip(*pieces))
+
+    def length(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of ``tokens`` the tree holds (nothing copied, nothing marked used)."""
+        return sum(n for _, n in self._path(np.asarray(tokens, dtype=np.int64)))
+
+    def _path(self, query: np.ndarray):
+        """The nodes along ``query``'s longest held prefix, each with how many of its tokens it matches."""
+        node, done = self._root, 0
         while done < len(query):
             child = node.children.get(int(query[done]))
             if child is None:
-                break
+                return
             n = _common(child.tokens, query[done:])
-            child.stamp = stamp
-            pieces.append(tuple(p[:n] for p in child.planes))
+            yield child, n
             done += n
             if n < len(child.tokens):
-                break
+                return
             node = child
-        if not done:
-            return 0, None
-        return done, tuple(torch.cat(parts) for parts in zip(*pieces))
 
     def insert(self, tokens: Sequence[int], entries: Callable[[int], Planes]) -> int:
         """Hold the entries of ``tokens``: ``entries(a)`` gives those of ``tokens[a:]`` (new tensors, kept

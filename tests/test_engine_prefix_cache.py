@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_reference import small_model
-from orthon.engine.in_process import EngineConfig, InProcessEngine
+from orthon.engine.in_process import EngineConfig, InProcessEngine, _shared_prefixes
 from orthon.engine.prefix_cache import PrefixCache
 from orthon.engine.sampling import SamplingParams
 
@@ -73,6 +73,15 @@ def test_the_tree_evicts_least_recently_used_leaves_to_its_budget():
     with pytest.raises(ValueError, match="entries for"):
         cache.insert([5, 5, 5], lambda start: (torch.zeros(2),))
     assert PrefixCache(0).insert([1, 2], lambda start: (torch.zeros(2),)) == 0
+
+
+def test_shared_prefixes_are_runs_of_sorted_prompts_with_a_long_common_start():
+    a = [1] * 40
+    prompts = [a + [2, 3], [7] * 50, a + [2, 4, 4], a[:35] + [9] * 10, [7] * 50 + [1], [8] * 31 + [1]]
+    found = {tuple(m): len(p) for p, m in _shared_prefixes(prompts)}
+    # 0, 2, 3 share 35 tokens; 1 and 4 share 50, but 1 must keep a token of its own: 49; 5 shares none.
+    assert found == {(0, 2, 3): 35, (1, 4): 49}
+    assert _shared_prefixes([a + [1], a + [1, 2]], min_len=41) == []
 
 
 # ---------------------------------------------------------------- the engine
@@ -166,6 +175,27 @@ def test_held_rows_beside_a_long_new_prompt_prefill_as_a_batch_of_their_own():
     # Each continuation runs its batch's longest new part (an answer of 4 and the last response token).
     assert [r.cached_tokens for r in got] == [len(s) - 5 for s in second[:3]] + [0]
     _same(got, plain.generate(second, _greedy(5)))
+
+
+def test_a_prefix_distinct_prompts_share_runs_once_even_on_an_empty_cache():
+    """RL's prompts after a weight update (the cache empty): four tasks after one 40-token system prompt.
+    The shared prefix runs once as a batch of its own, then each prompt runs only its task; the tokens
+    are those of an engine without the cache, and the 40 tokens run once are counted once."""
+    model = _model("dsa", index_topk=8)
+    cached, plain = InProcessEngine(model), InProcessEngine(model, EngineConfig(prefix_cache_tokens=0))
+    system = _prompts((40,), seed=7)[0]
+    tails = [[first] + tail for first, tail in zip((3, 4, 5, 6), _prompts((9, 11, 7, 10), seed=8))]
+    prompts = [system + t for t in tails]
+    rows = _prefill_rows(model)
+    got = cached.generate(prompts, _greedy(6))
+    assert rows == [(1, 40), (4, 12)]
+    _same(got, plain.generate(prompts, _greedy(6)))
+    # Each row takes what its batch does not run (the longest task, 12 tokens, runs on every row), but
+    # the first, for which the shared prefix ran here.
+    assert [r.cached_tokens for r in got] == [0] + [len(p) - 12 for p in prompts[1:]]
+    rows.clear()
+    cached.generate([system + [9, 9, 9]], _greedy(2))  # held now: only the new tokens run
+    assert rows == [(1, 3)]
 
 
 def test_entries_are_dropped_when_the_weights_or_the_attention_mode_change():

@@ -112,7 +112,8 @@ def test_greedy_generate_equals_the_in_process_engine(server, weights):
         meta = ans["meta_info"]
         assert ans["output_ids"] == ref.tokens and len(ref.tokens) == 10
         got = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]])
-        torch.testing.assert_close(got, ref.log_probs, atol=1e-6, rtol=0)
+        # To float round-off: the server may take a prompt's start from its prefix cache (tests before).
+        torch.testing.assert_close(got, ref.log_probs, atol=2e-5, rtol=0)
         assert [t for _, t, _ in meta["output_token_logprobs"]] == ref.tokens
         assert meta["finish_reason"] == {"type": "length", "length": 10}
         assert (meta["id"], meta["prompt_tokens"], meta["completion_tokens"], meta["weight_version"]) == (rid, len(prompt), 10, "0")
@@ -129,7 +130,7 @@ def test_greedy_generate_equals_the_in_process_engine(server, weights):
     for got, ref in zip(results, reference):
         assert (got.tokens, got.finish_reason, got.weight_version, got.prompt) == (ref.tokens, "length", 0, ref.prompt)
         assert got.log_probs.dtype == torch.float32
-        torch.testing.assert_close(got.log_probs, ref.log_probs, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got.log_probs, ref.log_probs, atol=2e-5, rtol=0)
 
 
 def test_seeded_sampling_through_the_client_equals_the_in_process_engine(server, weights):
@@ -331,9 +332,12 @@ def test_a_streamed_generate_sends_each_prefix_then_the_answer(server, served):
     status, kind, events = _stream(server.url, {**body, "stream": True})
     assert status == 200 and kind.startswith("text/event-stream") and events[-1] == "[DONE]"
     *partial, final = events[:-1]
-    # The last event is the whole answer, but for the prompt tokens the request before left in the cache.
+    # The last event is the whole answer, but for the prompt tokens the request before left in the
+    # cache, and the log-probs then differ by float round-off.
     assert final["meta_info"].pop("cached_tokens") == len(PROMPTS[1]) - 1
     whole["meta_info"].pop("cached_tokens")
+    logprobs = [torch.tensor([e[0] for e in answer["meta_info"].pop("output_token_logprobs")]) for answer in (final, whole)]
+    torch.testing.assert_close(*logprobs, atol=2e-5, rtol=0)
     assert final == whole
     ids = whole["output_ids"]
     # One a token, or fewer where the client read late (merged into the newest): 200 tokens take long
