@@ -576,7 +576,7 @@ class InProcessEngine:
         if held.max_tokens:
             for i, row in enumerate(order):  # the cache's row i is the prompt order[i]
                 pad = width - len(prompts[row])
-                held.insert(prompts[row], lambda a, i=i, pad=pad: cache.row_entries(i, pad + a, width))
+                held.insert(prompts[row], lambda a, b, i=i, pad=pad: cache.row_entries(i, pad + a, pad + b))
         ran = set()
         for request, row in zip(requests, inverse):  # a prompt's repeats computed nothing of their own
             request.cached = len(request.prompt) if row in ran else reused[row]
@@ -610,7 +610,7 @@ class InProcessEngine:
         width = max(map(len, prefixes))
         cache, _, _ = self._prefill_rows(prefixes, [entries for _, entries in hits], width, 0)
         for i, prefix in enumerate(prefixes):
-            held.insert(prefix, lambda a, i=i, pad=width - len(prefix): cache.row_entries(i, pad + a, width))
+            held.insert(prefix, lambda a, b, i=i, pad=width - len(prefix): cache.row_entries(i, pad + a, pad + b))
         return {members[0]: len(prefix) - n for (prefix, members), (n, _) in zip(todo, hits)}
 
     def _prefill_rows(self, prompts: list[list[int]], held: list, width: int, room: int):
@@ -663,7 +663,7 @@ class InProcessEngine:
             start = int(out.pads[row])
             if cache.length - start != len(tokens):
                 raise AssertionError(f"row {row}: {cache.length - start} slots cached for {len(tokens)} tokens")
-            self._prefixes.insert(tokens, lambda a, i=i, start=start: cache.row_entries(i, start + a, cache.length))
+            self._prefixes.insert(tokens, lambda a, b, i=i, start=start: cache.row_entries(i, start + a, start + b))
 
     def _decode_weights(self) -> DecodeWeights | None:
         """The fused decode weights of the current parameters, or None where they do not apply."""

@@ -84,18 +84,20 @@ class PrefixCache:
                 return
             node = child
 
-    def insert(self, tokens: Sequence[int], entries: Callable[[int], Planes]) -> int:
-        """Hold the entries of ``tokens``: ``entries(a)`` gives those of ``tokens[a:]`` (new tensors, kept
-        as they are), asked for only when the tree does not hold them all already. Returns the tokens
-        added; then evicts least recently used leaves down to ``max_tokens``."""
-        query = np.asarray(tokens, dtype=np.int64)
-        if self.max_tokens == 0 or not len(query):
+    def insert(self, tokens: Sequence[int], entries: Callable[[int, int], Planes]) -> int:
+        """Hold the entries of ``tokens``: ``entries(a, b)`` gives those of ``tokens[a:b]`` (new tensors,
+        kept as they are), asked for only when the tree does not hold them all already. Of a sequence
+        longer than ``max_tokens`` only the first ``max_tokens`` tokens are held (nothing more could be,
+        and a long context's entries are not made only to be dropped). Returns the tokens added; then
+        evicts least recently used leaves down to ``max_tokens``."""
+        query = np.asarray(tokens, dtype=np.int64)[: self.max_tokens]
+        if not len(query):
             return 0
         node, done, stamp = self._root, 0, next(self._clock)
         while done < len(query):
             child = node.children.get(int(query[done]))
             if child is None:
-                rest = tuple(entries(done))
+                rest = tuple(entries(done, len(query)))
                 if any(p.shape[0] != len(query) - done for p in rest):
                     raise ValueError(f"prefix cache: entries for {[p.shape[0] for p in rest]} of "
                                      f"{len(query) - done} tokens")

@@ -27,7 +27,7 @@ def _entries_of(seq):
 
 def _insert(cache, seq):
     a, b = _entries_of(seq)
-    return cache.insert(seq, lambda start: (a[start:].clone(), b[start:].clone()))
+    return cache.insert(seq, lambda start, end: (a[start:end].clone(), b[start:end].clone()))
 
 
 def _lcp(a, b):
@@ -68,11 +68,14 @@ def test_the_tree_evicts_least_recently_used_leaves_to_its_budget():
     assert cache.tokens == 18
     assert cache.match([1, 2, 3, 9, 9])[0] == 3 and cache.match([1, 2, 3, 4, 5, 6, 7, 8])[0] == 8
     assert cache.bytes == 18 * (8 + 16)
-    _insert(cache, list(range(100, 130)))  # longer than the budget: nothing of it stays
-    assert cache.tokens <= 20 and cache.match(list(range(100, 130)))[0] == 0
+    asked = []
+    long = list(range(100, 130))  # longer than the budget: its first 20 tokens are held, the rest never made
+    cache.insert(long, lambda start, end: asked.append((start, end)) or tuple(p[start:end] for p in _entries_of(long)))
+    assert asked == [(0, 20)] and cache.tokens == 20 and cache.match(long)[0] == 20
+    assert torch.equal(cache.match(long)[1][0], _entries_of(long[:20])[0])
     with pytest.raises(ValueError, match="entries for"):
-        cache.insert([5, 5, 5], lambda start: (torch.zeros(2),))
-    assert PrefixCache(0).insert([1, 2], lambda start: (torch.zeros(2),)) == 0
+        cache.insert([5, 5, 5], lambda start, end: (torch.zeros(2),))
+    assert PrefixCache(0).insert([1, 2], lambda start, end: (torch.zeros(2),)) == 0
 
 
 def test_shared_prefixes_are_runs_of_sorted_prompts_with_a_long_common_start():
