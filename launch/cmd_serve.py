@@ -27,6 +27,9 @@ def register(parser, name):
     parser.add_argument("--batching", choices=("continuous", "waves"), default="continuous",
                         help="continuous: requests join the running batch as rows finish (the faster the more "
                              "response lengths differ); waves: each waits for the next batch")
+    parser.add_argument("--join-free-share", type=float, default=EngineConfig.join_free_share,
+                        help="continuous batching: waiting requests join the running batch once this share of "
+                             "its rows is free (0: at every free row)")
     parser.add_argument("--batch-window-ms", type=float, default=DEFAULT_WINDOW_S * 1000,
                         help="how long an idle engine waits for a burst of requests to finish arriving (0: not at all)")
 
@@ -49,7 +52,7 @@ def run(args, name):
             raise ConfigError(f"--threads: must be >= 1, got {args.threads}")
         set_threads(args.threads)
     engine = EngineConfig(max_batch_size=args.max_batch_size, max_length=args.max_length,
-                          prefix_cache_tokens=args.prefix_cache_tokens)
+                          prefix_cache_tokens=args.prefix_cache_tokens, join_free_share=args.join_free_share)
     serve(args.weights_dir, args.host, args.port, engine, args.tokenizer, args.max_body_bytes,
           args.max_delta_bytes, args.batch_window_ms / 1000, log=lambda line: print(line, flush=True),
           chat=ChatTemplate(), continuous=args.batching == "continuous")

@@ -310,6 +310,29 @@ def test_requests_joining_a_running_wave_decode_as_they_would_alone(case, overri
     assert engine.stats.requests == 4 and engine.stats.finished["length"] == 4
 
 
+@pytest.mark.parametrize("share,first_join", [(0.0, (3, 1)), (0.5, (4, 2)), (1.0, None)])
+def test_waiting_requests_join_once_the_share_of_free_rows_is_reached(share, first_join):
+    """A full batch of 4 whose rows make 3, 4, 5 and 6 tokens: with join_free_share 0 waiting requests
+    join once the first row has ended (the longest row has made 3 tokens; one row free), with 0.5 once
+    two have (4 tokens; two free), with 1 never while a row decodes."""
+    from orthon.engine.control import RequestControl
+
+    model = _model("moe", sparse_attention=False)
+    engine = InProcessEngine(model, EngineConfig(max_batch_size=4, join_free_share=share))
+    made, asked = [0], []  # the longest row's tokens so far; when joins was asked, and with what room
+    waiting = _prompts((3, 3, 3, 3), seed=4)
+
+    def joins(room, fits):
+        asked.append((made[0], room))
+        take = [waiting.pop() for _ in range(min(room, len(waiting)))]
+        return [(prompt, _greedy(2), RequestControl(on_finish=lambda r: None)) for prompt in take]
+
+    controls = [None, None, None, RequestControl(on_tokens=lambda tokens: made.__setitem__(0, len(tokens)))]
+    engine.generate(_prompts((5, 6, 7, 8)), [_greedy(n) for n in (3, 4, 5, 6)], controls=controls, joins=joins)
+    assert (asked[0] if asked else None) == first_join  # (tokens the longest row had made, free rows)
+    assert all(room >= max(1, share * 4) for _, room in asked)
+
+
 def test_a_long_lived_wave_drops_the_slots_no_row_uses_and_decodes_on_unchanged():
     """Requests keep joining after the wave's first rows end: the slots before every live row's context
     are dropped from the cache (KVCache.drop_front), and each joined request still decodes as alone."""
