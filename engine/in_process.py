@@ -10,15 +10,16 @@ when the weights match.
 
 How a batch runs: prompts are sorted by length and taken in waves of ``max_batch_size``; a wave is
 left-padded (pads are document -1 and RoPE positions are shifted, so each row sees only its own
-tokens), prefilled in one forward, then decoded one token per step through the absorbed-attention
+tokens), prefilled in one forward (what the prefix cache holds of a prompt's start copied in rather than
+run: orthon.engine.prefix_cache), then decoded one token per step through the absorbed-attention
 cache path (the fused runner of orthon.engine.fused_decode by default). A row leaves the batch
 (``KVCache.select``) the step it finishes (or the step after its ``RequestControl`` was cancelled:
 ``orthon.engine.control``), so the cost follows the live rows; with ``joins`` (a server's batcher),
-requests that arrive meanwhile take the freed rows (continuous batching: each prefilled on a cache of
-its own, its entries placed to end where the wave's rows do, the slots no live row uses dropped as the
-wave lives on), and each decodes as it would alone. Bad requests (empty
-prompt, token id outside the vocabulary, prompt that leaves no room in the context) come back as
-"rejected" results with the reason, counted in ``stats``; the rest of the batch runs.
+requests that arrive meanwhile take the freed rows once ``join_free_share`` of them are free
+(continuous batching: each prefilled on a cache of its own, its entries placed to end where the wave's
+rows do, the slots no live row uses dropped as the wave lives on), and each decodes as it would alone.
+Bad requests (empty prompt, token id outside the vocabulary, prompt that leaves no room in the context)
+come back as "rejected" results with the reason, counted in ``stats``; the rest of the batch runs.
 
 ``update_weights`` copies new tensors (a state dict, a weights directory or file, a delta) into the
 existing parameters (same storage, no re-allocation: a colocated trainer or a delta sync can rely on
