@@ -201,6 +201,31 @@ def test_a_prefix_distinct_prompts_share_runs_once_even_on_an_empty_cache():
     assert rows == [(1, 3)]
 
 
+def test_a_request_joining_a_running_batch_takes_what_a_finished_row_left():
+    """Continuous batching: a row ends, and the request that takes its place continues that row's
+    conversation; it prefills only its new tokens and decodes as without the cache."""
+    from orthon.engine.control import RequestControl
+
+    model = _model("dsa", index_topk=8)
+    plain = InProcessEngine(model, EngineConfig(prefix_cache_tokens=0))
+    first, long = _prompts((12, 9))
+    reply = plain.generate([first], _greedy(3))[0].tokens
+    follow = first + reply + [7, 8]
+    answered = []
+
+    def joins(room, fits):
+        if answered or not fits(len(follow), 4):
+            return []
+        answered.append(None)
+        return [(follow, _greedy(4), RequestControl(on_finish=lambda r: answered.__setitem__(0, r)))]
+
+    engine = InProcessEngine(model, EngineConfig(max_batch_size=2, join_free_share=0))
+    engine.generate([first, long], [_greedy(3), _greedy(20)], controls=[RequestControl(), RequestControl()], joins=joins)
+    joined = answered[0]
+    assert joined.cached_tokens == len(first) + 2  # the finished row's prompt and all but its last token
+    _same([joined], plain.generate([follow], _greedy(4)))
+
+
 def test_entries_are_dropped_when_the_weights_or_the_attention_mode_change():
     model = _model("dsa", index_topk=8)
     engine = InProcessEngine(model)
