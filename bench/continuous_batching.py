@@ -4,7 +4,8 @@ K closed-loop clients (each sends its next request when the last one is answered
 one ContinuousBatcher on an InProcessEngine (one thread; greedy, no stop token, so each request makes
 exactly its tokens). With waves only, a request that arrives while a wave decodes waits for the wave's
 longest response, and the rows that finish early sit empty; with continuous batching it joins the
-running wave as rows free up (its own prefill, then the wave's decode steps). Two mixes of response
+running wave once a quarter of its rows are free (the engine's ``join_free_share``; its own prefill,
+then the wave's decode steps; ``--join-free-share 0`` joins at every free row). Two mixes of response
 lengths: "uniform" (each drawn from --min-tokens..--max-tokens) and "long tail" (--long-share of them
 --long-tokens long, the rest --short-tokens). Both ways run the same requests, in turn (--repeats
 rounds); reported per mix: generated tokens a second and each request's latency (submitted to
@@ -110,13 +111,16 @@ def main():
     parser.add_argument("--long-tokens", type=int, default=512)
     parser.add_argument("--long-share", type=float, default=0.1)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--join-free-share", type=float, default=EngineConfig.join_free_share)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"CPU: {cpu_kind()}; 1 thread; {args.clients} clients, {args.requests} requests a mix")
+    print(f"CPU: {cpu_kind()}; 1 thread; {args.clients} clients, {args.requests} requests a mix; "
+          f"newcomers join at {args.join_free_share:g} of the rows free")
     config = load_recipe(ROOT / "configs/tiny.yaml").model
     torch.manual_seed(0)
     # No prefix cache: both ways run the same requests in turn (bench/prefix_cache.py measures it).
-    engine = InProcessEngine(GLMForCausalLM(config).eval(), EngineConfig(max_batch_size=args.clients, prefix_cache_tokens=0))
+    engine = InProcessEngine(GLMForCausalLM(config).eval(), EngineConfig(max_batch_size=args.clients, prefix_cache_tokens=0,
+                                                                        join_free_share=args.join_free_share))
     rng = random.Random(1)
 
     def requests(length):
