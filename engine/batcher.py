@@ -3,7 +3,7 @@ everything waiting and runs it as one ``generate`` call (a wave; the engine spli
 ``max_batch_size``), so sixteen HTTP callers arriving together cost one engine call, not sixteen.
 
 While a wave decodes, waiting requests join it as its rows finish (continuous batching, on an engine
-that takes them: orthon's in-process one; a request whose prompt is longer than the wave has cached,
+that takes them: orthon's in-process one, once its ``join_free_share`` of the rows are free; a request whose prompt is longer than the wave has cached,
 or whose response would outgrow the wave, starts the next wave instead), and each request is answered
 the step it finishes.
 

@@ -115,6 +115,12 @@ class _Request:
     cached: int = 0  # prompt tokens whose entries came from the prefix cache
 
 
+def _per_row(counts, n: int) -> list[int]:
+    """A decode step's token counts as one int a live row (``counts``: a tensor of them, or one int for
+    every row while no row joined late)."""
+    return counts.tolist() if isinstance(counts, torch.Tensor) else [counts] * n
+
+
 def _run_groups(runs: list[int], overhead: int = 64) -> list[list[int]]:
     """Rows (by index) in one prefill batch, or two where that runs fewer tokens: a batch runs each row's
     last max(runs) tokens, so rows with little left to run (most of the prompt held in the prefix cache)
@@ -181,9 +187,8 @@ class _Wave:
     def __init__(self, requests: list[_Request], device, tokenizer):
         self.device = device
         lengths = torch.tensor([len(r.prompt) for r in requests], device=device)
-        self.width = int(lengths.max())
         self.steps = max(r.budget for r in requests)
-        self.pads = self.width - lengths  # left padding of each row in the cache's slots
+        self.pads = int(lengths.max()) - lengths  # left padding of each row in the cache's slots
         self.requests: list[_Request] = []
         self.texts = StopStringWatch([], tokenizer and tokenizer.decode)
         self.results: dict[int, GenerationResult] = {}  # rows handed over as they finished
@@ -585,8 +590,7 @@ class InProcessEngine:
             cache.add_rows(other, at=0)
         if held.max_tokens:
             for i, row in enumerate(order):  # the cache's row i is the prompt order[i]
-                pad = width - len(prompts[row])
-                held.insert(prompts[row], lambda a, b, i=i, pad=pad: cache.row_entries(i, pad + a, pad + b))
+                self._hold_row(cache, i, width - len(prompts[row]), prompts[row])
         ran = set()
         for request, row in zip(requests, inverse):  # a prompt's repeats computed nothing of their own
             request.cached = len(request.prompt) if row in ran else reused[row]
@@ -620,7 +624,7 @@ class InProcessEngine:
         width = max(map(len, prefixes))
         cache, _, _ = self._prefill_rows(prefixes, [entries for _, entries in hits], width, 0)
         for i, prefix in enumerate(prefixes):
-            held.insert(prefix, lambda a, b, i=i, pad=width - len(prefix): cache.row_entries(i, pad + a, pad + b))
+            self._hold_row(cache, i, width - len(prefix), prefix)
         return {members[0]: len(prefix) - n for (prefix, members), (n, _) in zip(todo, hits)}
 
     def _prefill_rows(self, prompts: list[list[int]], held: list, width: int, room: int):
@@ -651,7 +655,7 @@ class InProcessEngine:
         """After a step, for each controlled live row that goes on (a row that finished has its result):
         its tokens so far (``counts`` of them) to its listener; which of them were cancelled."""
         cancelled = torch.zeros(len(live), dtype=torch.bool)
-        counts = counts.tolist() if isinstance(counts, torch.Tensor) else [counts] * len(live)
+        counts = _per_row(counts, len(live))
         for i, (row, count, finished) in enumerate(zip(live.tolist(), counts, done.tolist())):
             control = out.requests[row].control
             if control is None or finished:
@@ -666,14 +670,19 @@ class InProcessEngine:
         and response but its last token (sampled, never run: it has no entries)."""
         if not self._prefixes.max_tokens:
             return
+        counts = _per_row(counts, len(live))
         for i in done.nonzero().squeeze(-1).tolist():
             row = int(live[i])
-            made = int(counts[i] if isinstance(counts, torch.Tensor) else counts) - 1
-            tokens = out.requests[row].prompt + out.tokens[row, :made].tolist()
+            tokens = out.requests[row].prompt + out.tokens[row, : counts[i] - 1].tolist()
             start = int(out.pads[row])
             if cache.length - start != len(tokens):
                 raise AssertionError(f"row {row}: {cache.length - start} slots cached for {len(tokens)} tokens")
-            self._prefixes.insert(tokens, lambda a, b, i=i, start=start: cache.row_entries(i, start + a, start + b))
+            self._hold_row(cache, i, start, tokens)
+
+    def _hold_row(self, cache, i: int, start: int, tokens: list[int]) -> None:
+        """Put ``tokens``, held from slot ``start`` of the cache's row ``i``, into the prefix cache (the
+        entries are read only for the tokens it does not hold yet)."""
+        self._prefixes.insert(tokens, lambda a, b: cache.row_entries(i, start + a, start + b))
 
     def _decode_weights(self) -> DecodeWeights | None:
         """The fused decode weights of the current parameters, or None where they do not apply."""
@@ -688,7 +697,7 @@ class InProcessEngine:
     def _decode(self, out: "_Wave", joins=None):
         model = self.model
         fused = self._decode_weights()
-        device, width, B = out.device, out.width, len(out.requests)
+        device, B = out.device, len(out.requests)
         padded = bool((out.pads > 0).any())
         any_sampling_mode = bool(out.sampling_mode.any())
         controlled = any(r.control is not None for r in out.requests)
