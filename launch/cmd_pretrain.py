@@ -79,15 +79,22 @@ def resume_command(args, name) -> str:
 
 
 def make_trainer(recipe, run_dir, with_data: bool = True):
-    """The trainer of the recipe's backend: the torch Trainer, or the MindSpore loop
-    (``backend=mindspore``; the same data, schedule, routing and outputs)."""
+    """The trainer of the recipe's backend: the torch Trainer over orthon's model or over megatron-core's
+    (``backend=megatron``), or the MindSpore loop (``backend=mindspore``); the same data, schedule, routing
+    and outputs."""
     if recipe.backend == "mindspore":
         from orthon.backends.mindspore.trainer import MindSporeTrainer
 
         return MindSporeTrainer(recipe, run_dir, with_data=with_data)
     from orthon.pretrain.trainer import Trainer
 
-    return Trainer(recipe, run_dir, with_data=with_data)
+    build_model = None
+    if recipe.backend == "megatron":
+        from orthon.backends.megatron.causal_lm import MegatronCausalLM, check_recipe
+
+        check_recipe(recipe)  # before the data is opened or anything built
+        build_model = MegatronCausalLM
+    return Trainer(recipe, run_dir, with_data=with_data, build_model=build_model)
 
 
 def run(args, name):

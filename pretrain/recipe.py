@@ -35,6 +35,25 @@ class MindSporeConfig:
 
 
 @dataclass
+class MegatronOptions:
+    """How the megatron-core model is built and laid out (``backend: megatron``; orthon.backends.megatron).
+    Declared here, beside the recipe that holds it; the backend's code lives in orthon.backends.megatron."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    expert_parallel: int = 1
+    expert_tensor_parallel: int | None = None  # None: tensor_parallel (megatron-core's default)
+    transformer_engine: Literal["auto", "on", "off"] = "auto"  # auto: TE layers when transformer-engine imports
+    # The parameters' dtype of a model built on its own (orthon.backends.megatron.build_model); a training run
+    # keeps them fp32 and follows train.precision (bf16: autocast), as the torch backend does.
+    params_dtype: Literal["bf16", "fp32"] = "bf16"
+    # alltoall: megatron's default on GPUs; allgather: what runs on a CPU (chosen there whatever this says).
+    token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    moe_bias_rate: float = 1e-3  # megatron's own loop's expert-bias step (orthon's Trainer uses train.moe_bias_rate)
+    seed: int = 1234
+
+
+@dataclass
 class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
@@ -46,9 +65,11 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     smoke: SmokeConfig = field(default_factory=SmokeConfig)
     ablation: AblationConfig = field(default_factory=AblationConfig)
-    # Which framework trains the model: "torch" (orthon.pretrain.trainer) or "mindspore"
-    # (orthon.backends.mindspore.trainer, placed by the ``mindspore`` section).
-    backend: Literal["torch", "mindspore"] = "torch"
+    # Which framework trains the model: "torch" (orthon.pretrain.trainer), "megatron" (the same Trainer over
+    # megatron-core's GPTModel, laid out by the ``megatron`` section: orthon.backends.megatron.causal_lm) or
+    # "mindspore" (orthon.backends.mindspore.trainer, placed by the ``mindspore`` section).
+    backend: Literal["torch", "megatron", "mindspore"] = "torch"
+    megatron: MegatronOptions = field(default_factory=MegatronOptions)
     mindspore: MindSporeConfig = field(default_factory=MindSporeConfig)
 
 

@@ -148,7 +148,7 @@ class Trainer:
     extra state the caller adds) go through one Checkpointer; metrics through one MetricsLogger."""
 
     def __init__(self, recipe, run_dir: Path, log=print, step: TrainStep | None = None,
-                 build_optimizer=None, with_data: bool = True):
+                 build_optimizer=None, with_data: bool = True, build_model=None):
         self.recipe = recipe
         self.cfg = recipe.train
         self.run_dir = Path(run_dir)
@@ -163,13 +163,17 @@ class Trainer:
         random.seed(self.cfg.seed)
         np.random.seed(self.cfg.seed)
 
+        # Another framework's model (``build_model``: e.g. orthon.backends.megatron.causal_lm.MegatronCausalLM)
+        # is built whole and brings its own weights I/O and optimizer; orthon's own is GLMForCausalLM.
+        self.foreign_model = build_model is not None
         sharded_build = self._builds_sharded()
         source = init_source(self.cfg.init_from, recipe.model) if self.cfg.init_from else None
         with on_meta_device() if sharded_build else nullcontext():
-            self.model = GLMForCausalLM(recipe.model, runtime=dataclasses.replace(recipe.runtime))  # a copy: phases change it
+            self.model = (build_model(recipe) if self.foreign_model
+                          else GLMForCausalLM(recipe.model, runtime=dataclasses.replace(recipe.runtime)))  # a copy: phases change it
         if not sharded_build:
             if source is not None:
-                load_into(self.model, source)
+                self._load_weights(self.model, source)
             self.model.to(self.device)
         if self.cfg.precision == "bf16" and not bf16_gemm_is_native(self.device):
             self.log("warning: train.precision bf16 on a CPU whose bf16 matmul is emulated (no AVX512-BF16 / AMX; "
@@ -201,7 +205,9 @@ class Trainer:
             groups = self.cfg.fsdp_shard_ranks
             hsdp = f", sharded within groups of {groups}" if 0 < groups < self.world else ""
             self.log(f"model built sharded (FSDP2 over {self.world} ranks{hsdp}): no rank held all of it")
-        self.optimizer = (build_optimizer or _hybrid_optimizer)(self.model, recipe)
+        if build_optimizer is None:
+            build_optimizer = (lambda model, recipe: model.build_optimizer(recipe)) if self.foreign_model else _hybrid_optimizer
+        self.optimizer = build_optimizer(self.model, recipe)
         self.data, self.valid = (open_training_data(recipe.data, recipe.model.vocab_size, recipe.train.eval_samples,
                                                     self.data_rank, self.data_world)
                                  if with_data else (None, None))
@@ -514,11 +520,19 @@ class Trainer:
             load_into(model, source)
         return model.eval()
 
+    @staticmethod
+    def _load_weights(model, source) -> None:
+        if isinstance(model, GLMForCausalLM):
+            load_into(model, source)
+        else:
+            model.load_weights(source)
+
     def _builds_sharded(self) -> bool:
         """FSDP2 over several ranks: a model is built on the meta device and sharded before it has memory, so
         no rank ever holds the whole of it (GLM-5's 744B parameters would not fit); the same values as a
         direct build. Not for tied embeddings: such a model is built whole."""
-        return self.cfg.parallel == "fsdp" and self.world > 1 and not self.recipe.model.tie_word_embeddings
+        return (self.cfg.parallel == "fsdp" and self.world > 1 and not self.recipe.model.tie_word_embeddings
+                and not self.foreign_model)
 
     @property
     def holds_shards(self) -> bool:
@@ -539,7 +553,10 @@ class Trainer:
         if self.holds_shards:
             save_gathered(self.model, directory, self.rank)
         elif self.rank == 0:
-            save_weights(self.model, directory)
+            if isinstance(self.model, GLMForCausalLM):
+                save_weights(self.model, directory)
+            else:
+                self.model.save_weights(directory)
 
     def finish(self) -> None:
         """The run's loss plot and the step plug-in's own (rank 0, after final/ is written)."""

@@ -29,3 +29,21 @@ def apply() -> None:
     mla.HAVE_TE = False
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def _cpu_device() -> str:
+    return "cpu"
+
+
+def point_cuda_device_at_cpu() -> bool:
+    """On a machine without CUDA, make ``torch.cuda.current_device()`` answer "cpu" in this process, so that
+    megatron-core (which places its router state, RoPE frequencies and tensor-parallel buffers there, in
+    its forward and backward too) runs on the CPU. Without CUDA that call raises, so nothing that worked
+    before is changed: only code that would have failed now gets the CPU. Returns whether it is pointed
+    there; with CUDA it does nothing and returns False."""
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    torch.cuda.current_device = _cpu_device
+    return True

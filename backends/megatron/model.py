@@ -12,8 +12,6 @@ indexer is not part of this dense-MLA model (pretraining runs dense; its tensors
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
@@ -21,28 +19,14 @@ from orthon.backends.megatron.convert import MegatronLayout
 from orthon.backends.megatron.parallel import ParallelSizes, check_parallel, shard
 from orthon.core.errors import CheckpointError, ConfigError, OrthonError
 from orthon.pretrain.config import ModelConfig
+from orthon.pretrain.recipe import MegatronOptions
 
 INSTALL = "pip install orthon[megatron]"
 
 
-@dataclass
-class MegatronOptions:
-    """How the megatron-core model is built and laid out."""
-
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    expert_parallel: int = 1
-    expert_tensor_parallel: int | None = None  # None: tensor_parallel (megatron-core's default)
-    transformer_engine: Literal["auto", "on", "off"] = "auto"  # auto: TE layers when transformer-engine imports
-    params_dtype: Literal["bf16", "fp32"] = "bf16"
-    token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
-    moe_bias_rate: float = 1e-3  # the routers' expert-bias step (GLM-5's aux-loss-free balancing)
-    seed: int = 1234
-
-    @property
-    def sizes(self) -> ParallelSizes:
-        return ParallelSizes(self.tensor_parallel, self.pipeline_parallel, self.expert_parallel,
-                             self.expert_tensor_parallel)
+def sizes_of(options: MegatronOptions) -> ParallelSizes:
+    return ParallelSizes(options.tensor_parallel, options.pipeline_parallel, options.expert_parallel,
+                         options.expert_tensor_parallel)
 
 
 def require_megatron() -> None:
@@ -78,7 +62,7 @@ def transformer_config(model: ModelConfig, options: MegatronOptions, te: bool = 
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    sizes = options.sizes
+    sizes = sizes_of(options)
     check_parallel(model, sizes, layout(te))
     if model.has_moe and not model.norm_topk_prob and model.num_experts_per_tok > 1:
         raise ConfigError("norm_topk_prob: megatron-core renormalises the sigmoid top-k weights; false is not "
@@ -145,7 +129,7 @@ def initialize_parallel(options: MegatronOptions) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if not parallel_state.model_parallel_is_initialized():
-        sizes = options.sizes
+        sizes = sizes_of(options)
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=sizes.tp, pipeline_model_parallel_size=sizes.pp,
             expert_model_parallel_size=sizes.ep, expert_tensor_parallel_size=sizes.expert_tp)
@@ -194,7 +178,7 @@ def rank_key() -> tuple[int, int, int]:
 def load_megatron_state(gpt, full_state: dict[str, torch.Tensor], model: ModelConfig, options: MegatronOptions) -> None:
     """Load this rank's shard of megatron's full state dict (``convert.hf_to_megatron`` /
     ``weights.load_as_megatron``) into ``gpt``; a parameter the shard does not give is a CheckpointError."""
-    mine = shard(full_state, model, options.sizes, gpt.orthon_layout, only=rank_key())[rank_key()]
+    mine = shard(full_state, model, sizes_of(options), gpt.orthon_layout, only=rank_key())[rank_key()]
     expected = {k for k in gpt.state_dict() if not k.endswith("._extra_state")}
     missing = sorted(expected - set(mine))
     if missing:

@@ -1,0 +1,201 @@
+"""megatron-core's GPTModel as the one Trainer's model (``backend: megatron``).
+
+The Trainer (orthon.pretrain.trainer) asks a model for a forward with labels that returns the summed or
+mean next-token loss, its MoE routers' token counts and selection biases (the aux-loss-free balancing
+step), its indexers (none here: megatron's model is dense MLA, as pretraining is), and, through this
+class, for its weights and optimizer. ``MegatronCausalLM`` gives megatron-core's model that face, so
+pretraining runs the same data, batch ramp, schedule, checkpoints and metrics on either backend.
+
+- Weights come in and go out in orthon's format (the HF layout, ``orthon.backends.megatron.weights``).
+  A run from scratch starts from the weights orthon's torch model draws for the same seed, converted,
+  so both backends start alike. The DSA indexer is not part of megatron's dense-MLA model: its tensors
+  are carried beside it (buffers, in every checkpoint) and written back with the weights, untrained,
+  as pretraining leaves them on the torch backend too.
+- GLM-5 gives its two latent norms (q_a / kv_a) eps 1e-6 where megatron has one ``layernorm_epsilon``
+  (rms_norm_eps) for all: the two are set back to 1e-6 after the build, so the model computes GLM-5's
+  function (the logits and loss equal the torch model's on the same weights).
+- The parameters stay fp32 and ``train.precision: bf16`` runs the forward under autocast, as on the torch
+  backend (megatron's own bf16 mode would step bf16 parameters through main weights the checkpoint does
+  not hold).
+- Without CUDA, ``torch.cuda.current_device()`` is pointed at the CPU (``compat.point_cuda_device_at_cpu``)
+  and the MoE tokens go through megatron's allgather dispatcher: a tiny recipe trains on a laptop.
+
+So far the Trainer drives it with data parallelism (DDP) only: tensor, pipeline and expert parallelism,
+FSDP2 and context parallelism are refused by name (megatron's own layouts need megatron's DDP and
+schedules; orthon's conversion and TP-aware Muon already handle their shards)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from orthon.backends.megatron import compat
+from orthon.backends.megatron.convert import model_maps
+from orthon.backends.megatron.model import _build, load_megatron_state, require_megatron, sizes_of
+from orthon.backends.megatron.weights import load_as_megatron, save_from_megatron
+from orthon.core.errors import ConfigError
+from orthon.pretrain.config import ModelConfig, RuntimeOptions
+from orthon.pretrain.loss import IGNORE_INDEX, cross_entropy
+from orthon.pretrain.model import CausalLMOutput, GLMForCausalLM
+from orthon.pretrain.recipe import MegatronOptions
+
+LATENT_NORM_EPS = 1e-6  # GLM-5's q_a / kv_a latent norms (orthon.pretrain.attention)
+_LATENT_NORMS = (("q_layernorm", "linear_q_up_proj"), ("kv_layernorm", "linear_kv_up_proj"))
+
+
+def check_recipe(recipe) -> None:
+    """What the Trainer cannot yet run on megatron-core, refused before anything is built."""
+    options, train = recipe.megatron, recipe.train
+    sizes = sizes_of(options)
+    if (sizes.tp, sizes.pp, sizes.ep) != (1, 1, 1):
+        raise ConfigError(f"megatron.tensor_parallel / pipeline_parallel / expert_parallel = {sizes.tp} / {sizes.pp} / "
+                          f"{sizes.ep}: the Trainer drives megatron-core with data parallelism only so far (set them to "
+                          f"1); orthon.backends.megatron converts and shards weights for those layouts")
+    for name, value, plain in (("train.parallel", train.parallel, "ddp"), ("train.expert_parallel", train.expert_parallel, 1),
+                               ("train.context_parallel", train.context_parallel, 1)):
+        if value != plain:
+            raise ConfigError(f"{name} = {value}: the megatron backend runs data parallel (DDP) only so far; set "
+                              f"{name}={plain}")
+    if recipe.runtime.sparse_attention:
+        raise ConfigError("runtime.sparse_attention: the megatron backend runs dense MLA (pretraining's attention); "
+                          "DSA (mid-training) runs on the torch backend")
+    if recipe.runtime.activation_checkpointing:
+        raise ConfigError("runtime.activation_checkpointing: not wired to megatron-core's recompute yet; set it false")
+    if recipe.data.document_mask:
+        raise ConfigError("data.document_mask: megatron-core's local attention is plainly causal; packed documents "
+                          "need transformer-engine's (not wired yet); set data.document_mask=false")
+
+
+class _RouterView:
+    """A megatron TopKRouter as the Trainer's balancing step reads a router: the tokens each expert took
+    since the last step (``expert_load``) and the bias added to the scores for selection only."""
+
+    def __init__(self, router):
+        self.router = router
+
+    @property
+    def expert_load(self) -> torch.Tensor:
+        return self.router.local_tokens_per_expert
+
+    @property
+    def e_score_correction_bias(self) -> torch.Tensor:
+        return self.router.expert_bias
+
+
+class MegatronCausalLM(nn.Module):
+    """megatron-core's GPTModel of ``config`` (built by ``orthon.backends.megatron.model``), with the
+    face orthon's Trainer asks of a model. ``recipe``: the training recipe (its ``megatron`` section,
+    ``runtime`` and seed)."""
+
+    def __init__(self, recipe):
+        super().__init__()
+        require_megatron()
+        check_recipe(recipe)
+        self.config: ModelConfig = recipe.model
+        self.runtime = dataclasses.replace(recipe.runtime)
+        on_cpu = compat.point_cuda_device_at_cpu()
+        self.options: MegatronOptions = dataclasses.replace(
+            recipe.megatron, params_dtype="fp32", token_dispatcher="allgather" if on_cpu else recipe.megatron.token_dispatcher)
+        self.gpt = _build(self.config, self.options)
+        for layer in self.gpt.decoder.layers:
+            _set_latent_eps(layer.self_attention, LATENT_NORM_EPS)
+        self._owned = self._megatron_names() & set(self.gpt.state_dict())
+        self.carried = nn.Module()  # the tensors of orthon's model megatron's has none for (the DSA indexer)
+        self._carried_names: dict[str, str] = {}
+        torch.manual_seed(recipe.train.seed)  # the torch backend's first draw: the same initial weights
+        self._load_full(self._full_state(GLMForCausalLM(self.config, runtime=self.runtime).state_dict()))
+
+    # ------------------------------------------------------------ weights
+    def _megatron_names(self) -> set[str]:
+        return {name for mp in model_maps(self.config, self.gpt.orthon_layout) for name in mp.megatron}
+
+    def _full_state(self, orthon_state: dict) -> dict[str, torch.Tensor]:
+        from orthon.backends.megatron.convert import orthon_to_megatron
+
+        return orthon_to_megatron(orthon_state, self.config, self.gpt.orthon_layout)
+
+    def _load_full(self, full: dict[str, torch.Tensor]) -> None:
+        """megatron's full state dict into the model, the tensors it has no module for into ``carried``."""
+        load_megatron_state(self.gpt, full, self.config, self.options)
+        for name, tensor in full.items():
+            if name in self._owned:
+                continue
+            key = self._carried_names.setdefault(name, f"t{len(self._carried_names)}")
+            if hasattr(self.carried, key):
+                getattr(self.carried, key).copy_(tensor)
+            else:
+                self.carried.register_buffer(key, tensor.detach().clone().float())
+
+    def load_weights(self, directory) -> None:
+        """A weights directory (orthon's, or any HF glm_moe_dsa checkpoint of this architecture) into the model."""
+        _, full = load_as_megatron(directory, self.gpt.orthon_layout)
+        device = next(self.parameters()).device
+        self._load_full({k: v.to(device) for k, v in full.items()})
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """megatron's full state dict of the model: its own tensors and the carried ones."""
+        state = {k: v for k, v in self.gpt.state_dict().items() if k in self._owned}
+        state.update({name: getattr(self.carried, key) for name, key in self._carried_names.items()})
+        return state
+
+    def save_weights(self, directory) -> None:
+        """The model as an orthon weights directory (HF layout + sidecar)."""
+        save_from_megatron(self.full_state(), self.config, directory, self.gpt.orthon_layout, self.runtime)
+
+    def build_optimizer(self, recipe):
+        """orthon's Muon + Split / AdamW over megatron's parameters (orthon.backends.megatron.optimizer)."""
+        from orthon.backends.megatron.optimizer import build_optimizer
+
+        return build_optimizer(self.gpt, self.config, recipe.optim, recipe.schedule, tp=sizes_of(self.options).tp)
+
+    # ------------------------------------------------------------ the Trainer's model face
+    def forward(self, input_ids, labels=None, doc_ids=None, return_logits: bool = True, loss_reduction: str = "mean",
+                loss_chunk: int = 0, context=None, position_ids=None, logits_at=None) -> CausalLMOutput:
+        """As GLMForCausalLM.forward for whole sequences from position 0 (no cache, no documents, no context
+        parallelism). Without logits the loss is megatron's own (its fused cross-entropy)."""
+        if doc_ids is not None or context is not None:
+            raise ValueError("MegatronCausalLM: packed documents and context parallelism are not supported")
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, -1)
+        if labels is not None and not return_logits and logits_at is None:
+            counted = labels != IGNORE_INDEX
+            per_token = self.gpt(input_ids, position_ids, None, labels=labels.masked_fill(~counted, 0))
+            loss = per_token.float().masked_fill(~counted, 0.0).sum()
+            if loss_reduction == "mean":
+                loss = loss / counted.sum().clamp(min=1)
+            return CausalLMOutput(logits=None, loss=loss)
+        logits = self.gpt(input_ids, position_ids, None)
+        if logits_at is not None:
+            logits = logits.gather(1, logits_at[..., None].expand(*logits_at.shape, logits.shape[-1]))
+        loss = cross_entropy(logits, labels, loss_reduction) if labels is not None else None
+        return CausalLMOutput(logits=logits, loss=loss)
+
+    def moe_routers(self) -> list[_RouterView]:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        return [_RouterView(m) for m in self.gpt.modules() if isinstance(m, TopKRouter)]
+
+    def indexers(self) -> list:
+        return []
+
+    def set_indexers_trainable(self, trainable: bool) -> None:
+        if trainable:
+            raise ConfigError("the megatron backend has no DSA indexer to train (mid-training runs on the torch backend)")
+
+    def track_max_logit(self, on: bool = True) -> None:
+        """megatron-core's attention does not expose its logits: the metric is not logged on this backend."""
+
+    def attention_logit_max(self) -> None:
+        return None
+
+
+def _set_latent_eps(attention, eps: float) -> None:
+    """GLM-5's eps on MLA's two latent norms: a norm module of its own (local spec), or the one fused into
+    the up-projection after it (transformer-engine's LayerNormColumnParallelLinear)."""
+    for norm, fused in _LATENT_NORMS:
+        module = getattr(attention, norm, None)
+        if module is None or not hasattr(module, "eps"):
+            module = getattr(attention, fused)
+        module.eps = eps
