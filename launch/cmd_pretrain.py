@@ -88,13 +88,7 @@ def make_trainer(recipe, run_dir, with_data: bool = True):
         return MindSporeTrainer(recipe, run_dir, with_data=with_data)
     from orthon.pretrain.trainer import Trainer
 
-    build_model = None
-    if recipe.backend == "megatron":
-        from orthon.backends.megatron.causal_lm import MegatronCausalLM, check_recipe
-
-        check_recipe(recipe)  # before the data is opened or anything built
-        build_model = MegatronCausalLM
-    return Trainer(recipe, run_dir, with_data=with_data, build_model=build_model)
+    return Trainer(recipe, run_dir, with_data=with_data)
 
 
 def run(args, name):

@@ -27,6 +27,7 @@ from orthon.core import distributed
 from orthon.core.config import to_dict
 from orthon.core.device_stats import peak_flops, step_memory, throughput_metrics
 from orthon.core.errors import ConfigError
+from orthon.core.plugins import resolve
 from orthon.core.files import atomic_write_bytes
 from orthon.core.metrics import MetricsLogger, open_step_log, plot_training, read_metrics
 from orthon.core.profiling import StepProfiler
@@ -46,6 +47,10 @@ from orthon.pretrain.steps import NextTokenStep, TrainStep
 from orthon.pretrain.weights import load_config, load_into, load_weights, save_weights
 
 CONFIG_NAME = "config.yaml"
+# Backends whose model this Trainer drives in place of orthon's (``recipe.backend``), by dotted path: a
+# plug-in, so that the Trainer never imports a backend (they sit above it). The model class takes the recipe
+# and has GLMForCausalLM's training face plus load_weights / save_weights / orthon_state / build_optimizer.
+MODEL_BACKENDS = {"megatron": "orthon.backends.megatron.causal_lm.MegatronCausalLM"}
 
 
 def _rng_state() -> dict:
@@ -148,7 +153,7 @@ class Trainer:
     extra state the caller adds) go through one Checkpointer; metrics through one MetricsLogger."""
 
     def __init__(self, recipe, run_dir: Path, log=print, step: TrainStep | None = None,
-                 build_optimizer=None, with_data: bool = True, build_model=None):
+                 build_optimizer=None, with_data: bool = True):
         self.recipe = recipe
         self.cfg = recipe.train
         self.run_dir = Path(run_dir)
@@ -163,14 +168,16 @@ class Trainer:
         random.seed(self.cfg.seed)
         np.random.seed(self.cfg.seed)
 
-        # Another framework's model (``build_model``: e.g. orthon.backends.megatron.causal_lm.MegatronCausalLM)
-        # is built whole and brings its own weights I/O and optimizer; orthon's own is GLMForCausalLM.
-        self.foreign_model = build_model is not None
+        # Another framework's model (``recipe.backend``, see MODEL_BACKENDS) is built whole and brings its own
+        # weights I/O and optimizer; orthon's own is GLMForCausalLM.
+        self.foreign_model = recipe.backend in MODEL_BACKENDS
         sharded_build = self._builds_sharded()
         source = init_source(self.cfg.init_from, recipe.model) if self.cfg.init_from else None
         with on_meta_device() if sharded_build else nullcontext():
-            self.model = (build_model(recipe) if self.foreign_model
-                          else GLMForCausalLM(recipe.model, runtime=dataclasses.replace(recipe.runtime)))  # a copy: phases change it
+            if self.foreign_model:
+                self.model = resolve(MODEL_BACKENDS[recipe.backend], "backend")(recipe)
+            else:
+                self.model = GLMForCausalLM(recipe.model, runtime=dataclasses.replace(recipe.runtime))  # a copy: phases change it
         if not sharded_build:
             if source is not None:
                 self._load_weights(self.model, source)
@@ -541,7 +548,10 @@ class Trainer:
 
     def whole_state(self) -> dict | None:
         """The model's state dict gathered from the ranks' shards (a collective: every rank calls it; CPU
-        copies, on rank 0 only), or None where every rank holds the whole model (``self.model``'s own)."""
+        copies, on rank 0 only), or None where every rank holds the whole model (``self.model``'s own). Another
+        backend's model: its state in orthon's names (on every rank)."""
+        if self.foreign_model:  # another framework's names: orthon's, as every reader of this expects
+            return self.model.orthon_state()
         if not self.holds_shards:
             return None
         return get_model_state_dict(self.wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

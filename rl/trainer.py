@@ -225,11 +225,12 @@ class RLTrainer:
                 self._shard_delta().reset(self.weight_version)
             return
         state = self.trainer.whole_state()
+        weights = self.model if state is None else state
         if self.rank != 0:
             if self.engine is not None:  # a rank that generates too (DDP: its weights are whole)
-                self._update_engine(self.model, self.weight_version)
+                self._update_engine(weights, self.weight_version)
             return
-        self.weight_sync(self.model if state is None else state, self.weight_version)
+        self.weight_sync(weights, self.weight_version)
 
     def _stream_parts(self, part_bytes: int):
         """The weights to the engines part by part as the ranks gather them; None once sent, else (the

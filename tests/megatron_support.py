@@ -1,10 +1,9 @@
 """megatron-core on the CPU for tests: its MoE router state and RoPE frequencies go to
-``torch.cuda.current_device()``, pointed here at the CPU; torch.distributed (gloo, one process) and
-megatron's parallel groups are set up by orthon's builder and torn down after."""
+``torch.cuda.current_device()``, pointed here at the CPU; torch.distributed (gloo, one process, an
+in-process store) and megatron's parallel groups are set up by orthon's builder and torn down after."""
 from __future__ import annotations
 
 import contextlib
-import socket
 
 import pytest
 import torch
@@ -15,10 +14,7 @@ def megatron_on_cpu():
     from megatron.core import parallel_state
 
     patch = pytest.MonkeyPatch()
-    patch.setattr(torch.cuda, "current_device", lambda: "cpu")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        patch.setenv("MASTER_PORT", str(s.getsockname()[1]))
+    patch.setattr(torch.cuda, "current_device", lambda: "cpu")  # undone after, whatever the code under test sets
     try:
         yield
     finally:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from orthon.backends.megatron import MegatronLayout, megatron_to_orthon, orthon_to_megatron
-from orthon.backends.megatron.model import MegatronOptions, build_model, transformer_config
+from orthon.backends.megatron.model import MegatronOptions, build_model, load_megatron_state, transformer_config
 from orthon.core.errors import ConfigError, OrthonError
 from orthon.pretrain import GLMForCausalLM
 from orthon.pretrain.recipe import load_recipe
@@ -80,9 +80,23 @@ def test_a_missing_extra_names_it(tiny, monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-def test_without_cuda_the_builder_says_so(tiny):
-    with pytest.raises(OrthonError, match="needs a CUDA GPU"):
-        build_model(tiny[0])
+def test_without_cuda_the_builder_builds_for_the_cpu(tiny):
+    """No test patch of its own beyond undoing: build_model points megatron's CUDA device at the CPU itself
+    and takes the allgather dispatcher (megatron's alltoall one creates CUDA streams)."""
+    config, model = tiny
+    with megatron_on_cpu():
+        torch.cuda.current_device = _raises  # as torch's own does without CUDA (the helper restores torch's)
+        gpt = build_model(config, MegatronOptions(params_dtype="fp32", transformer_engine="off"))
+        assert torch.cuda.current_device() == "cpu" and gpt.config.moe_token_dispatcher_type == "allgather"
+        full = orthon_to_megatron(model.state_dict(), config, gpt.orthon_layout)
+        load_megatron_state(gpt, full, config, OPTIONS)
+        ids = torch.randint(0, config.vocab_size, (2, 16))
+        logits = gpt(ids, torch.arange(16)[None].expand(2, -1), None)
+        assert logits.shape == (2, 16, config.vocab_size) and logits.device.type == "cpu"
+
+
+def _raises():
+    raise RuntimeError("Torch not compiled with CUDA enabled")
 
 
 def test_state_dict_names_are_the_conversions(cpu_megatron):

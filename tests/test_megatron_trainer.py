@@ -11,17 +11,32 @@ import json
 
 import pytest
 import torch
+import yaml
 
-from orthon.pretrain.weights import load_weights
-from pretrain_support import losses, make_stores, orthon, resumed_from, write_recipe
+from orthon.pretrain import GLMForCausalLM, ModelConfig, RuntimeOptions
+from orthon.pretrain.weights import load_weights, save_weights
+from orthon.rl.tasks import ArithmeticTask
+from pretrain_support import MODEL, losses, make_stores, orthon, resumed_from, write_recipe
+from test_data_support import train_tiny_tokenizer
 
 pytest.importorskip("megatron.core")
 
 STEPS = 6
 
 
+def _even_length(response: str, label: str) -> float:
+    return float(len(response) % 2 == 0)
+
+
+class EvenLengthTask(ArithmeticTask):
+    """Arithmetic prompts rewarded for an even number of characters: about half of a random policy's
+    answers pass, so most groups have mixed rewards and every update moves the weights."""
+
+    reward_fn = staticmethod(_even_length)
+
+
 def _records(run_dir) -> list[dict]:
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
 
 
 def test_megatron_backend_trains_as_the_torch_backend(tmp_path):
@@ -32,7 +47,7 @@ def test_megatron_backend_trains_as_the_torch_backend(tmp_path):
         recipe = write_recipe(tmp_path / f"{backend}.yaml", stores, runs[backend], train={"max_steps": STEPS})
         # Newton-Schulz in fp32: in bf16 the two backends' float-order differences would flip roundings
         orthon("pretrain", "-c", recipe, f"backend={backend}", "optim.ns_dtype=fp32")
-    ref, got = _records(runs["torch"]), _records(runs["megatron"])
+    ref, got = ([r for r in _records(run) if "loss" in r] for run in (runs["torch"], runs["megatron"]))
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     for a, b in zip(ref, got):
         assert b["loss"] == pytest.approx(a["loss"], abs=2e-6)  # 2e-7 measured; the losses move by ~1.8
@@ -80,3 +95,37 @@ def test_what_the_trainer_cannot_drive_on_megatron_is_refused_by_name(tmp_path, 
     out = orthon("pretrain", "-c", recipe, "backend=megatron", override, check=False)
     assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_rl_on_megatron_samples_and_trains_as_on_torch(tmp_path):
+    """`orthon rl ... backend=megatron`: the policy trains on megatron-core, the in-process engine (orthon's
+    own) generates with the weights it hands over. The engine's log-probs of its samples against megatron's
+    forward of them (logp_abs_diff, what IcePop guards) stay at float round-off, and every iteration samples,
+    rewards and trains as the torch backend does."""
+    pre = tmp_path / "pre"
+    tok = train_tiny_tokenizer(tmp_path / "tok", vocab_size=512)
+    torch.manual_seed(0)
+    save_weights(GLMForCausalLM(ModelConfig(**{**MODEL, "vocab_size": 512}), runtime=RuntimeOptions(sparse_attention=False)),
+                 pre / "final")
+    (pre / "config.yaml").write_text(yaml.safe_dump({"data": {"tokenizer": str(tok)}}))
+    runs = {}
+    for backend in ("torch", "megatron"):
+        runs[backend] = tmp_path / backend
+        recipe = tmp_path / f"{backend}.yaml"
+        recipe.write_text(yaml.safe_dump({
+            "train": {"run_dir": str(runs[backend]), "progress": False, "micro_batch_size": 6},
+            "schedule": {"peak_lr": 1e-3, "floor_lr": 1e-3, "warmup_steps": 1},
+            "rl": {"iterations": 3, "prompts_per_iteration": 3, "max_new_tokens": 8, "eval_interval": 3,
+                   "task": "test_megatron_trainer.EvenLengthTask",
+                   "engine": {"logprobs": "decode"}, "task_args": {"difficulty": 1, "eval_size": 6},
+                   "buffer": {"num_repeat_per_sample": 4}}}))
+        orthon("rl", "-c", recipe, "--from", pre, f"backend={backend}", "optim.ns_dtype=fp32")
+    ref, got = ([r for r in _records(run) if "reward_mean" in r] for run in (runs["torch"], runs["megatron"]))
+    assert len(got) == 3 and all(r["groups_all_equal"] < 1 for r in got)  # groups of mixed rewards: real updates
+    for a, b in zip(ref, got):
+        assert b["trained_ids"] == a["trained_ids"] and b["reward_mean"] == a["reward_mean"]
+        assert b["logp_abs_diff"] < 1e-5 and b["logp_mismatch_max"] < 1e-4  # engine (orthon) vs trainer (megatron)
+        assert b["entropy"] == pytest.approx(a["entropy"], abs=1e-5)
+    evals = [[r["eval_reward"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+              if "eval_reward" in r] for run in runs.values()]
+    assert evals[0] == evals[1] and len(evals[0]) == 2

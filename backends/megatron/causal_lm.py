@@ -17,8 +17,8 @@ pretraining runs the same data, batch ramp, schedule, checkpoints and metrics on
 - The parameters stay fp32 and ``train.precision: bf16`` runs the forward under autocast, as on the torch
   backend (megatron's own bf16 mode would step bf16 parameters through main weights the checkpoint does
   not hold).
-- Without CUDA, ``torch.cuda.current_device()`` is pointed at the CPU (``compat.point_cuda_device_at_cpu``)
-  and the MoE tokens go through megatron's allgather dispatcher: a tiny recipe trains on a laptop.
+- Without CUDA it runs on the CPU (``orthon.backends.megatron.model.build_model``): a tiny recipe trains on
+  a laptop.
 
 So far the Trainer drives it with data parallelism (DDP) only: tensor, pipeline and expert parallelism,
 FSDP2 and context parallelism are refused by name (megatron's own layouts need megatron's DDP and
@@ -30,9 +30,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from orthon.backends.megatron import compat
-from orthon.backends.megatron.convert import model_maps
-from orthon.backends.megatron.model import _build, load_megatron_state, require_megatron, sizes_of
+from orthon.backends.megatron.convert import megatron_to_orthon, model_maps, orthon_to_megatron
+from orthon.backends.megatron.model import build_model, load_megatron_state, require_megatron, sizes_of
 from orthon.backends.megatron.weights import load_as_megatron, save_from_megatron
 from orthon.core.errors import ConfigError
 from orthon.pretrain.config import ModelConfig, RuntimeOptions
@@ -94,10 +93,8 @@ class MegatronCausalLM(nn.Module):
         check_recipe(recipe)
         self.config: ModelConfig = recipe.model
         self.runtime = dataclasses.replace(recipe.runtime)
-        on_cpu = compat.point_cuda_device_at_cpu()
-        self.options: MegatronOptions = dataclasses.replace(
-            recipe.megatron, params_dtype="fp32", token_dispatcher="allgather" if on_cpu else recipe.megatron.token_dispatcher)
-        self.gpt = _build(self.config, self.options)
+        self.options: MegatronOptions = dataclasses.replace(recipe.megatron, params_dtype="fp32")
+        self.gpt = build_model(self.config, self.options)
         for layer in self.gpt.decoder.layers:
             _set_latent_eps(layer.self_attention, LATENT_NORM_EPS)
         self._owned = self._megatron_names() & set(self.gpt.state_dict())
@@ -111,8 +108,6 @@ class MegatronCausalLM(nn.Module):
         return {name for mp in model_maps(self.config, self.gpt.orthon_layout) for name in mp.megatron}
 
     def _full_state(self, orthon_state: dict) -> dict[str, torch.Tensor]:
-        from orthon.backends.megatron.convert import orthon_to_megatron
-
         return orthon_to_megatron(orthon_state, self.config, self.gpt.orthon_layout)
 
     def _load_full(self, full: dict[str, torch.Tensor]) -> None:
@@ -138,6 +133,11 @@ class MegatronCausalLM(nn.Module):
         state = {k: v for k, v in self.gpt.state_dict().items() if k in self._owned}
         state.update({name: getattr(self.carried, key) for name, key in self._carried_names.items()})
         return state
+
+    def orthon_state(self) -> dict[str, torch.Tensor]:
+        """The model's tensors in orthon's names (GLMForCausalLM's state dict: what the engines and RL's
+        weight syncs take), detached."""
+        return {k: v.detach() for k, v in megatron_to_orthon(self.full_state(), self.config, self.gpt.orthon_layout).items()}
 
     def save_weights(self, directory) -> None:
         """The model as an orthon weights directory (HF layout + sidecar)."""

@@ -11,10 +11,12 @@ renormalises sigmoid top-k weights (norm_topk_prob must be true) and scores expe
 indexer is not part of this dense-MLA model (pretraining runs dense; its tensors travel with the weights)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 
+from orthon.backends.megatron import compat
 from orthon.backends.megatron.convert import MegatronLayout
 from orthon.backends.megatron.parallel import ParallelSizes, check_parallel, shard
 from orthon.core.errors import CheckpointError, ConfigError, OrthonError
@@ -118,16 +120,19 @@ def block_spec(config, te: bool):
 
 
 def initialize_parallel(options: MegatronOptions) -> None:
-    """torch.distributed (NCCL; one process when not under torchrun) and megatron's parallel groups."""
+    """torch.distributed (NCCL, gloo without CUDA; one process when not under a launcher) and megatron's
+    parallel groups."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
-        for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511"), ("RANK", "0"), ("WORLD_SIZE", "1")):
-            os.environ.setdefault(key, value)
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if "MASTER_ADDR" in os.environ:  # a launcher's rendezvous
+            dist.init_process_group(backend)
+        else:  # one process: megatron's groups of one, through an in-process store (no port to collide on)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         sizes = sizes_of(options)
         parallel_state.initialize_model_parallel(
@@ -140,13 +145,14 @@ def initialize_parallel(options: MegatronOptions) -> None:
 
 
 def build_model(model: ModelConfig, options: MegatronOptions | None = None):
-    """The megatron-core GPTModel of this rank (its pipeline stage, its TP / EP shard). Needs megatron-core
-    and CUDA; initialises torch.distributed and megatron's groups unless they are."""
+    """The megatron-core GPTModel of this rank (its pipeline stage, its TP / EP shard); initialises
+    torch.distributed and megatron's groups unless they are. Without CUDA it is built for the CPU
+    (``compat.point_cuda_device_at_cpu``; the MoE tokens through megatron's allgather dispatcher, since
+    its alltoall one needs CUDA streams): small models train on a laptop."""
     options = options or MegatronOptions()
     require_megatron()
-    if not torch.cuda.is_available():
-        raise OrthonError("the megatron backend needs a CUDA GPU (megatron-core keeps its MoE router state on "
-                          "the current CUDA device); orthon.backends.megatron's weight conversion runs anywhere")
+    if compat.point_cuda_device_at_cpu():
+        options = dataclasses.replace(options, token_dispatcher="allgather")
     return _build(model, options)
 
 
