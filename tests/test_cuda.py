@@ -161,6 +161,31 @@ def test_rl_on_cuda_trains(tmp_path, mode):
     assert max((weights[k].float() - start[k].float()).abs().max().item() for k in start) > 1e-4
 
 
+def test_megatron_backend_on_cuda_trains_as_the_torch_backend(tmp_path):
+    """`orthon pretrain ... backend=megatron` on the GPU (megatron-core's CUDA paths: its alltoall token
+    dispatcher, transformer-engine's layers where installed): the same recipe's losses as the torch backend's
+    there (fp32), and a resume that continues the straight run."""
+    pytest.importorskip("megatron.core")
+    from pretrain_support import losses, make_stores, orthon, write_recipe
+
+    stores = make_stores(tmp_path / "data")
+    train = {"checkpoint_interval": 4, "deterministic": True}
+    got = {}
+    for backend in ("torch", "megatron"):
+        run = tmp_path / backend
+        out = orthon("pretrain", "-c", write_recipe(tmp_path / f"{backend}.yaml", stores, run, train={**train, "max_steps": 8}),
+                     f"backend={backend}", "optim.ns_dtype=fp32")
+        assert "device: cuda:0 (" in out.stdout, out.stdout
+        got[backend] = losses(run)
+    assert sorted(got["megatron"]) == list(range(1, 9))
+    assert all(got["megatron"][s] == pytest.approx(got["torch"][s], abs=1e-4) for s in got["torch"]), got
+    orthon("pretrain", "-c", write_recipe(tmp_path / "b.yaml", stores, tmp_path / "b", train={**train, "max_steps": 4}),
+           "backend=megatron", "optim.ns_dtype=fp32")
+    orthon("pretrain", "--resume", tmp_path / "b", "train.max_steps=8")
+    resumed = losses(tmp_path / "b")  # megatron's MoE permutation scatters (no deterministic CUDA kernel): close
+    assert sorted(resumed) == list(range(1, 9)) and all(resumed[s] == pytest.approx(got["megatron"][s], abs=1e-5) for s in resumed)
+
+
 def test_newton_schulz_takes_many_large_blocks_a_call_on_cuda():
     """On the CPU a piece is ~1M elements (cache); on a GPU launches cost more than cache misses, so the
     24 blocks of 512 x 2048 (the bench's set at a quarter size) go in one call, and each block's update is

@@ -129,3 +129,17 @@ def test_rl_on_megatron_samples_and_trains_as_on_torch(tmp_path):
     evals = [[r["eval_reward"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
               if "eval_reward" in r] for run in runs.values()]
     assert evals[0] == evals[1] and len(evals[0]) == 2
+
+
+@pytest.mark.slow  # about 40 s: two 2-rank runs
+def test_megatron_backend_data_parallel_over_two_ranks(tmp_path):
+    """Two torchrun ranks (gloo): DDP over megatron's model gives the torch backend's two-rank losses."""
+    stores = make_stores(tmp_path / "data")
+    got = {}
+    for backend in ("torch", "megatron"):
+        run = tmp_path / backend
+        orthon("pretrain", "-c", write_recipe(tmp_path / f"{backend}.yaml", stores, run, train={"max_steps": STEPS}),
+               f"backend={backend}", "optim.ns_dtype=fp32", nproc=2)
+        got[backend] = losses(run)
+    assert sorted(got["megatron"]) == list(range(1, STEPS + 1))
+    assert all(got["megatron"][s] == pytest.approx(got["torch"][s], abs=2e-6) for s in got["torch"])
