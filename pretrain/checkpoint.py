@@ -129,7 +129,7 @@ class Checkpointer:
             self.wait()
             tmp = self._begin(step)
             model_state, optim_state = get_state_dict(model, optimizers)
-            state = {"model": model_state, "optim": optim_state}
+            state = _renamed({"model": model_state, "optim": optim_state}, _checkpoint_names(model))
             text = json.dumps(trainer_state)  # now: the caller's dicts may change while the thread writes
             if background:
                 written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._background_group())
@@ -265,14 +265,18 @@ class Checkpointer:
         as Muon's ``ns_method``) is absent from it: it keeps this run's value, and the log says so. Any
         other key missing (a weight, an optimizer state tensor) is a CheckpointError naming it."""
         model_state, optim_state = get_state_dict(model, optimizers)
-        state = {"model": model_state, "optim": optim_state}
+        names = _checkpoint_names(model)
+        state = _renamed({"model": model_state, "optim": optim_state}, names)
         missing = missing_keys(state, path)
         if missing:
             self.log(f"checkpoint {path.name} predates the optimizer settings "
                      f"{sorted({key.rsplit('.', 1)[1] for key in missing})}: they keep this run's values")
         dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=bool(missing)))
-        set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=StateDictOptions(strict=True))
+        state = _renamed(state, {v: k for k, v in names.items()})
+        # Into the module itself, not a DDP wrapper: through the wrapper torch takes a None value (a module's
+        # empty extra state, as megatron-core's layers have) for a missing key.
+        set_state_dict(getattr(model, "module", model), optimizers, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
         return json.loads((path / TRAINER_STATE).read_text())
 
     def load_model(self, path: Path, model: torch.nn.Module) -> dict:
@@ -281,6 +285,24 @@ class Checkpointer:
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
         return json.loads((path / TRAINER_STATE).read_text())
+
+
+def _checkpoint_names(model: torch.nn.Module) -> dict[str, str]:
+    """{state-dict name: name in a checkpoint} where a model's ranks use one name for different tensors
+    (megatron-core numbers each expert-parallel rank's experts from 0: orthon.backends.megatron.causal_lm);
+    {} for orthon's own model, whose state dicts already name each tensor once (DTensors)."""
+    names = getattr(getattr(model, "module", model), "checkpoint_names", None)
+    return names() if names is not None else {}
+
+
+def _renamed(state: dict, names: dict[str, str]) -> dict:
+    """``state`` ({"model": ..., "optim": get_state_dict's}) with the names of its tensors mapped by ``names``.
+    The param groups keep the ranks' own names: those lists are the same on every rank (one copy is
+    stored), and they name which parameter each setting goes with, not a tensor."""
+    if not names:
+        return state
+    optim = {**state["optim"], "state": {names.get(k, k): v for k, v in state["optim"]["state"].items()}}
+    return {**state, "model": {names.get(k, k): v for k, v in state["model"].items()}, "optim": optim}
 
 
 def carry(path: Path, model: torch.nn.Module, optimizers: list) -> dict:

@@ -37,9 +37,12 @@ def wrap(model: nn.Module, mode: str, expert_mesh=None, shard_ranks: int = 0,
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        if expert_mesh is not None:
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-                model, [name for name, p in model.named_parameters() if isinstance(p, DTensor)])
+        # Expert weights the ranks hold apart are reduced by the expert-parallel code, not averaged here:
+        # orthon's expert stacks (DTensors) and megatron-core's experts (marked allreduce False).
+        apart = [name for name, p in model.named_parameters()
+                 if isinstance(p, DTensor) or getattr(p, "allreduce", True) is False]
+        if apart:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, apart)
 
         # No buffer sync before a forward: each rank's MoE expert_load counts its own tokens until the step
         # all-reduces them (rank 0's buffers broadcast before every forward would overwrite them mid-step).

@@ -188,6 +188,9 @@ class Trainer:
         self.model.set_indexers_trainable(False)  # the LM loss never reaches them; mid-training trains them
         self.model.track_max_logit(self.cfg.track_max_logit)
         self.step_fn = step or NextTokenStep(self.cfg.loss_chunk, recipe.data.document_mask, self.cfg.track_max_logit)
+        if self.foreign_model and getattr(self.model, "expert_parallel", 1) > 1 and not self.step_fn.runs_expert_parallel:
+            raise ConfigError(f"megatron.expert_parallel = {self.model.expert_parallel}: {type(self.step_fn).__name__} does "
+                              f"not run every forward on every rank; set megatron.expert_parallel=1")
         parallel.check_shard_ranks(self.cfg.fsdp_shard_ranks, self.world)
         self.expert_parallel = self.cfg.expert_parallel if self.world > 1 else 1
         self.expert_mesh = self._shard_experts() if self.expert_parallel > 1 else None
@@ -349,6 +352,8 @@ class Trainer:
         _add_metric(sums, "model_flops", self._model_flops(lengths))
         if self.expert_parallel > 1:
             expert_parallel.reduce_expert_grads(self.model, self.expert_mesh, self.cfg.parallel == "fsdp")
+        if self.foreign_model:  # its own expert parallelism's gradients (what DDP leaves to it)
+            self.model.finish_grads(self.world)
         sums = _all_reduce_dict(sums, self.device)
         flops = sums.pop("model_flops")
         step_metrics = self.step_fn.end(self, sums)
@@ -390,6 +395,8 @@ class Trainer:
         if not params:
             return 0.0
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        if self.foreign_model:
+            return self.model.clip_grads(max_norm)
         if self.expert_parallel > 1:  # expert stacks on another mesh than FSDP2's: torch's cannot mix them
             return parallel.clip_grads(params, max_norm)
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -560,13 +567,12 @@ class Trainer:
         """The model as a weights directory (``orthon.pretrain.weights``), written by rank 0. Where the
         ranks hold shards, a collective that gathers one safetensors shard at a time
         (``orthon.pretrain.gathered_weights``), so no process holds the whole model."""
-        if self.holds_shards:
+        if self.foreign_model:  # a collective where its ranks hold parts of it (expert parallelism)
+            self.model.save_weights(directory, write=self.rank == 0)
+        elif self.holds_shards:
             save_gathered(self.model, directory, self.rank)
         elif self.rank == 0:
-            if isinstance(self.model, GLMForCausalLM):
-                save_weights(self.model, directory)
-            else:
-                self.model.save_weights(directory)
+            save_weights(self.model, directory)
 
     def finish(self) -> None:
         """The run's loss plot and the step plug-in's own (rank 0, after final/ is written)."""

@@ -84,8 +84,9 @@ def test_megatron_run_resumes_bit_for_bit(tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("megatron.tensor_parallel=2", "the Trainer drives megatron-core with data parallelism only so far"),
-    ("train.parallel=fsdp", "train.parallel = fsdp: the megatron backend runs data parallel (DDP) only"),
+    ("megatron.tensor_parallel=2", "the Trainer drives megatron-core with data and expert parallelism so far"),
+    ("megatron.pipeline_parallel=2", "megatron.tensor_parallel / pipeline_parallel = 1 / 2"),
+    ("train.parallel=fsdp", "train.parallel = fsdp: the megatron backend runs data parallel (DDP) and megatron's own"),
     ("runtime.sparse_attention=true", "runtime.sparse_attention: the megatron backend runs dense MLA"),
     ("data.document_mask=true", "data.document_mask: megatron-core's local attention is plainly causal"),
 ])
@@ -143,3 +144,30 @@ def test_megatron_backend_data_parallel_over_two_ranks(tmp_path):
         got[backend] = losses(run)
     assert sorted(got["megatron"]) == list(range(1, STEPS + 1))
     assert all(got["megatron"][s] == pytest.approx(got["torch"][s], abs=2e-6) for s in got["torch"])
+
+
+def test_megatron_expert_parallel_over_two_ranks_resumes(tmp_path):
+    """megatron.expert_parallel=2 on two torchrun ranks (gloo; megatron's allgather dispatcher): each rank
+    holds half the experts, DDP leaves them to the backend (its expert data-parallel group, the clipping norm
+    over both ranks' experts), and the run gives plain data parallelism's losses and weights. Stopped at step
+    4 and resumed, it goes on as the straight run: the checkpoint names each rank's experts by their index
+    in the model (both ranks number theirs from 0), so both halves are kept."""
+    stores = make_stores(tmp_path / "data")
+    ddp, ep = tmp_path / "ddp", tmp_path / "ep"
+    orthon("pretrain", "-c", write_recipe(tmp_path / "ddp.yaml", stores, ddp, train={"max_steps": STEPS}),
+           "backend=megatron", "optim.ns_dtype=fp32", nproc=2)
+    orthon("pretrain", "-c", write_recipe(tmp_path / "ep.yaml", stores, ep, train={"max_steps": 4}),
+           "backend=megatron", "optim.ns_dtype=fp32", "megatron.expert_parallel=2", nproc=2)
+    import torch.distributed.checkpoint as dcp
+
+    stored = dcp.FileSystemReader(str(ep / "checkpoints" / "step_00000004")).read_metadata().state_dict_metadata
+    experts = {k.split("local_experts.")[1].split(".")[0] for k in stored if "layers.1.mlp.experts.local_experts" in k
+               and k.endswith("linear_fc1.weight") and k.startswith("model.")}
+    assert experts == {"0", "1", "2", "3"}  # rank 1's local experts 0 and 1 are the model's 2 and 3
+    out = orthon("pretrain", "--resume", ep, f"train.max_steps={STEPS}", nproc=2)
+    assert resumed_from(out.stdout + out.stderr)[1] == 4
+    want, got = losses(ddp), losses(ep)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert all(got[s] == pytest.approx(want[s], abs=2e-6) for s in want), (got, want)
+    a, b = (load_weights(d / "final").state_dict() for d in (ddp, ep))
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5

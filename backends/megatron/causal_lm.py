@@ -28,10 +28,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from orthon.backends.megatron.convert import megatron_to_orthon, model_maps, orthon_to_megatron
 from orthon.backends.megatron.model import build_model, load_megatron_state, require_megatron, sizes_of
+from orthon.backends.megatron.parallel import global_expert_name, merge
 from orthon.backends.megatron.weights import load_as_megatron, save_from_megatron
 from orthon.core.errors import ConfigError
 from orthon.pretrain.config import ModelConfig, RuntimeOptions
@@ -47,15 +49,15 @@ def check_recipe(recipe) -> None:
     """What the Trainer cannot yet run on megatron-core, refused before anything is built."""
     options, train = recipe.megatron, recipe.train
     sizes = sizes_of(options)
-    if (sizes.tp, sizes.pp, sizes.ep) != (1, 1, 1):
-        raise ConfigError(f"megatron.tensor_parallel / pipeline_parallel / expert_parallel = {sizes.tp} / {sizes.pp} / "
-                          f"{sizes.ep}: the Trainer drives megatron-core with data parallelism only so far (set them to "
-                          f"1); orthon.backends.megatron converts and shards weights for those layouts")
+    if (sizes.tp, sizes.pp) != (1, 1):
+        raise ConfigError(f"megatron.tensor_parallel / pipeline_parallel = {sizes.tp} / {sizes.pp}: the Trainer drives "
+                          f"megatron-core with data and expert parallelism so far (set them to 1); "
+                          f"orthon.backends.megatron converts and shards weights for those layouts")
     for name, value, plain in (("train.parallel", train.parallel, "ddp"), ("train.expert_parallel", train.expert_parallel, 1),
                                ("train.context_parallel", train.context_parallel, 1)):
         if value != plain:
-            raise ConfigError(f"{name} = {value}: the megatron backend runs data parallel (DDP) only so far; set "
-                              f"{name}={plain}")
+            raise ConfigError(f"{name} = {value}: the megatron backend runs data parallel (DDP) and megatron's own expert "
+                              f"parallelism (megatron.expert_parallel) so far; set {name}={plain}")
     if recipe.runtime.sparse_attention:
         raise ConfigError("runtime.sparse_attention: the megatron backend runs dense MLA (pretraining's attention); "
                           "DSA (mid-training) runs on the torch backend")
@@ -97,30 +99,28 @@ class MegatronCausalLM(nn.Module):
         self.gpt = build_model(self.config, self.options)
         for layer in self.gpt.decoder.layers:
             _set_latent_eps(layer.self_attention, LATENT_NORM_EPS)
-        self._owned = self._megatron_names() & set(self.gpt.state_dict())
-        self.carried = nn.Module()  # the tensors of orthon's model megatron's has none for (the DSA indexer)
-        self._carried_names: dict[str, str] = {}
+        # megatron's names of the full model; those of its tensors megatron's model has no module for (the
+        # DSA indexer) are carried beside it, buffers of ``carried``
+        self._names = {name for mp in model_maps(self.config, self.gpt.orthon_layout) for name in mp.megatron}
+        built = set(self.gpt.state_dict())
+        carried = sorted(n for n in self._names if n not in built and not global_expert_name(n, 0, 1, self.gpt.orthon_layout))
+        self._carried_names = {name: f"t{i}" for i, name in enumerate(carried)}
+        self.carried = nn.Module()
         torch.manual_seed(recipe.train.seed)  # the torch backend's first draw: the same initial weights
         self._load_full(self._full_state(GLMForCausalLM(self.config, runtime=self.runtime).state_dict()))
 
     # ------------------------------------------------------------ weights
-    def _megatron_names(self) -> set[str]:
-        return {name for mp in model_maps(self.config, self.gpt.orthon_layout) for name in mp.megatron}
-
     def _full_state(self, orthon_state: dict) -> dict[str, torch.Tensor]:
         return orthon_to_megatron(orthon_state, self.config, self.gpt.orthon_layout)
 
     def _load_full(self, full: dict[str, torch.Tensor]) -> None:
         """megatron's full state dict into the model, the tensors it has no module for into ``carried``."""
         load_megatron_state(self.gpt, full, self.config, self.options)
-        for name, tensor in full.items():
-            if name in self._owned:
-                continue
-            key = self._carried_names.setdefault(name, f"t{len(self._carried_names)}")
+        for name, key in self._carried_names.items():
             if hasattr(self.carried, key):
-                getattr(self.carried, key).copy_(tensor)
+                getattr(self.carried, key).copy_(full[name])
             else:
-                self.carried.register_buffer(key, tensor.detach().clone().float())
+                self.carried.register_buffer(key, full[name].detach().clone().float())
 
     def load_weights(self, directory) -> None:
         """A weights directory (orthon's, or any HF glm_moe_dsa checkpoint of this architecture) into the model."""
@@ -129,25 +129,106 @@ class MegatronCausalLM(nn.Module):
         self._load_full({k: v.to(device) for k, v in full.items()})
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """megatron's full state dict of the model: its own tensors and the carried ones."""
-        state = {k: v for k, v in self.gpt.state_dict().items() if k in self._owned}
-        state.update({name: getattr(self.carried, key) for name, key in self._carried_names.items()})
-        return state
+        """megatron's full state dict of the model: its own tensors and the carried ones. Under expert
+        parallelism a collective (every rank calls it): the experts of every rank gathered, on every rank."""
+        local = {k: v for k, v in self.gpt.state_dict().items() if k in self._names}  # no router counters, no TE state
+        local.update({name: getattr(self.carried, key) for name, key in self._carried_names.items()})
+        if self.expert_parallel == 1:
+            return local
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_expert_model_parallel_group()
+        experts = {k: v.detach().cpu() for k, v in local.items() if global_expert_name(k, 0, 1, self.gpt.orthon_layout)}
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, experts, group=group)
+        shards = {(0, 0, e): dict(state) for e, state in enumerate(gathered)}
+        shards[(0, 0, 0)].update({k: v for k, v in local.items() if k not in experts})
+        return merge(shards, self.config, sizes_of(self.options), self.gpt.orthon_layout)
 
     def orthon_state(self) -> dict[str, torch.Tensor]:
         """The model's tensors in orthon's names (GLMForCausalLM's state dict: what the engines and RL's
         weight syncs take), detached."""
         return {k: v.detach() for k, v in megatron_to_orthon(self.full_state(), self.config, self.gpt.orthon_layout).items()}
 
-    def save_weights(self, directory) -> None:
-        """The model as an orthon weights directory (HF layout + sidecar)."""
-        save_from_megatron(self.full_state(), self.config, directory, self.gpt.orthon_layout, self.runtime)
+    def save_weights(self, directory, write: bool = True) -> None:
+        """The model as an orthon weights directory (HF layout + sidecar), written where ``write``; under
+        expert parallelism a collective (every rank calls it, one writes)."""
+        state = self.full_state()
+        if write:
+            save_from_megatron(state, self.config, directory, self.gpt.orthon_layout, self.runtime)
 
     def build_optimizer(self, recipe):
         """orthon's Muon + Split / AdamW over megatron's parameters (orthon.backends.megatron.optimizer)."""
         from orthon.backends.megatron.optimizer import build_optimizer
 
         return build_optimizer(self.gpt, self.config, recipe.optim, recipe.schedule, tp=sizes_of(self.options).tp)
+
+    # ------------------------------------------------------------ expert parallelism
+    @property
+    def expert_parallel(self) -> int:
+        return sizes_of(self.options).ep
+
+    def _expert_params(self) -> list[nn.Parameter]:
+        # megatron marks the weights its expert-parallel ranks hold apart (allreduce False): DDP leaves them
+        # to finish_grads (orthon.pretrain.parallel.wrap)
+        return [p for p in self.gpt.parameters() if getattr(p, "allreduce", True) is False]
+
+    @torch.no_grad()
+    def finish_grads(self, world: int) -> None:
+        """After the step's backward: the experts' gradients as data parallelism's average over the ``world``
+        ranks. Each rank's loss is scaled for that average and its experts' gradients already hold the
+        tokens every rank of its expert-parallel group sent them; the ranks holding the same experts (the
+        expert data-parallel group) add theirs."""
+        if self.expert_parallel == 1:
+            return
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_expert_data_parallel_group()
+        for p in self._expert_params():
+            if p.grad is not None:
+                if dist.get_world_size(group) > 1:
+                    dist.all_reduce(p.grad, group=group)
+                p.grad.div_(world)
+
+    @torch.no_grad()
+    def clip_grads(self, max_norm: float) -> float:
+        """torch's clip_grad_norm_ over the whole model's gradients, each expert counted once (its rank's
+        squares added over the expert-parallel group); returns the norm. Every rank calls it."""
+        params = [p for p in self.parameters() if p.grad is not None]
+        if self.expert_parallel == 1:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        from megatron.core import parallel_state
+
+        experts = {id(p) for p in self._expert_params()}
+        device = params[0].grad.device
+        squares = torch.zeros(2, dtype=torch.float32, device=device)  # [others, experts]
+        for p in params:
+            squares[int(id(p) in experts)] += p.grad.detach().float().pow(2).sum()
+        expert_part = squares[1:].clone()
+        dist.all_reduce(expert_part, group=parallel_state.get_expert_model_parallel_group())
+        norm = (squares[0] + expert_part[0]).sqrt()
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        if coefficient < 1:
+            for p in params:
+                p.grad.mul_(coefficient.to(p.grad.dtype))
+        return float(norm)
+
+    def checkpoint_names(self) -> dict[str, str]:
+        """{name in this rank's state dict: name in a checkpoint} where they differ: under expert parallelism
+        each rank numbers its experts from 0, a checkpoint by their index in the model (so the ranks' keys
+        differ and each rank's experts are kept, not taken for copies of one another)."""
+        if self.expert_parallel == 1:
+            return {}
+        from megatron.core import parallel_state
+
+        per_rank = self.config.n_routed_experts // self.expert_parallel
+        rank = parallel_state.get_expert_model_parallel_rank()
+        names = {}
+        for name, _ in self.gpt.named_parameters():
+            full = global_expert_name(name, rank, per_rank, self.gpt.orthon_layout)
+            if full is not None:
+                names[f"gpt.{name}"] = f"gpt.{full}"
+        return names
 
     # ------------------------------------------------------------ the Trainer's model face
     def forward(self, input_ids, labels=None, doc_ids=None, return_logits: bool = True, loss_reduction: str = "mean",

@@ -159,6 +159,16 @@ def _expert_key(name: str) -> tuple[str, str, int] | None:
     return (m[1], m[2], int(m[3])) if m[2] else (m[1], m[5], int(m[4]))
 
 
+def global_expert_name(name: str, ep_rank: int, experts_per_rank: int, layout: MegatronLayout) -> str | None:
+    """The name an expert tensor of expert-parallel rank ``ep_rank`` (its experts numbered from 0 there) has
+    in the full model; None for a tensor that is not an expert's."""
+    key = _expert_key(name)
+    if key is None:
+        return None
+    prefix, fc, index = key
+    return expert_name(prefix, fc, ep_rank * experts_per_rank + index, layout)
+
+
 def _stage_name(name: str, layers_per_stage: int) -> tuple[int | None, str]:
     """(pipeline stage, name on that stage) of a decoder-layer tensor; (None, name) for the others."""
     m = _LAYER.match(name)
