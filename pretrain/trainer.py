@@ -188,9 +188,8 @@ class Trainer:
         self.model.set_indexers_trainable(False)  # the LM loss never reaches them; mid-training trains them
         self.model.track_max_logit(self.cfg.track_max_logit)
         self.step_fn = step or NextTokenStep(self.cfg.loss_chunk, recipe.data.document_mask, self.cfg.track_max_logit)
-        if self.foreign_model and getattr(self.model, "expert_parallel", 1) > 1 and not self.step_fn.runs_expert_parallel:
-            raise ConfigError(f"megatron.expert_parallel = {self.model.expert_parallel}: {type(self.step_fn).__name__} does "
-                              f"not run every forward on every rank; set megatron.expert_parallel=1")
+        if self.foreign_model:
+            self.model.check_step(self.step_fn)
         parallel.check_shard_ranks(self.cfg.fsdp_shard_ranks, self.world)
         self.expert_parallel = self.cfg.expert_parallel if self.world > 1 else 1
         self.expert_mesh = self._shard_experts() if self.expert_parallel > 1 else None

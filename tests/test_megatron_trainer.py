@@ -98,29 +98,39 @@ def test_what_the_trainer_cannot_drive_on_megatron_is_refused_by_name(tmp_path, 
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_rl_on_megatron_samples_and_trains_as_on_torch(tmp_path):
-    """`orthon rl ... backend=megatron`: the policy trains on megatron-core, the in-process engine (orthon's
-    own) generates with the weights it hands over. The engine's log-probs of its samples against megatron's
-    forward of them (logp_abs_diff, what IcePop guards) stay at float round-off, and every iteration samples,
-    rewards and trains as the torch backend does."""
+def _policy(tmp_path):
+    """A random policy with a tokenizer, as `orthon rl --from` takes it (dense MLA: pretraining's runtime)."""
     pre = tmp_path / "pre"
     tok = train_tiny_tokenizer(tmp_path / "tok", vocab_size=512)
     torch.manual_seed(0)
     save_weights(GLMForCausalLM(ModelConfig(**{**MODEL, "vocab_size": 512}), runtime=RuntimeOptions(sparse_attention=False)),
                  pre / "final")
     (pre / "config.yaml").write_text(yaml.safe_dump({"data": {"tokenizer": str(tok)}}))
+    return pre
+
+
+def _rl_recipe(tmp_path, run_dir):
+    recipe = tmp_path / f"{run_dir.name}.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "train": {"run_dir": str(run_dir), "progress": False, "micro_batch_size": 6},
+        "schedule": {"peak_lr": 1e-3, "floor_lr": 1e-3, "warmup_steps": 1},
+        "rl": {"iterations": 3, "prompts_per_iteration": 3, "max_new_tokens": 8, "eval_interval": 3,
+               "task": "test_megatron_trainer.EvenLengthTask",
+               "engine": {"logprobs": "decode"}, "task_args": {"difficulty": 1, "eval_size": 6},
+               "buffer": {"num_repeat_per_sample": 4}}}))
+    return recipe
+
+
+def test_rl_on_megatron_samples_and_trains_as_on_torch(tmp_path):
+    """`orthon rl ... backend=megatron`: the policy trains on megatron-core, the in-process engine (orthon's
+    own) generates with the weights it hands over. The engine's log-probs of its samples against megatron's
+    forward of them (logp_abs_diff, what IcePop guards) stay at float round-off, and every iteration samples,
+    rewards and trains as the torch backend does."""
+    pre = _policy(tmp_path)
     runs = {}
     for backend in ("torch", "megatron"):
         runs[backend] = tmp_path / backend
-        recipe = tmp_path / f"{backend}.yaml"
-        recipe.write_text(yaml.safe_dump({
-            "train": {"run_dir": str(runs[backend]), "progress": False, "micro_batch_size": 6},
-            "schedule": {"peak_lr": 1e-3, "floor_lr": 1e-3, "warmup_steps": 1},
-            "rl": {"iterations": 3, "prompts_per_iteration": 3, "max_new_tokens": 8, "eval_interval": 3,
-                   "task": "test_megatron_trainer.EvenLengthTask",
-                   "engine": {"logprobs": "decode"}, "task_args": {"difficulty": 1, "eval_size": 6},
-                   "buffer": {"num_repeat_per_sample": 4}}}))
-        orthon("rl", "-c", recipe, "--from", pre, f"backend={backend}", "optim.ns_dtype=fp32")
+        orthon("rl", "-c", _rl_recipe(tmp_path, runs[backend]), "--from", pre, f"backend={backend}", "optim.ns_dtype=fp32")
     ref, got = ([r for r in _records(run) if "reward_mean" in r] for run in (runs["torch"], runs["megatron"]))
     assert len(got) == 3 and all(r["groups_all_equal"] < 1 for r in got)  # groups of mixed rewards: real updates
     for a, b in zip(ref, got):
@@ -171,3 +181,13 @@ def test_megatron_expert_parallel_over_two_ranks_resumes(tmp_path):
     assert all(got[s] == pytest.approx(want[s], abs=2e-6) for s in want), (got, want)
     a, b = (load_weights(d / "final").state_dict() for d in (ddp, ep))
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+
+
+def test_rl_with_megatron_expert_parallel_on_the_cpu_is_refused(tmp_path):
+    """RL's micro-batches are as long as their samples, so they differ between ranks, and megatron's
+    allgather dispatcher (the one without CUDA) gathers equal parts: refused before the first iteration."""
+    out = orthon("rl", "-c", _rl_recipe(tmp_path, tmp_path / "rl"), "--from", _policy(tmp_path), "backend=megatron",
+                 "megatron.expert_parallel=2", nproc=2, check=False)
+    assert out.returncode != 0
+    assert "PolicyStep sizes each micro-batch by its samples, and megatron's allgather token dispatcher" in out.stderr
+    assert not (tmp_path / "rl" / "metrics.jsonl").exists() or "reward_mean" not in (tmp_path / "rl" / "metrics.jsonl").read_text()

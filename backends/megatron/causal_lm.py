@@ -20,9 +20,11 @@ pretraining runs the same data, batch ramp, schedule, checkpoints and metrics on
 - Without CUDA it runs on the CPU (``orthon.backends.megatron.model.build_model``): a tiny recipe trains on
   a laptop.
 
-So far the Trainer drives it with data parallelism (DDP) only: tensor, pipeline and expert parallelism,
-FSDP2 and context parallelism are refused by name (megatron's own layouts need megatron's DDP and
-schedules; orthon's conversion and TP-aware Muon already handle their shards)."""
+The Trainer drives it data parallel (DDP) and with megatron's expert parallelism (``megatron.expert_parallel``:
+the hooks ``finish_grads``, ``clip_grads`` and ``checkpoint_names`` below); tensor and pipeline parallelism,
+FSDP2 and context parallelism are refused by name (tensor parallelism with MoE needs megatron's sequence
+parallelism, which its torch-norm fallback without transformer-engine does not support; pipeline
+parallelism needs megatron's schedules)."""
 from __future__ import annotations
 
 import dataclasses
@@ -167,6 +169,21 @@ class MegatronCausalLM(nn.Module):
     @property
     def expert_parallel(self) -> int:
         return sizes_of(self.options).ep
+
+    def check_step(self, step) -> None:
+        """The Trainer's step plug-in must suit the expert exchange: every forward on every rank, and (with
+        megatron's allgather dispatcher, the one that runs without CUDA) one shape on every rank."""
+        if self.expert_parallel == 1:
+            return
+        name, ep = type(step).__name__, self.expert_parallel
+        if not step.runs_expert_parallel:
+            raise ConfigError(f"megatron.expert_parallel = {ep}: {name} does not run every forward on every rank; "
+                              f"set megatron.expert_parallel=1")
+        if self.gpt.config.moe_token_dispatcher_type == "allgather" and not step.same_shapes:
+            raise ConfigError(f"megatron.expert_parallel = {ep}: {name} sizes each micro-batch by its samples, and "
+                              f"megatron's allgather token dispatcher (the one that runs without CUDA) needs one shape "
+                              f"on every rank; on GPUs its alltoall dispatcher takes any (else set "
+                              f"megatron.expert_parallel=1)")
 
     def _expert_params(self) -> list[nn.Parameter]:
         # megatron marks the weights its expert-parallel ranks hold apart (allreduce False): DDP leaves them
