@@ -26,12 +26,14 @@ def check_shard_ranks(shard_ranks: int, world: int) -> None:
 
 
 def wrap(model: nn.Module, mode: str, expert_mesh=None, shard_ranks: int = 0,
-         param_dtype: torch.dtype | None = None) -> nn.Module:
+         param_dtype: torch.dtype | None = None, group=None) -> nn.Module:
     """DDP, or FSDP2 (fully_shard each DSA indexer, each decoder layer, then the root); the model itself when alone.
     ``expert_mesh``: the model is expert-parallel (orthon.pretrain.expert_parallel): DDP leaves the expert
     stacks alone, FSDP2 shards each Experts module over its mesh column first. ``shard_ranks``: FSDP2 as
     HSDP, sharded within groups of that many consecutive ranks, replicated across them (0: all ranks).
-    ``param_dtype``: FSDP2 gathers the parameters in it and reduces the gradients in fp32 (None: as stored)."""
+    ``param_dtype``: FSDP2 gathers the parameters in it and reduces the gradients in fp32 (None: as stored).
+    ``group``: the process group DDP averages over (None: the world; a tensor-parallel model's data-parallel
+    replicas)."""
     if not is_distributed():
         return model
     if mode == "ddp":
@@ -49,8 +51,8 @@ def wrap(model: nn.Module, mode: str, expert_mesh=None, shard_ranks: int = 0,
         # torch 2.13 names this forward_sync_buffers (broadcast_buffers warns); it still syncs once at
         # init, which is harmless here: every rank builds or loads the same buffers.
         if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
-            return DistributedDataParallel(model, forward_sync_buffers=False)
-        return DistributedDataParallel(model, broadcast_buffers=False)
+            return DistributedDataParallel(model, forward_sync_buffers=False, process_group=group)
+        return DistributedDataParallel(model, broadcast_buffers=False, process_group=group)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     # Layer inputs stay as they come (cast_forward_inputs off): the residual stream keeps its dtype, and

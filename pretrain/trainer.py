@@ -203,6 +203,8 @@ class Trainer:
         cp = cp if self.world > 1 else 1
         self.context = self._context_group(cp) if cp > 1 else None
         self.data_rank, self.data_world = self.rank // cp, self.world // cp
+        if self.foreign_model:  # its own model parallelism: the ranks of one model replica read the same batches
+            self.data_rank, self.data_world = self.model.data_parallel()
         self._wrap()  # before the optimizer: FSDP2 replaces the parameters it shards
         if sharded_build:
             self.model.to_empty(device=self.device)
@@ -295,7 +297,8 @@ class Trainer:
     def _wrap(self) -> None:
         self.wrapped = None  # an old DDP wrapper's reducer (and its gradient hooks) goes first
         self.wrapped = parallel.wrap(self.model, self.cfg.parallel, self.expert_mesh, self.cfg.fsdp_shard_ranks,
-                                     torch.bfloat16 if self.cfg.fsdp_param_dtype == "bf16" else None)
+                                     torch.bfloat16 if self.cfg.fsdp_param_dtype == "bf16" else None,
+                                     self.model.ddp_group() if self.foreign_model else None)
         self._wrapped_for = self._trainable_names()
 
     def set_trainable(self, trainable) -> None:

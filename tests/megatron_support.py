@@ -14,7 +14,11 @@ def megatron_on_cpu():
     from megatron.core import parallel_state
 
     patch = pytest.MonkeyPatch()
+    import megatron.core.tensor_parallel.random as megatron_random
+
     patch.setattr(torch.cuda, "current_device", lambda: "cpu")  # undone after, whatever the code under test sets
+    for name in ("_CUDA_RNG_STATE_TRACKER", "_CUDA_RNG_STATE_TRACKER_INITIALIZED"):  # the builder's CPU tracker too
+        patch.setattr(megatron_random, name, getattr(megatron_random, name))
     try:
         yield
     finally:

@@ -102,7 +102,7 @@ def _raises():
 def test_state_dict_names_are_the_conversions(cpu_megatron):
     gpt, full = cpu_megatron
     names = {k for k in gpt.state_dict() if not k.endswith("._extra_state")}
-    assert gpt.orthon_layout == MegatronLayout(te=False, grouped_experts=False)
+    assert gpt.orthon_layout == MegatronLayout(te=False, grouped_experts=False, column_down_proj=False)
     # every tensor of the model is converted; the rest is the DSA indexer, which this dense-MLA model lacks
     assert names <= set(full) and all(".core_attention.indexer." in k for k in set(full) - names)
 

@@ -84,9 +84,9 @@ def test_megatron_run_resumes_bit_for_bit(tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("megatron.tensor_parallel=2", "the Trainer drives megatron-core with data and expert parallelism so far"),
-    ("megatron.pipeline_parallel=2", "megatron.tensor_parallel / pipeline_parallel = 1 / 2"),
-    ("train.parallel=fsdp", "train.parallel = fsdp: the megatron backend runs data parallel (DDP) and megatron's own"),
+    ("megatron.tensor_parallel=2", "megatron.tensor_parallel = 2 does not divide the 1 rank (start it under"),
+    ("megatron.pipeline_parallel=2", "megatron.pipeline_parallel = 2: the Trainer drives megatron-core with data, tensor"),
+    ("train.parallel=fsdp", "train.parallel = fsdp: the megatron backend runs data parallel (DDP) with megatron's own"),
     ("runtime.sparse_attention=true", "runtime.sparse_attention: the megatron backend runs dense MLA"),
     ("data.document_mask=true", "data.document_mask: megatron-core's local attention is plainly causal"),
 ])
@@ -183,11 +183,42 @@ def test_megatron_expert_parallel_over_two_ranks_resumes(tmp_path):
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
 
 
-def test_rl_with_megatron_expert_parallel_on_the_cpu_is_refused(tmp_path):
-    """RL's micro-batches are as long as their samples, so they differ between ranks, and megatron's
-    allgather dispatcher (the one without CUDA) gathers equal parts: refused before the first iteration."""
+@pytest.mark.parametrize("override, message", [
+    ("megatron.expert_parallel=2", "PolicyStep sizes each micro-batch by its samples, and megatron's allgather token"),
+    ("megatron.tensor_parallel=2", "PolicyStep sizes each micro-batch by its samples, and megatron's sequence parallel"),
+])
+def test_rl_with_megatron_model_parallelism_on_uneven_batches_is_refused(tmp_path, override, message):
+    """RL's micro-batches are as long as their samples, so they differ between ranks: megatron's allgather
+    dispatcher (the one without CUDA) gathers equal parts, and its sequence parallelism splits each
+    micro-batch's tokens over the TP ranks. Refused before the first iteration."""
     out = orthon("rl", "-c", _rl_recipe(tmp_path, tmp_path / "rl"), "--from", _policy(tmp_path), "backend=megatron",
-                 "megatron.expert_parallel=2", nproc=2, check=False)
+                 override, nproc=2, check=False)
     assert out.returncode != 0
-    assert "PolicyStep sizes each micro-batch by its samples, and megatron's allgather token dispatcher" in out.stderr
+    assert message in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "rl" / "metrics.jsonl").exists() or "reward_mean" not in (tmp_path / "rl" / "metrics.jsonl").read_text()
+
+
+def test_megatron_tensor_parallel_over_two_ranks_resumes(tmp_path):
+    """megatron.tensor_parallel=2 on two torchrun ranks (gloo, megatron's sequence parallelism): both ranks
+    read the same batches (one data-parallel replica), the norms' and routers' partial gradients are summed
+    over TP, the clipping norm counts every element once, and the run gives one process's losses and
+    weights. Stopped at step 4 and resumed, it goes on as one process does: the checkpoint keeps each TP
+    rank's slices under its own key (``@tp1``)."""
+    stores = make_stores(tmp_path / "data")
+    one, tp = tmp_path / "one", tmp_path / "tp"
+    orthon("pretrain", "-c", write_recipe(tmp_path / "one.yaml", stores, one, train={"max_steps": STEPS}),
+           "backend=megatron", "optim.ns_dtype=fp32")
+    orthon("pretrain", "-c", write_recipe(tmp_path / "tp.yaml", stores, tp, train={"max_steps": 4}),
+           "backend=megatron", "optim.ns_dtype=fp32", "megatron.tensor_parallel=2", nproc=2)
+    import torch.distributed.checkpoint as dcp
+
+    stored = dcp.FileSystemReader(str(tp / "checkpoints" / "step_00000004")).read_metadata().state_dict_metadata
+    assert {"model.gpt.decoder.layers.0.self_attention.linear_proj.weight@tp0",
+            "model.gpt.decoder.layers.0.self_attention.linear_proj.weight@tp1"} <= set(stored)
+    out = orthon("pretrain", "--resume", tp, f"train.max_steps={STEPS}", nproc=2)
+    assert resumed_from(out.stdout + out.stderr)[1] == 4
+    want, got = losses(one), losses(tp)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert all(got[s] == pytest.approx(want[s], abs=2e-6) for s in want), (got, want)
+    a, b = (load_weights(d / "final").state_dict() for d in (one, tp))
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5

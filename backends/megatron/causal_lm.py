@@ -20,11 +20,11 @@ pretraining runs the same data, batch ramp, schedule, checkpoints and metrics on
 - Without CUDA it runs on the CPU (``orthon.backends.megatron.model.build_model``): a tiny recipe trains on
   a laptop.
 
-The Trainer drives it data parallel (DDP) and with megatron's expert parallelism (``megatron.expert_parallel``:
-the hooks ``finish_grads``, ``clip_grads`` and ``checkpoint_names`` below); tensor and pipeline parallelism,
-FSDP2 and context parallelism are refused by name (tensor parallelism with MoE needs megatron's sequence
-parallelism, which its torch-norm fallback without transformer-engine does not support; pipeline
-parallelism needs megatron's schedules)."""
+The Trainer drives it data parallel (DDP over megatron's data-parallel group), tensor parallel with
+megatron's sequence parallelism (``megatron.tensor_parallel``) and expert parallel
+(``megatron.expert_parallel``), through the hooks ``data_parallel``, ``ddp_group``, ``finish_grads``,
+``clip_grads`` and ``checkpoint_names`` below. Pipeline parallelism (megatron's schedules), FSDP2 and
+context parallelism are refused by name."""
 from __future__ import annotations
 
 import dataclasses
@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from orthon.backends.megatron.convert import megatron_to_orthon, model_maps, orthon_to_megatron
-from orthon.backends.megatron.model import build_model, load_megatron_state, require_megatron, sizes_of
+from orthon.backends.megatron.model import build_model, load_megatron_state, rank_key, require_megatron, sizes_of
 from orthon.backends.megatron.parallel import global_expert_name, merge
 from orthon.backends.megatron.weights import load_as_megatron, save_from_megatron
 from orthon.core.errors import ConfigError
@@ -51,15 +51,19 @@ def check_recipe(recipe) -> None:
     """What the Trainer cannot yet run on megatron-core, refused before anything is built."""
     options, train = recipe.megatron, recipe.train
     sizes = sizes_of(options)
-    if (sizes.tp, sizes.pp) != (1, 1):
-        raise ConfigError(f"megatron.tensor_parallel / pipeline_parallel = {sizes.tp} / {sizes.pp}: the Trainer drives "
-                          f"megatron-core with data and expert parallelism so far (set them to 1); "
-                          f"orthon.backends.megatron converts and shards weights for those layouts")
+    if sizes.pp != 1:
+        raise ConfigError(f"megatron.pipeline_parallel = {sizes.pp}: the Trainer drives megatron-core with data, tensor "
+                          f"and expert parallelism (megatron's pipeline schedules are not wired in); set it to 1")
+    if recipe.data.seq_len % sizes.tp:
+        raise ConfigError(f"data.seq_len = {recipe.data.seq_len}: sequence parallelism (megatron's, with "
+                          f"megatron.tensor_parallel = {sizes.tp}) splits each sequence over the TP ranks; make it a "
+                          f"multiple of {sizes.tp}")
     for name, value, plain in (("train.parallel", train.parallel, "ddp"), ("train.expert_parallel", train.expert_parallel, 1),
                                ("train.context_parallel", train.context_parallel, 1)):
         if value != plain:
-            raise ConfigError(f"{name} = {value}: the megatron backend runs data parallel (DDP) and megatron's own expert "
-                              f"parallelism (megatron.expert_parallel) so far; set {name}={plain}")
+            raise ConfigError(f"{name} = {value}: the megatron backend runs data parallel (DDP) with megatron's own tensor "
+                              f"and expert parallelism (megatron.tensor_parallel, megatron.expert_parallel); set "
+                              f"{name}={plain}")
     if recipe.runtime.sparse_attention:
         raise ConfigError("runtime.sparse_attention: the megatron backend runs dense MLA (pretraining's attention); "
                           "DSA (mid-training) runs on the torch backend")
@@ -68,6 +72,17 @@ def check_recipe(recipe) -> None:
     if recipe.data.document_mask:
         raise ConfigError("data.document_mask: megatron-core's local attention is plainly causal; packed documents "
                           "need transformer-engine's (not wired yet); set data.document_mask=false")
+
+
+def _check_world(sizes) -> None:
+    """megatron's groups must tile the ranks: TP divides the world, and so does EP x the experts' TP."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    for size, what in ((sizes.tp, f"megatron.tensor_parallel = {sizes.tp}"),
+                       (sizes.ep * sizes.expert_tp, f"megatron.expert_parallel x the experts' tensor parallelism = "
+                                                    f"{sizes.ep} x {sizes.expert_tp}")):
+        if world % size:
+            raise ConfigError(f"{what} does not divide the {world} rank{'s' if world > 1 else ''} (start it under "
+                              f"orthon launch torchrun with a multiple of {size} processes)")
 
 
 class _RouterView:
@@ -98,6 +113,7 @@ class MegatronCausalLM(nn.Module):
         self.config: ModelConfig = recipe.model
         self.runtime = dataclasses.replace(recipe.runtime)
         self.options: MegatronOptions = dataclasses.replace(recipe.megatron, params_dtype="fp32")
+        _check_world(sizes_of(self.options))
         self.gpt = build_model(self.config, self.options)
         for layer in self.gpt.decoder.layers:
             _set_latent_eps(layer.self_attention, LATENT_NORM_EPS)
@@ -131,20 +147,18 @@ class MegatronCausalLM(nn.Module):
         self._load_full({k: v.to(device) for k, v in full.items()})
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """megatron's full state dict of the model: its own tensors and the carried ones. Under expert
-        parallelism a collective (every rank calls it): the experts of every rank gathered, on every rank."""
-        local = {k: v for k, v in self.gpt.state_dict().items() if k in self._names}  # no router counters, no TE state
-        local.update({name: getattr(self.carried, key) for name, key in self._carried_names.items()})
-        if self.expert_parallel == 1:
-            return local
-        from megatron.core import parallel_state
-
-        group = parallel_state.get_expert_model_parallel_group()
-        experts = {k: v.detach().cpu() for k, v in local.items() if global_expert_name(k, 0, 1, self.gpt.orthon_layout)}
-        gathered: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, experts, group=group)
-        shards = {(0, 0, e): dict(state) for e, state in enumerate(gathered)}
-        shards[(0, 0, 0)].update({k: v for k, v in local.items() if k not in experts})
+        """megatron's full state dict of the model: its own tensors and the carried ones. Under tensor or
+        expert parallelism a collective (every rank calls it): every rank's part gathered and joined
+        (``parallel.merge``), on every rank."""
+        local = {k: v.detach() for k, v in self.gpt.state_dict().items() if k in self._names}  # no router counters
+        carried = {name: getattr(self.carried, key) for name, key in self._carried_names.items()}
+        if (self.tensor_parallel, self.expert_parallel) == (1, 1):
+            return {**local, **carried}
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (rank_key(), {k: v.cpu() for k, v in local.items()}))
+        shards: dict = {}
+        for key, state in gathered:  # data-parallel replicas hold the same part: the first is kept
+            shards.setdefault(key, {**state, **carried})
         return merge(shards, self.config, sizes_of(self.options), self.gpt.orthon_layout)
 
     def orthon_state(self) -> dict[str, torch.Tensor]:
@@ -154,7 +168,7 @@ class MegatronCausalLM(nn.Module):
 
     def save_weights(self, directory, write: bool = True) -> None:
         """The model as an orthon weights directory (HF layout + sidecar), written where ``write``; under
-        expert parallelism a collective (every rank calls it, one writes)."""
+        tensor or expert parallelism a collective (every rank calls it, one writes)."""
         state = self.full_state()
         if write:
             save_from_megatron(state, self.config, directory, self.gpt.orthon_layout, self.runtime)
@@ -165,65 +179,99 @@ class MegatronCausalLM(nn.Module):
 
         return build_optimizer(self.gpt, self.config, recipe.optim, recipe.schedule, tp=sizes_of(self.options).tp)
 
-    # ------------------------------------------------------------ expert parallelism
+    # ------------------------------------------------------------ tensor and expert parallelism
+    @property
+    def tensor_parallel(self) -> int:
+        return sizes_of(self.options).tp
+
     @property
     def expert_parallel(self) -> int:
         return sizes_of(self.options).ep
 
+    def data_parallel(self) -> tuple[int, int]:
+        """(rank, size) of this process among the data-parallel replicas: a TP group's ranks read the same
+        batches (megatron orders the ranks TP first, so these are rank // TP and world // TP)."""
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+    def ddp_group(self):
+        """The process group DDP averages over: megatron's data-parallel group (None: the world, without TP)."""
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group() if self.tensor_parallel > 1 else None
+
     def check_step(self, step) -> None:
-        """The Trainer's step plug-in must suit the expert exchange: every forward on every rank, and (with
-        megatron's allgather dispatcher, the one that runs without CUDA) one shape on every rank."""
-        if self.expert_parallel == 1:
-            return
-        name, ep = type(step).__name__, self.expert_parallel
-        if not step.runs_expert_parallel:
+        """The Trainer's step plug-in must suit the layout: under expert parallelism every forward runs on
+        every rank; with megatron's allgather dispatcher (the one that runs without CUDA) or sequence
+        parallelism (which splits each micro-batch's tokens over the TP ranks) every rank's micro-batches
+        have one shape."""
+        name, tp, ep = type(step).__name__, self.tensor_parallel, self.expert_parallel
+        if ep > 1 and not step.runs_expert_parallel:
             raise ConfigError(f"megatron.expert_parallel = {ep}: {name} does not run every forward on every rank; "
                               f"set megatron.expert_parallel=1")
-        if self.gpt.config.moe_token_dispatcher_type == "allgather" and not step.same_shapes:
+        if step.same_shapes:
+            return
+        if tp > 1:
+            raise ConfigError(f"megatron.tensor_parallel = {tp}: {name} sizes each micro-batch by its samples, and "
+                              f"megatron's sequence parallelism splits every micro-batch's tokens over the TP ranks "
+                              f"(not wired for such batches yet); set megatron.tensor_parallel=1")
+        if ep > 1 and self.gpt.config.moe_token_dispatcher_type == "allgather":
             raise ConfigError(f"megatron.expert_parallel = {ep}: {name} sizes each micro-batch by its samples, and "
                               f"megatron's allgather token dispatcher (the one that runs without CUDA) needs one shape "
                               f"on every rank; on GPUs its alltoall dispatcher takes any (else set "
                               f"megatron.expert_parallel=1)")
 
-    def _expert_params(self) -> list[nn.Parameter]:
-        # megatron marks the weights its expert-parallel ranks hold apart (allreduce False): DDP leaves them
-        # to finish_grads (orthon.pretrain.parallel.wrap)
-        return [p for p in self.gpt.parameters() if getattr(p, "allreduce", True) is False]
+    def _parts(self):
+        """(name, parameter, is an expert's, split over its tensor-parallel group) of every parameter."""
+        tp = {"dense": self.tensor_parallel, "expert": sizes_of(self.options).expert_tp}
+        for name, p in self.gpt.named_parameters():
+            expert = ".mlp.experts." in name
+            yield name, p, expert, bool(getattr(p, "tensor_model_parallel", False)) and tp["expert" if expert else "dense"] > 1
 
     @torch.no_grad()
     def finish_grads(self, world: int) -> None:
-        """After the step's backward: the experts' gradients as data parallelism's average over the ``world``
-        ranks. Each rank's loss is scaled for that average and its experts' gradients already hold the
-        tokens every rank of its expert-parallel group sent them; the ranks holding the same experts (the
-        expert data-parallel group) add theirs."""
-        if self.expert_parallel == 1:
-            return
+        """After the step's backward (DDP has averaged over the data-parallel group what it holds):
+        - sequence parallelism: a norm's or router's gradient covers this rank's tokens only; summed over TP;
+        - expert parallelism: DDP leaves the experts alone (megatron marks them allreduce False); their
+          gradients already hold the tokens every rank of their expert-parallel group sent them, and the
+          ranks holding the same experts (the expert data-parallel group) add theirs, as data parallelism's
+          average (each rank's loss is scaled for that average over the data-parallel replicas)."""
         from megatron.core import parallel_state
 
-        group = parallel_state.get_expert_data_parallel_group()
-        for p in self._expert_params():
-            if p.grad is not None:
-                if dist.get_world_size(group) > 1:
+        if self.tensor_parallel > 1:
+            group = parallel_state.get_tensor_model_parallel_group()
+            for p in self.gpt.parameters():
+                if p.grad is not None and getattr(p, "sequence_parallel", False):
                     dist.all_reduce(p.grad, group=group)
-                p.grad.div_(world)
+        if self.expert_parallel > 1:
+            group = parallel_state.get_expert_data_parallel_group()
+            replicas = parallel_state.get_data_parallel_world_size()
+            for p in self.gpt.parameters():
+                if p.grad is not None and getattr(p, "allreduce", True) is False:
+                    if dist.get_world_size(group) > 1:
+                        dist.all_reduce(p.grad, group=group)
+                    p.grad.div_(replicas)
 
     @torch.no_grad()
     def clip_grads(self, max_norm: float) -> float:
-        """torch's clip_grad_norm_ over the whole model's gradients, each expert counted once (its rank's
-        squares added over the expert-parallel group); returns the norm. Every rank calls it."""
+        """torch's clip_grad_norm_ over the whole model's gradients, each element counted once: a split
+        tensor's squares added over its tensor-parallel group, a copy counted on that group's first rank,
+        the experts' over the expert tensor-and-expert-parallel group; returns the norm. Every rank calls it."""
         params = [p for p in self.parameters() if p.grad is not None]
-        if self.expert_parallel == 1:
+        if (self.tensor_parallel, self.expert_parallel) == (1, 1):
             return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         from megatron.core import parallel_state
 
-        experts = {id(p) for p in self._expert_params()}
-        device = params[0].grad.device
-        squares = torch.zeros(2, dtype=torch.float32, device=device)  # [others, experts]
-        for p in params:
-            squares[int(id(p) in experts)] += p.grad.detach().float().pow(2).sum()
-        expert_part = squares[1:].clone()
-        dist.all_reduce(expert_part, group=parallel_state.get_expert_model_parallel_group())
-        norm = (squares[0] + expert_part[0]).sqrt()
+        first = {False: parallel_state.get_tensor_model_parallel_rank() == 0,
+                 True: parallel_state.get_expert_tensor_parallel_rank() == 0}
+        squares = {False: torch.zeros((), device=params[0].grad.device), True: torch.zeros((), device=params[0].grad.device)}
+        for _, p, expert, split in self._parts():
+            if p.grad is not None and (split or first[expert]):
+                squares[expert] += p.grad.detach().float().pow(2).sum()
+        dist.all_reduce(squares[False], group=parallel_state.get_tensor_model_parallel_group())
+        dist.all_reduce(squares[True], group=parallel_state.get_expert_tensor_and_model_parallel_group())
+        norm = (squares[False] + squares[True]).sqrt()
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         if coefficient < 1:
             for p in params:
@@ -231,19 +279,23 @@ class MegatronCausalLM(nn.Module):
         return float(norm)
 
     def checkpoint_names(self) -> dict[str, str]:
-        """{name in this rank's state dict: name in a checkpoint} where they differ: under expert parallelism
-        each rank numbers its experts from 0, a checkpoint by their index in the model (so the ranks' keys
-        differ and each rank's experts are kept, not taken for copies of one another)."""
-        if self.expert_parallel == 1:
+        """{name in this rank's state dict: name in a checkpoint} where they differ, so that the ranks' keys
+        differ wherever their tensors do (DCP keeps one copy of a key): an expert under expert parallelism
+        by its index in the model (each rank numbers its experts from 0), a tensor split over a
+        tensor-parallel group with its rank there (``@tp1``). A checkpoint so resumes at the same layout."""
+        if (self.tensor_parallel, self.expert_parallel) == (1, 1):
             return {}
         from megatron.core import parallel_state
 
         per_rank = self.config.n_routed_experts // self.expert_parallel
-        rank = parallel_state.get_expert_model_parallel_rank()
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
+        tp_rank = {False: parallel_state.get_tensor_model_parallel_rank(), True: parallel_state.get_expert_tensor_parallel_rank()}
         names = {}
-        for name, _ in self.gpt.named_parameters():
-            full = global_expert_name(name, rank, per_rank, self.gpt.orthon_layout)
-            if full is not None:
+        for name, _, expert, split in self._parts():
+            full = (global_expert_name(name, ep_rank, per_rank, self.gpt.orthon_layout) if expert else None) or name
+            if split:
+                full = f"{full}@tp{tp_rank[expert]}"
+            if full != name:
                 names[f"gpt.{name}"] = f"gpt.{full}"
         return names
 
@@ -264,7 +316,7 @@ class MegatronCausalLM(nn.Module):
             if loss_reduction == "mean":
                 loss = loss / counted.sum().clamp(min=1)
             return CausalLMOutput(logits=None, loss=loss)
-        logits = self.gpt(input_ids, position_ids, None)
+        logits = self.gpt(input_ids, position_ids, None, runtime_gather_output=True)  # the whole vocabulary under TP
         if logits_at is not None:
             logits = logits.gather(1, logits_at[..., None].expand(*logits_at.shape, logits.shape[-1]))
         loss = cross_entropy(logits, labels, loss_reduction) if labels is not None else None

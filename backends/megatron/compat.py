@@ -4,7 +4,9 @@
 so ``multi_latent_attention`` sets its HAVE_TE to True and then calls ``isinstance`` with a mock (a
 TypeError while building MLA), and the MoE router's gating calls ``te_general_gemm``, a name that module
 only defines when TE imports (a NameError in the forward). ``apply()`` corrects both flags when TE is
-truly absent; with TE installed it changes nothing."""
+truly absent, and lets MLA take orthon's replicated down-projection (norm.ReplicatedLinear); with TE
+installed it changes nothing. Without CUDA, ``point_cuda_device_at_cpu`` and ``use_cpu_rng_tracker``
+let megatron-core run on the CPU."""
 from __future__ import annotations
 
 import importlib.util
@@ -29,6 +31,11 @@ def apply() -> None:
     mla.HAVE_TE = False
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    # MLA builds a replicated down-projection only for a module it takes for transformer-engine's
+    # TELinear (see norm.ReplicatedLinear): orthon's stands in that name while TE is absent.
+    from orthon.backends.megatron.norm import ReplicatedLinear
+
+    mla.TELinear = ReplicatedLinear
 
 
 def _cpu_device() -> str:
@@ -47,3 +54,39 @@ def point_cuda_device_at_cpu() -> bool:
         return False
     torch.cuda.current_device = _cpu_device
     return True
+
+
+class _CPURNGTracker:
+    """megatron-core's model-parallel RNG tracker without CUDA. megatron forks the CUDA generator around
+    the dropout of sequence-parallel regions (and its GPU weight init); on the CPU, where orthon builds
+    megatron's weights on the CPU path and trains with dropout 0, a fork has no state to switch: each is
+    a no-op context."""
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def reset(self) -> None:
+        pass
+
+    def add(self, name, seed) -> None:
+        pass
+
+    def get_states(self) -> dict:
+        return {}
+
+    def set_states(self, states) -> None:
+        pass
+
+    def fork(self, name=None):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def use_cpu_rng_tracker() -> None:
+    """Install _CPURNGTracker as megatron-core's tracker (a machine without CUDA: its own would call the
+    CUDA generator)."""
+    import megatron.core.tensor_parallel.random as megatron_random
+
+    megatron_random._CUDA_RNG_STATE_TRACKER = _CPURNGTracker()
+    megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True

@@ -51,6 +51,13 @@ class MegatronLayout:
 
     te: bool = True
     grouped_experts: bool = True
+    # MLA's q / kv down-projections split by columns across TP (megatron's local spec); False: replicated
+    # (transformer-engine's spec, and the model orthon builds); None: as ``te`` says.
+    column_down_proj: bool | None = None
+
+    @property
+    def splits_down_proj(self) -> bool:
+        return (not self.te) if self.column_down_proj is None else self.column_down_proj
 
 
 @dataclass(frozen=True)

@@ -54,8 +54,9 @@ def use_te(options: MegatronOptions) -> bool:
 
 
 def layout(te: bool) -> MegatronLayout:
-    """The state-dict names the model built with or without TE has (TE: fused norms, TEGroupedMLP experts)."""
-    return MegatronLayout(te=te, grouped_experts=te)
+    """The state-dict names and splits of the model orthon builds with or without TE (TE: fused norms,
+    TEGroupedMLP experts; both: MLA's down-projections replicated across TP)."""
+    return MegatronLayout(te=te, grouped_experts=te, column_down_proj=False)
 
 
 def transformer_config(model: ModelConfig, options: MegatronOptions, te: bool = False):
@@ -104,18 +105,22 @@ def transformer_config(model: ModelConfig, options: MegatronOptions, te: bool = 
 
 def block_spec(config, te: bool):
     """The decoder's layer specs: megatron's MLA layers with the dense / MoE pattern of ``moe_layer_freq``;
-    without TE, MLA's core attention is orthon's SDPA module (see core_attention)."""
+    without TE, MLA's core attention is orthon's SDPA module (see core_attention), its down-projections
+    replicated and its norms sequence-parallel (see norm)."""
     import copy
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from orthon.backends.megatron.core_attention import SDPACoreAttention
+    from orthon.backends.megatron.norm import replace_torch_norms, use_replicated_down_projections
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
     if not te:
         spec.layer_specs = [copy.deepcopy(s) for s in spec.layer_specs]  # the specs are shared objects
         for layer in spec.layer_specs:
             layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+            use_replicated_down_projections(layer)
+        replace_torch_norms(spec)
     return spec
 
 
@@ -147,11 +152,13 @@ def initialize_parallel(options: MegatronOptions) -> None:
 def build_model(model: ModelConfig, options: MegatronOptions | None = None):
     """The megatron-core GPTModel of this rank (its pipeline stage, its TP / EP shard); initialises
     torch.distributed and megatron's groups unless they are. Without CUDA it is built for the CPU
-    (``compat.point_cuda_device_at_cpu``; the MoE tokens through megatron's allgather dispatcher, since
-    its alltoall one needs CUDA streams): small models train on a laptop."""
+    (``compat.point_cuda_device_at_cpu``, ``compat.use_cpu_rng_tracker``; the MoE tokens through
+    megatron's allgather dispatcher, since its alltoall one needs CUDA streams): small models train on a
+    laptop, tensor parallel too (sequence-parallel norms: ``norm``)."""
     options = options or MegatronOptions()
     require_megatron()
     if compat.point_cuda_device_at_cpu():
+        compat.use_cpu_rng_tracker()
         options = dataclasses.replace(options, token_dispatcher="allgather")
     return _build(model, options)
 

@@ -61,7 +61,7 @@ def check_parallel(config: ModelConfig, sizes: ParallelSizes, layout: MegatronLa
              (config.num_hidden_layers, sizes.pp, "PP", "layers (num_hidden_layers)")]
     if config.first_k_dense_replace:
         needs.append((config.intermediate_size, tp, "TP", "dense MLP width (intermediate_size)"))
-    if not layout.te:
+    if layout.splits_down_proj:
         needs += [(config.q_lora_rank, tp, "TP", "query latent width (q_lora_rank)"),
                   (config.kv_lora_rank + config.qk_rope_head_dim, tp, "TP",
                    "key-value latent + rope width (kv_lora_rank + qk_rope_head_dim)")]
@@ -92,7 +92,7 @@ def split_rule(name: str, layout: MegatronLayout) -> str:
     if name.endswith(("linear_q_up_proj.weight", "linear_kv_up_proj.weight", "linear_q_proj.weight")):
         return COLUMN
     if name.endswith(("linear_q_down_proj.weight", "linear_kv_down_proj.weight")):
-        return REPLICATED if layout.te else COLUMN
+        return COLUMN if layout.splits_down_proj else REPLICATED
     expert_fc = (_expert_key(name) or (None, None))[1]  # a grouped expert's name ends in its number
     if name.endswith(("self_attention.linear_proj.weight", "linear_fc2.weight")) or expert_fc == "linear_fc2":
         return ROW
