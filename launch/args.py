@@ -1,6 +1,7 @@
 """Arguments shared by the commands, and the checks every command that builds a model makes first."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from orthon.core.errors import ConfigError, OrthonError
@@ -32,7 +33,14 @@ def machine_memory() -> tuple[int, str]:
     return physical_memory(), "memory"
 
 
-def check_model_fits(model_config, train=None, command: str = "train", world: int | None = None) -> None:
+def check_recipe_fits(recipe, command: str = "train", world: int | None = None) -> None:
+    """check_model_fits for a recipe's model under its parallelism (the torch backend's, or megatron's)."""
+    check_model_fits(recipe.model, recipe.train, command, world,
+                     megatron=recipe.megatron if recipe.backend == "megatron" else None)
+
+
+def check_model_fits(model_config, train=None, command: str = "train", world: int | None = None,
+                     megatron=None) -> None:
     """Refuse, before anything is allocated, a model whose training state cannot fit: one rank's parameters
     (counted on the meta device; model_info.rank_parameters under ``train``'s parallelism, a TrainConfig;
     None: every rank holds the whole model) x 16 bytes against one GPU's memory or this machine's RAM
@@ -48,7 +56,7 @@ def check_model_fits(model_config, train=None, command: str = "train", world: in
     n_params = sum(c["total"] for c in counts.values())
     world = world or int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    share = rank_parameters(counts, world, train) * BYTES_PER_PARAM  # one rank's part
+    share = rank_parameters(counts, world, train, megatron) * BYTES_PER_PARAM  # one rank's part
     need = share if torch.cuda.is_available() else share * local
     have, what = machine_memory()
     if have and need > have:
@@ -86,7 +94,8 @@ def check_rl_fits(model_config, recipe, command: str) -> None:
     and OPD teachers where the ranks do not shard the policy (those of its architecture are placed as the
     policy; a teacher of another is loaded whole everywhere)."""
     cluster = recipe.rl.cluster
-    check_model_fits(model_config, recipe.train, command, cluster.trainer_ranks if cluster.enabled else None)
+    check_recipe_fits(dataclasses.replace(recipe, model=model_config), command,
+                      cluster.trainer_ranks if cluster.enabled else None)
     whole = []
     if not cluster.enabled:
         whole.append("the in-process engine holds the whole model")

@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from orthon.core.files import atomic_write_json
-from orthon.launch.args import add_recipe_args, check_model_fits, require_recipe
+from orthon.launch.args import add_recipe_args, check_recipe_fits, require_recipe
 from orthon.pretrain.recipe import load_recipe
 
 DONE = "ablation_done.json"  # in a variant's run directory once it has finished: {"wall_s": ...}
@@ -45,7 +45,7 @@ def run(args, name):
 
     require_recipe(args, name)
     base = load_recipe(args.config, args.overrides)
-    check_model_fits(base.model, base.train, "train")
+    check_recipe_fits(base)
     ab = base.ablation
     out = Path(ab.out_dir)
     out.mkdir(parents=True, exist_ok=True)

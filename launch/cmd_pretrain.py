@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from orthon.core.errors import ConfigError, OrthonError
-from orthon.launch.args import add_recipe_args, check_model_fits, held_out, require_recipe
+from orthon.launch.args import add_recipe_args, check_recipe_fits, held_out, require_recipe
 from orthon.pretrain.recipe import Recipe, load_recipe, with_tokenizer_ids
 
 
@@ -107,11 +107,11 @@ def run(args, name):
         recipe = load_recipe(run_dir / CONFIG_NAME, args.overrides)
         if recipe.backend == "mindspore" and (args.step is not None or args.skip_batches):
             raise ConfigError("--step and --skip-batches: the torch backend's (the MindSpore backend resumes from its newest checkpoint)")
-        check_model_fits(recipe.model, recipe.train, "train")
+        check_recipe_fits(recipe)
     else:
         require_recipe(args, name)
         recipe = load_recipe(args.config, args.overrides)
-        check_model_fits(recipe.model, recipe.train, "train")  # before the corpus, before any weights
+        check_recipe_fits(recipe)  # before the corpus, before any weights
         from orthon.core import distributed
 
         # Every rank of a torchrun job prepares (the first builds, the others wait and reuse); rank 0 speaks.

@@ -54,11 +54,18 @@ def parameter_counts(config: ModelConfig) -> dict[str, dict[str, int]]:
 BYTES_PER_PARAM = 16  # training state: fp32 weights + gradients + two optimizer moments (AdamW; Muon keeps one)
 
 
-def rank_parameters(counts: dict[str, dict[str, int]], world: int, train=None) -> float:
+def rank_parameters(counts: dict[str, dict[str, int]], world: int, train=None, megatron=None) -> float:
     """Parameters one of ``world`` ranks holds to train under ``train`` (a TrainConfig; None: DDP). FSDP2
     shards all of them over the ranks, or over groups of ``fsdp_shard_ranks`` (HSDP), expert parallelism
     included (it shards each rank's experts over the ranks holding the same ones); under DDP every rank
-    holds everything but the routed experts, which expert parallelism spreads over its ranks."""
+    holds everything but the routed experts, which expert parallelism spreads over its ranks. ``megatron``:
+    the recipe's MegatronOptions where megatron-core trains it (its tensor parallelism splits the rest, its
+    expert parallelism and the experts' TP the routed experts)."""
+    if megatron is not None:
+        tp, ep = megatron.tensor_parallel, megatron.expert_parallel
+        etp = megatron.expert_tensor_parallel or tp
+        experts = counts.get("routed_experts", {"total": 0})["total"]
+        return (sum(c["total"] for c in counts.values()) - experts) / tp + experts / (ep * etp)
     parallel = getattr(train, "parallel", "ddp")
     ep = getattr(train, "expert_parallel", 1)
     shard_ranks = getattr(train, "fsdp_shard_ranks", 0)

@@ -132,6 +132,15 @@ def test_the_memory_check_counts_one_ranks_experts(monkeypatch):
     args.check_model_fits(model, TrainConfig(parallel="fsdp", fsdp_shard_ranks=64, expert_parallel=256), "train")
     assert rank_parameters(parameter_counts(model), 1024, TrainConfig(parallel="fsdp", fsdp_shard_ranks=64,
                                                                       expert_parallel=256)) * 16 / 1e9 == pytest.approx(16.1, abs=0.05)
+    # megatron-core (backend: megatron): TP splits the rest, EP x the experts' TP (TP unless set) the experts:
+    # TP 8, EP 64: (19.14B / 8 + 724.78B / 512) x 16 = 60.9 GB; TP 16, EP 128: (19.14B / 16 + 724.78B / 2048) x 16 = 24.8 GB
+    from orthon.pretrain.recipe import MegatronOptions
+
+    with pytest.raises(ConfigError, match=r"need about 60\.9 GB"):
+        args.check_model_fits(model, TrainConfig(), "train", megatron=MegatronOptions(tensor_parallel=8, expert_parallel=64))
+    args.check_model_fits(model, TrainConfig(), "train", megatron=MegatronOptions(tensor_parallel=16, expert_parallel=128))
+    assert rank_parameters(parameter_counts(model), 1024, megatron=MegatronOptions(
+        tensor_parallel=16, expert_parallel=128)) * 16 / 1e9 == pytest.approx(24.8, abs=0.05)
 
 
 def test_model_info_prints_one_ranks_share(capsys):
