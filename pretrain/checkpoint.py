@@ -289,8 +289,9 @@ class Checkpointer:
 
 def _checkpoint_names(model: torch.nn.Module) -> dict[str, str]:
     """{state-dict name: name in a checkpoint} where a model's ranks use one name for different tensors
-    (megatron-core numbers each expert-parallel rank's experts from 0: orthon.backends.megatron.causal_lm);
-    {} for orthon's own model, whose state dicts already name each tensor once (DTensors)."""
+    (megatron-core's tensor-parallel slices, and its experts numbered from 0 on every expert-parallel rank:
+    orthon.backends.megatron.causal_lm); {} for orthon's own model, whose state dicts name each tensor once
+    (DTensors)."""
     names = getattr(getattr(model, "module", model), "checkpoint_names", None)
     return names() if names is not None else {}
 

@@ -27,9 +27,9 @@ from orthon.core import distributed
 from orthon.core.config import to_dict
 from orthon.core.device_stats import peak_flops, step_memory, throughput_metrics
 from orthon.core.errors import ConfigError
-from orthon.core.plugins import resolve
 from orthon.core.files import atomic_write_bytes
 from orthon.core.metrics import MetricsLogger, open_step_log, plot_training, read_metrics
+from orthon.core.plugins import resolve
 from orthon.core.profiling import StepProfiler
 from orthon.core.step_guard import StepGuard
 from orthon.core.step_loop import run_steps
@@ -48,8 +48,8 @@ from orthon.pretrain.weights import load_config, load_into, load_weights, save_w
 
 CONFIG_NAME = "config.yaml"
 # Backends whose model this Trainer drives in place of orthon's (``recipe.backend``), by dotted path: a
-# plug-in, so that the Trainer never imports a backend (they sit above it). The model class takes the recipe
-# and has GLMForCausalLM's training face plus load_weights / save_weights / orthon_state / build_optimizer.
+# plug-in, so that the Trainer never imports a backend (they sit above it). The class takes the recipe and
+# shows the face of orthon.pretrain.backend_model.BackendModel.
 MODEL_BACKENDS = {"megatron": "orthon.backends.megatron.causal_lm.MegatronCausalLM"}
 
 
@@ -354,8 +354,8 @@ class Trainer:
         _add_metric(sums, "model_flops", self._model_flops(lengths))
         if self.expert_parallel > 1:
             expert_parallel.reduce_expert_grads(self.model, self.expert_mesh, self.cfg.parallel == "fsdp")
-        if self.foreign_model:  # its own expert parallelism's gradients (what DDP leaves to it)
-            self.model.finish_grads(self.world)
+        if self.foreign_model:  # what DDP leaves to the model's own parallelism
+            self.model.finish_grads()
         sums = _all_reduce_dict(sums, self.device)
         flops = sums.pop("model_flops")
         step_metrics = self.step_fn.end(self, sums)
@@ -569,7 +569,7 @@ class Trainer:
         """The model as a weights directory (``orthon.pretrain.weights``), written by rank 0. Where the
         ranks hold shards, a collective that gathers one safetensors shard at a time
         (``orthon.pretrain.gathered_weights``), so no process holds the whole model."""
-        if self.foreign_model:  # a collective where its ranks hold parts of it (expert parallelism)
+        if self.foreign_model:  # a collective where its ranks hold parts of it (tensor, expert parallelism)
             self.model.save_weights(directory, write=self.rank == 0)
         elif self.holds_shards:
             save_gathered(self.model, directory, self.rank)

@@ -38,7 +38,7 @@ from orthon.backends.megatron.model import build_model, load_megatron_state, ran
 from orthon.backends.megatron.parallel import global_expert_name, merge
 from orthon.backends.megatron.weights import load_as_megatron, save_from_megatron
 from orthon.core.errors import ConfigError
-from orthon.pretrain.config import ModelConfig, RuntimeOptions
+from orthon.pretrain.config import ModelConfig
 from orthon.pretrain.loss import IGNORE_INDEX, cross_entropy
 from orthon.pretrain.model import CausalLMOutput, GLMForCausalLM
 from orthon.pretrain.recipe import MegatronOptions
@@ -103,8 +103,8 @@ class _RouterView:
 
 class MegatronCausalLM(nn.Module):
     """megatron-core's GPTModel of ``config`` (built by ``orthon.backends.megatron.model``), with the
-    face orthon's Trainer asks of a model. ``recipe``: the training recipe (its ``megatron`` section,
-    ``runtime`` and seed)."""
+    face orthon's Trainer asks of a model (orthon.pretrain.backend_model.BackendModel). ``recipe``: the
+    training recipe (its ``megatron`` section, ``runtime`` and seed)."""
 
     def __init__(self, recipe):
         super().__init__()
@@ -230,7 +230,7 @@ class MegatronCausalLM(nn.Module):
             yield name, p, expert, bool(getattr(p, "tensor_model_parallel", False)) and tp["expert" if expert else "dense"] > 1
 
     @torch.no_grad()
-    def finish_grads(self, world: int) -> None:
+    def finish_grads(self) -> None:
         """After the step's backward (DDP has averaged over the data-parallel group what it holds):
         - sequence parallelism: a norm's or router's gradient covers this rank's tokens only; summed over TP;
         - expert parallelism: DDP leaves the experts alone (megatron marks them allreduce False); their

@@ -1,0 +1,47 @@
+"""The face another framework's model shows the one Trainer (``recipe.backend``; the Trainer's
+MODEL_BACKENDS names each by dotted path, so the Trainer never imports a backend).
+
+Besides GLMForCausalLM's training face (``forward(input_ids, labels=..., return_logits=False,
+loss_reduction=..., logits_at=...)`` returning a CausalLMOutput, ``moe_routers()`` whose items have
+``expert_load`` and ``e_score_correction_bias``, ``indexers()``, ``runtime``, ``set_indexers_trainable``,
+``track_max_logit``, ``attention_logit_max``), such a model brings its own weights I/O, optimizer and model
+parallelism: the methods below. ``orthon.backends.megatron.causal_lm.MegatronCausalLM`` is the one there is."""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class BackendModel(Protocol):
+    def load_weights(self, directory) -> None:
+        """An orthon weights directory into the model (each rank its part)."""
+
+    def save_weights(self, directory, write: bool = True) -> None:
+        """The model as an orthon weights directory, written where ``write``; a collective where the ranks
+        hold parts of it."""
+
+    def orthon_state(self) -> dict[str, torch.Tensor]:
+        """The whole model's tensors in orthon's names, on every rank (a collective where ranks hold parts)."""
+
+    def build_optimizer(self, recipe):
+        """The optimizer (orthon's HybridOptimizer) over the model's parameters."""
+
+    def data_parallel(self) -> tuple[int, int]:
+        """(rank, size) among the data-parallel replicas: the ranks of one replica read the same batches."""
+
+    def ddp_group(self):
+        """The process group DDP averages gradients over (None: the world)."""
+
+    def check_step(self, step) -> None:
+        """A ConfigError where the step plug-in does not suit the model's parallelism."""
+
+    def finish_grads(self) -> None:
+        """After the step's backward: the gradients DDP left to the model's own parallelism."""
+
+    def clip_grads(self, max_norm: float) -> float:
+        """Clip the whole model's gradients to ``max_norm`` (each element counted once); returns the norm."""
+
+    def checkpoint_names(self) -> dict[str, str]:
+        """{state-dict name: checkpoint name} where the ranks' state dicts use one name for different
+        tensors (orthon.pretrain.checkpoint keeps one copy of a name)."""
