@@ -156,33 +156,6 @@ def test_megatron_backend_data_parallel_over_two_ranks(tmp_path):
     assert all(got["megatron"][s] == pytest.approx(got["torch"][s], abs=2e-6) for s in got["torch"])
 
 
-def test_megatron_expert_parallel_over_two_ranks_resumes(tmp_path):
-    """megatron.expert_parallel=2 on two torchrun ranks (gloo; megatron's allgather dispatcher): each rank
-    holds half the experts, DDP leaves them to the backend (its expert data-parallel group, the clipping norm
-    over both ranks' experts), and the run gives plain data parallelism's losses and weights. Stopped at step
-    4 and resumed, it goes on as the straight run: the checkpoint names each rank's experts by their index
-    in the model (both ranks number theirs from 0), so both halves are kept."""
-    stores = make_stores(tmp_path / "data")
-    ddp, ep = tmp_path / "ddp", tmp_path / "ep"
-    orthon("pretrain", "-c", write_recipe(tmp_path / "ddp.yaml", stores, ddp, train={"max_steps": STEPS}),
-           "backend=megatron", "optim.ns_dtype=fp32", nproc=2)
-    orthon("pretrain", "-c", write_recipe(tmp_path / "ep.yaml", stores, ep, train={"max_steps": 4}),
-           "backend=megatron", "optim.ns_dtype=fp32", "megatron.expert_parallel=2", nproc=2)
-    import torch.distributed.checkpoint as dcp
-
-    stored = dcp.FileSystemReader(str(ep / "checkpoints" / "step_00000004")).read_metadata().state_dict_metadata
-    experts = {k.split("local_experts.")[1].split(".")[0] for k in stored if "layers.1.mlp.experts.local_experts" in k
-               and k.endswith("linear_fc1.weight") and k.startswith("model.")}
-    assert experts == {"0", "1", "2", "3"}  # rank 1's local experts 0 and 1 are the model's 2 and 3
-    out = orthon("pretrain", "--resume", ep, f"train.max_steps={STEPS}", nproc=2)
-    assert resumed_from(out.stdout + out.stderr)[1] == 4
-    want, got = losses(ddp), losses(ep)
-    assert sorted(got) == list(range(1, STEPS + 1))
-    assert all(got[s] == pytest.approx(want[s], abs=2e-6) for s in want), (got, want)
-    a, b = (load_weights(d / "final").state_dict() for d in (ddp, ep))
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
-
-
 @pytest.mark.parametrize("override, message", [
     ("megatron.expert_parallel=2", "PolicyStep sizes each micro-batch by its samples, and megatron's allgather token"),
     ("megatron.tensor_parallel=2", "PolicyStep sizes each micro-batch by its samples, and megatron's sequence parallel"),
@@ -198,27 +171,34 @@ def test_rl_with_megatron_model_parallelism_on_uneven_batches_is_refused(tmp_pat
     assert not (tmp_path / "rl" / "metrics.jsonl").exists() or "reward_mean" not in (tmp_path / "rl" / "metrics.jsonl").read_text()
 
 
-def test_megatron_tensor_parallel_over_two_ranks_resumes(tmp_path):
-    """megatron.tensor_parallel=2 on two torchrun ranks (gloo, megatron's sequence parallelism): both ranks
-    read the same batches (one data-parallel replica), the norms' and routers' partial gradients are summed
-    over TP, the clipping norm counts every element once, and the run gives one process's losses and
-    weights. Stopped at step 4 and resumed, it goes on as one process does: the checkpoint keeps each TP
-    rank's slices under its own key (``@tp1``)."""
+@pytest.mark.parametrize("override, reference_ranks, stored", [
+    # rank 1 numbers its experts 0 and 1: the model's 2 and 3
+    ("megatron.expert_parallel=2", 2, "model.gpt.decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"),
+    ("megatron.tensor_parallel=2", 1, "model.gpt.decoder.layers.0.self_attention.linear_proj.weight@tp1"),
+])
+def test_megatron_model_parallel_over_two_ranks_resumes(tmp_path, override, reference_ranks, stored):
+    """Two torchrun ranks (gloo) of megatron's model parallelism give what plain data parallelism (or one
+    process) gives, losses and weights:
+    - expert parallelism (megatron's allgather dispatcher): each rank holds half the experts; DDP leaves them
+      to the backend, which averages them over the ranks holding the same ones; the clipping norm adds both
+      ranks' experts;
+    - tensor parallelism with megatron's sequence parallelism: both ranks read the same batches, the norms'
+      and routers' partial gradients are summed over TP, the clipping norm counts every element once.
+    Stopped at step 4 and resumed, each goes on as the reference: the checkpoint keys each rank's part
+    apart (an expert by its index in the model, a TP slice with its rank)."""
     stores = make_stores(tmp_path / "data")
-    one, tp = tmp_path / "one", tmp_path / "tp"
-    orthon("pretrain", "-c", write_recipe(tmp_path / "one.yaml", stores, one, train={"max_steps": STEPS}),
-           "backend=megatron", "optim.ns_dtype=fp32")
-    orthon("pretrain", "-c", write_recipe(tmp_path / "tp.yaml", stores, tp, train={"max_steps": 4}),
-           "backend=megatron", "optim.ns_dtype=fp32", "megatron.tensor_parallel=2", nproc=2)
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    orthon("pretrain", "-c", write_recipe(tmp_path / "ref.yaml", stores, ref, train={"max_steps": STEPS}),
+           "backend=megatron", "optim.ns_dtype=fp32", nproc=reference_ranks)
+    orthon("pretrain", "-c", write_recipe(tmp_path / "run.yaml", stores, run, train={"max_steps": 4}),
+           "backend=megatron", "optim.ns_dtype=fp32", override, nproc=2)
     import torch.distributed.checkpoint as dcp
 
-    stored = dcp.FileSystemReader(str(tp / "checkpoints" / "step_00000004")).read_metadata().state_dict_metadata
-    assert {"model.gpt.decoder.layers.0.self_attention.linear_proj.weight@tp0",
-            "model.gpt.decoder.layers.0.self_attention.linear_proj.weight@tp1"} <= set(stored)
-    out = orthon("pretrain", "--resume", tp, f"train.max_steps={STEPS}", nproc=2)
+    assert stored in dcp.FileSystemReader(str(run / "checkpoints" / "step_00000004")).read_metadata().state_dict_metadata
+    out = orthon("pretrain", "--resume", run, f"train.max_steps={STEPS}", nproc=2)
     assert resumed_from(out.stdout + out.stderr)[1] == 4
-    want, got = losses(one), losses(tp)
+    want, got = losses(ref), losses(run)
     assert sorted(got) == list(range(1, STEPS + 1))
     assert all(got[s] == pytest.approx(want[s], abs=2e-6) for s in want), (got, want)
-    a, b = (load_weights(d / "final").state_dict() for d in (one, tp))
+    a, b = (load_weights(d / "final").state_dict() for d in (ref, run))
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
