@@ -34,9 +34,13 @@ def machine_memory() -> tuple[int, str]:
 
 
 def check_recipe_fits(recipe, command: str = "train", world: int | None = None) -> None:
-    """check_model_fits for a recipe's model under its parallelism (the torch backend's, or megatron's)."""
-    check_model_fits(recipe.model, recipe.train, command, world,
-                     megatron=recipe.megatron if recipe.backend == "megatron" else None)
+    """check_model_fits for a recipe's model under its parallelism (the torch backend's, or megatron's).
+    megatron's ``init: orthon`` draws the whole model in every process first: it must fit too."""
+    megatron = recipe.megatron if recipe.backend == "megatron" else None
+    check_model_fits(recipe.model, recipe.train, command, world, megatron=megatron)
+    if megatron is not None and megatron.init == "orthon" and not recipe.train.init_from:
+        check_weights_fit(recipe.model, f"{command} (megatron.init=orthon draws the whole model in every process "
+                                        f"first)", advice="set megatron.init=megatron (each rank draws its part)")
 
 
 def check_model_fits(model_config, train=None, command: str = "train", world: int | None = None,
@@ -68,7 +72,8 @@ def check_model_fits(model_config, train=None, command: str = "train", world: in
             f"or set ORTHON_NO_MEMORY_CHECK=1")
 
 
-def check_weights_fit(model_config, command: str) -> None:
+def check_weights_fit(model_config, command: str,
+                      advice: str = "serve a model this size with SGLang (rl.cluster's engines)") -> None:
     """Refuse, before any tensor is read, a model that a command loads whole into this process's RAM
     (generation, the long-context evaluation: fp32, as ``load_weights`` builds it) when its weights alone
     exceed this machine's memory. ORTHON_NO_MEMORY_CHECK=1 skips the check."""
@@ -83,7 +88,7 @@ def check_weights_fit(model_config, command: str) -> None:
         raise ConfigError(
             f"model: {n_params / 1e9:,.2f}B parameters need about {need / 1e9:,.1f} GB to {command} (fp32 "
             f"weights, the whole model in one process), more than this machine's {have / 1e9:,.1f} GB of "
-            f"memory; serve a model this size with SGLang (rl.cluster's engines), or set ORTHON_NO_MEMORY_CHECK=1")
+            f"memory; {advice}, or set ORTHON_NO_MEMORY_CHECK=1")
 
 
 def check_rl_fits(model_config, recipe, command: str) -> None:

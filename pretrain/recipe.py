@@ -51,6 +51,11 @@ class MegatronOptions:
     token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     moe_bias_rate: float = 1e-3  # megatron's own loop's expert-bias step (orthon's Trainer uses train.moe_bias_rate)
     seed: int = 1234
+    # How a training run without train.init_from starts. "orthon": orthon's initial weights for the seed (the
+    # torch backend's), converted: both backends start alike, but every rank draws the whole model first.
+    # "megatron": megatron-core draws each rank's part (normal(0, initializer_range), as orthon's rule), so no
+    # rank holds the whole model: what a cluster-sized model needs.
+    init: Literal["orthon", "megatron"] = "orthon"
 
 
 @dataclass

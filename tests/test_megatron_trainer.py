@@ -8,6 +8,7 @@ what the Trainer cannot yet drive on megatron is refused by name before anything
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -202,3 +203,43 @@ def test_megatron_model_parallel_over_two_ranks_resumes(tmp_path, override, refe
     assert all(got[s] == pytest.approx(want[s], abs=2e-6) for s in want), (got, want)
     a, b = (load_weights(d / "final").state_dict() for d in (ref, run))
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+
+
+def test_megatron_draws_its_own_initial_weights_when_asked(tmp_path):
+    """megatron.init=megatron: megatron-core draws each rank's part (no rank builds the whole model), the
+    carried DSA indexer by orthon's rule: normal(0, initializer_range) matrices, unit norm scales, zero
+    biases. Another start than orthon's draw, so another first loss, near ln(vocab) as any random start."""
+    stores = make_stores(tmp_path / "data")
+    runs = {}
+    for init in ("orthon", "megatron"):
+        runs[init] = tmp_path / init
+        orthon("pretrain", "-c", write_recipe(tmp_path / f"{init}.yaml", stores, runs[init], train={"max_steps": 2}),
+               "backend=megatron", f"megatron.init={init}")
+    first = {init: losses(run)[1] for init, run in runs.items()}
+    assert first["megatron"] != first["orthon"]
+    assert abs(first["megatron"] - math.log(MODEL["vocab_size"])) < 0.1
+    weights = load_weights(runs["megatron"] / "final").state_dict()
+    indexer = "model.layers.1.self_attn.indexer."
+    assert torch.equal(weights[indexer + "k_norm.weight"], torch.ones_like(weights[indexer + "k_norm.weight"]))
+    assert torch.equal(weights[indexer + "k_norm.bias"], torch.zeros_like(weights[indexer + "k_norm.bias"]))
+    assert float(weights[indexer + "wk.weight"].std()) == pytest.approx(0.02, rel=0.1)
+
+
+def test_the_memory_check_weighs_megatrons_layout_and_its_initial_draw(monkeypatch):
+    """GLM-5 on 1,024 GPUs of 80 GB as megatron lays it out (TP 8, EP 64: 60.9 GB of training state a
+    rank) fits; drawing orthon's initial weights whole in every process (2,975.6 GB) does not, and the
+    refusal names the way out."""
+    import orthon.launch.args as args
+    from orthon.core.errors import ConfigError
+    from orthon.pretrain.recipe import load_recipe
+    from pretrain_support import ROOT
+
+    monkeypatch.setattr(args, "machine_memory", lambda: (80e9, "GPU memory"))
+    monkeypatch.setattr("orthon.core.allocator.physical_memory", lambda: 80e9)
+    monkeypatch.setenv("WORLD_SIZE", "1024")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.delenv("ORTHON_NO_MEMORY_CHECK", raising=False)
+    layout = ["backend=megatron", "megatron.tensor_parallel=8", "megatron.expert_parallel=64"]
+    args.check_recipe_fits(load_recipe(ROOT / "configs/glm5.yaml", [*layout, "megatron.init=megatron"]))
+    with pytest.raises(ConfigError, match=r"2,975\.6 GB .* set megatron\.init=megatron"):
+        args.check_recipe_fits(load_recipe(ROOT / "configs/glm5.yaml", layout))

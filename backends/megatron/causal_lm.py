@@ -8,7 +8,8 @@ pretraining runs the same data, batch ramp, schedule, checkpoints and metrics on
 
 - Weights come in and go out in orthon's format (the HF layout, ``orthon.backends.megatron.weights``).
   A run from scratch starts from the weights orthon's torch model draws for the same seed, converted,
-  so both backends start alike. The DSA indexer is not part of megatron's dense-MLA model: its tensors
+  so both backends start alike (``megatron.init: orthon``; ``megatron`` lets megatron draw each rank's
+  part, for models no rank can hold whole). The DSA indexer is not part of megatron's dense-MLA model: its tensors
   are carried beside it (buffers, in every checkpoint) and written back with the weights, untrained,
   as pretraining leaves them on the torch backend too.
 - GLM-5 gives its two latent norms (q_a / kv_a) eps 1e-6 where megatron has one ``layernorm_epsilon``
@@ -40,7 +41,7 @@ from orthon.backends.megatron.weights import load_as_megatron, save_from_megatro
 from orthon.core.errors import ConfigError
 from orthon.pretrain.config import ModelConfig
 from orthon.pretrain.loss import IGNORE_INDEX, cross_entropy
-from orthon.pretrain.model import CausalLMOutput, GLMForCausalLM
+from orthon.pretrain.model import CausalLMOutput, GLMForCausalLM, on_meta_device
 from orthon.pretrain.recipe import MegatronOptions
 
 LATENT_NORM_EPS = 1e-6  # GLM-5's q_a / kv_a latent norms (orthon.pretrain.attention)
@@ -124,12 +125,27 @@ class MegatronCausalLM(nn.Module):
         carried = sorted(n for n in self._names if n not in built and not global_expert_name(n, 0, 1, self.gpt.orthon_layout))
         self._carried_names = {name: f"t{i}" for i, name in enumerate(carried)}
         self.carried = nn.Module()
-        torch.manual_seed(recipe.train.seed)  # the torch backend's first draw: the same initial weights
-        self._load_full(self._full_state(GLMForCausalLM(self.config, runtime=self.runtime).state_dict()))
+        if recipe.train.init_from:  # the Trainer loads it next: the carried tensors' places, to be filled
+            for name, shape in self._carried_shapes().items():
+                self.carried.register_buffer(self._carried_names[name], torch.zeros(shape))
+        elif self.options.init == "orthon":
+            torch.manual_seed(recipe.train.seed)  # the torch backend's first draw: the same initial weights
+            orthon_state = GLMForCausalLM(self.config, runtime=self.runtime).state_dict()
+            self._load_full(orthon_to_megatron(orthon_state, self.config, self.gpt.orthon_layout))
+        else:  # megatron drew its own; the carried tensors by orthon's rule (normal matrices, unit norm scales)
+            generator = torch.Generator().manual_seed(recipe.train.seed)
+            for name, shape in self._carried_shapes().items():
+                tensor = (torch.empty(shape).normal_(0.0, self.config.initializer_range, generator=generator)
+                          if len(shape) > 1 else torch.ones(shape) if name.endswith(".weight") else torch.zeros(shape))
+                self.carried.register_buffer(self._carried_names[name], tensor)
 
     # ------------------------------------------------------------ weights
-    def _full_state(self, orthon_state: dict) -> dict[str, torch.Tensor]:
-        return orthon_to_megatron(orthon_state, self.config, self.gpt.orthon_layout)
+    def _carried_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The carried tensors' shapes, from orthon's model built on the meta device (no memory)."""
+        with on_meta_device():
+            meta = GLMForCausalLM(self.config, runtime=self.runtime)
+        full = orthon_to_megatron(meta.state_dict(), self.config, self.gpt.orthon_layout)
+        return {name: tuple(full[name].shape) for name in self._carried_names}
 
     def _load_full(self, full: dict[str, torch.Tensor]) -> None:
         """megatron's full state dict into the model, the tensors it has no module for into ``carried``."""
