@@ -4,7 +4,7 @@
 so ``multi_latent_attention`` sets its HAVE_TE to True and then calls ``isinstance`` with a mock (a
 TypeError while building MLA), and the MoE router's gating calls ``te_general_gemm``, a name that module
 only defines when TE imports (a NameError in the forward). ``apply()`` corrects both flags when TE is
-truly absent, and lets MLA take orthon's replicated down-projection (norm.ReplicatedLinear); with TE
+truly absent, and lets MLA take orthon's replicated down-projection (local_spec.ReplicatedLinear); with TE
 installed it changes nothing. Without CUDA, ``point_cuda_device_at_cpu`` and ``use_cpu_rng_tracker``
 let megatron-core run on the CPU."""
 from __future__ import annotations
@@ -32,8 +32,8 @@ def apply() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     # MLA builds a replicated down-projection only for a module it takes for transformer-engine's
-    # TELinear (see norm.ReplicatedLinear): orthon's stands in that name while TE is absent.
-    from orthon.backends.megatron.norm import ReplicatedLinear
+    # TELinear (see local_spec.ReplicatedLinear): orthon's stands in that name while TE is absent.
+    from orthon.backends.megatron.local_spec import ReplicatedLinear
 
     mla.TELinear = ReplicatedLinear
 

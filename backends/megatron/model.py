@@ -106,13 +106,13 @@ def transformer_config(model: ModelConfig, options: MegatronOptions, te: bool = 
 def block_spec(config, te: bool):
     """The decoder's layer specs: megatron's MLA layers with the dense / MoE pattern of ``moe_layer_freq``;
     without TE, MLA's core attention is orthon's SDPA module (see core_attention), its down-projections
-    replicated and its norms sequence-parallel (see norm)."""
+    replicated and its norms sequence-parallel (see local_spec)."""
     import copy
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from orthon.backends.megatron.core_attention import SDPACoreAttention
-    from orthon.backends.megatron.norm import replace_torch_norms, use_replicated_down_projections
+    from orthon.backends.megatron.local_spec import replace_torch_norms, use_replicated_down_projections
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
     if not te:
@@ -154,7 +154,7 @@ def build_model(model: ModelConfig, options: MegatronOptions | None = None):
     torch.distributed and megatron's groups unless they are. Without CUDA it is built for the CPU
     (``compat.point_cuda_device_at_cpu``, ``compat.use_cpu_rng_tracker``; the MoE tokens through
     megatron's allgather dispatcher, since its alltoall one needs CUDA streams): small models train on a
-    laptop, tensor parallel too (sequence-parallel norms: ``norm``)."""
+    laptop, tensor parallel too (sequence-parallel norms: ``local_spec``)."""
     options = options or MegatronOptions()
     require_megatron()
     if compat.point_cuda_device_at_cpu():

@@ -1,12 +1,15 @@
-"""Modules for megatron-core's local (no transformer-engine) layer spec under tensor and sequence parallelism.
+"""orthon's modules in megatron-core's local (no transformer-engine) layer spec, for tensor and sequence
+parallelism there (``model.block_spec`` puts them in).
 
-RMSNorm: 
-megatron's torch-norm fallback (``WrappedTorchNorm``) refuses sequence parallelism, which megatron requires
-with tensor parallelism and MoE, so without transformer-engine or Apex tensor parallelism could not run.
-A norm is per token, so it computes the same whether the tokens are split over the TP ranks or not; what
-sequence parallelism needs is its weight marked ``sequence_parallel``, as transformer-engine's norm marks
-it: each rank's gradient then covers its own tokens only and is summed over the TP group after the
-backward (megatron's grad finalisation, and orthon's Trainer through MegatronCausalLM.finish_grads)."""
+SequenceParallelRMSNorm: megatron's torch-norm fallback (``WrappedTorchNorm``) refuses sequence
+parallelism, which megatron requires with tensor parallelism and MoE, so without transformer-engine or Apex
+tensor parallelism could not run. A norm is per token, so it computes the same whether the tokens are
+split over the TP ranks or not; what sequence parallelism needs is its weight marked ``sequence_parallel``,
+as transformer-engine's norm marks it: each rank's gradient then covers its own tokens only and is summed
+over the TP group after the backward (megatron's grad finalisation, and orthon's Trainer through
+MegatronCausalLM.finish_grads).
+
+ReplicatedLinear: MLA's down-projections, see there."""
 from __future__ import annotations
 
 import torch
@@ -38,7 +41,8 @@ class ReplicatedLinear(torch.nn.Module):
         super().__init__()
         if bias or is_expert or skip_weight_param_allocation:
             raise NotImplementedError("ReplicatedLinear: MLA's bias-free down-projections only")
-        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype, device=device))
         init_method(self.weight)
         self.weight.sequence_parallel = config.sequence_parallel
 
