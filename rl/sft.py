@@ -83,10 +83,11 @@ class SFTStep(SampleStep):
             mask[b, : example.response_length] = torch.as_tensor(example.loss_mask, dtype=mask.dtype)
         nll = -(out.log_probs * mask).sum()
         n = float(mask.sum())
-        # DDP averages gradients over ranks: multiply back by the world size (the normaliser is global).
+        # DDP averages gradients over the data-parallel ranks: multiply back by their number (the normaliser is global).
         return nll / self.denominator * self.world, {"nll_sum": float(nll.detach()), "trained_tokens": n}
 
     def end(self, trainer, sums):
+        sums = self.distinct(sums)
         n = max(sums.get("trained_tokens", 0.0), 1.0)
         return {"sft_loss": sums.get("nll_sum", 0.0) / n, "trained_tokens": sums.get("trained_tokens", 0.0),
                 **self.schedule_metrics}

@@ -54,13 +54,17 @@ class SampleStep(TrainStep):
 
     def __init__(self, dp_schedule=None):
         self.dp = dp_schedule or DPScheduleConfig()
-        self.denominator, self.world, self.rank = 1.0, 1, 0
+        self.denominator, self.world, self.rank, self.copies = 1.0, 1, 0, 1
         self.plan, self.trainable, self.schedule_metrics = None, [], {}
 
     @staticmethod
     def sample(item):
         """The sample (tokens, response_length, loss_mask) of a batch item."""
         return item
+
+    def distinct(self, sums: dict) -> dict:
+        """The step's metric sums (added over every rank) with each sample counted once."""
+        return {key: value / self.copies for key, value in sums.items()} if self.copies > 1 else sums
 
     def normaliser(self, samples) -> float:
         """What the summed loss is divided by: the trained tokens."""
@@ -70,7 +74,10 @@ class SampleStep(TrainStep):
         self.trainable = [item for item in batch if self.sample(item).response_length > 0]
         samples = [self.sample(item) for item in self.trainable]
         self.denominator = max(float(self.normaliser(samples)), 1.0)
-        self.world, self.rank = trainer.world, trainer.rank
+        # The data-parallel replicas split the samples; the ranks of one replica (megatron's tensor-parallel
+        # group) run the same ones, so their metric sums count each sample that many times.
+        self.world, self.rank = trainer.data_world, trainer.data_rank
+        self.copies = trainer.world // trainer.data_world
         lengths = [len(s.tokens) for s in samples]
         self.plan = schedule_from_config(lengths, self.world, self.dp, max_samples=trainer.cfg.micro_batch_size)
         padded = float(padded_cost(self.plan.micro_batches, lengths).sum())
@@ -146,7 +153,7 @@ class PolicyStep(SampleStep):
             out.log_probs, rollout, advantages.to(device), mask, beta=self.cfg.icepop_beta, eps_low=self.cfg.eps_low,
             eps_high=self.cfg.eps_high, keep_weight=self.cfg.keep_weight, kl_coef=self.cfg.kl_coef,
             logp_ref=reference, entropy=out.entropy)
-        # DDP averages gradients over ranks: multiply back by the world size (the normaliser is global).
+        # DDP averages gradients over the data-parallel ranks: multiply back by their number (the normaliser is global).
         objective = aggregate_loss(token_loss, mask, self.cfg.aggregation, denominator=self.denominator) * self.world
         n = float(mask.sum())
         sums = {key: float(metrics[key]) * n for key in LOSS_METRICS}
@@ -179,6 +186,7 @@ class PolicyStep(SampleStep):
                                          direction=self.opd.kl_direction), sums
 
     def end(self, trainer, sums):
+        sums = self.distinct(sums)
         n = max(sums.get("trained_tokens", 0.0), 1.0)
         metrics = {key: sums[key] / n for key in METRICS if key in sums}
         mismatch = float(distributed.all_reduce_max(torch.tensor(self.mismatch_max, device=trainer.device)))

@@ -123,24 +123,31 @@ def _rl_recipe(tmp_path, run_dir):
 
 
 def test_rl_on_megatron_samples_and_trains_as_on_torch(tmp_path):
-    """`orthon rl ... backend=megatron`: the policy trains on megatron-core, the in-process engine (orthon's
-    own) generates with the weights it hands over. The engine's log-probs of its samples against megatron's
-    forward of them (logp_abs_diff, what IcePop guards) stay at float round-off, and every iteration samples,
-    rewards and trains as the torch backend does."""
+    """`orthon rl ... backend=megatron`: the policy trains on megatron-core (in one process, and tensor
+    parallel over two ranks, whose micro-batches, sized by their samples, are padded to a multiple of TP for
+    sequence parallelism), the in-process engine (orthon's own) generates with the weights it hands over.
+    The engine's log-probs of its samples against megatron's forward of them (logp_abs_diff, what IcePop
+    guards) stay at float round-off, and every iteration samples, rewards and trains as the torch backend
+    does."""
     pre = _policy(tmp_path)
-    runs = {}
-    for backend in ("torch", "megatron"):
-        runs[backend] = tmp_path / backend
-        orthon("rl", "-c", _rl_recipe(tmp_path, runs[backend]), "--from", pre, f"backend={backend}", "optim.ns_dtype=fp32")
-    ref, got = ([r for r in _records(run) if "reward_mean" in r] for run in (runs["torch"], runs["megatron"]))
-    assert len(got) == 3 and all(r["groups_all_equal"] < 1 for r in got)  # groups of mixed rewards: real updates
-    for a, b in zip(ref, got):
-        assert b["trained_ids"] == a["trained_ids"] and b["reward_mean"] == a["reward_mean"]
-        assert b["logp_abs_diff"] < 1e-5 and b["logp_mismatch_max"] < 1e-4  # engine (orthon) vs trainer (megatron)
-        assert b["entropy"] == pytest.approx(a["entropy"], abs=1e-5)
-    evals = [[r["eval_reward"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-              if "eval_reward" in r] for run in runs.values()]
-    assert evals[0] == evals[1] and len(evals[0]) == 2
+    runs = {"torch": (1, ["backend=torch"]), "megatron": (1, ["backend=megatron"]),
+            # two ranks of one tensor-parallel replica: both train on every sample, each counted once
+            "megatron_tp": (2, ["backend=megatron", "megatron.tensor_parallel=2"])}
+    for name, (ranks, overrides) in runs.items():
+        orthon("rl", "-c", _rl_recipe(tmp_path, tmp_path / name), "--from", pre, *overrides, "optim.ns_dtype=fp32",
+               nproc=ranks)
+    ref = [r for r in _records(tmp_path / "torch") if "reward_mean" in r]
+    assert len(ref) == 3 and all(r["groups_all_equal"] < 1 for r in ref)  # groups of mixed rewards: real updates
+    for name in ("megatron", "megatron_tp"):
+        got = [r for r in _records(tmp_path / name) if "reward_mean" in r]
+        assert len(got) == 3
+        for a, b in zip(ref, got):
+            assert b["trained_ids"] == a["trained_ids"] and b["reward_mean"] == a["reward_mean"]
+            assert b["trained_tokens"] == a["trained_tokens"]
+            assert b["logp_abs_diff"] < 1e-5 and b["logp_mismatch_max"] < 1e-4  # engine (orthon) vs trainer (megatron)
+            assert b["entropy"] == pytest.approx(a["entropy"], abs=1e-5)
+    evals = [[r["eval_reward"] for r in _records(tmp_path / name) if "eval_reward" in r] for name in runs]
+    assert evals[0] == evals[1] == evals[2] and len(evals[0]) == 2
 
 
 @pytest.mark.slow  # about 40 s: two 2-rank runs
@@ -157,17 +164,13 @@ def test_megatron_backend_data_parallel_over_two_ranks(tmp_path):
     assert all(got["megatron"][s] == pytest.approx(got["torch"][s], abs=2e-6) for s in got["torch"])
 
 
-@pytest.mark.parametrize("override, message", [
-    ("megatron.expert_parallel=2", "PolicyStep sizes each micro-batch by its samples, and megatron's allgather token"),
-    ("megatron.tensor_parallel=2", "PolicyStep sizes each micro-batch by its samples, and megatron's sequence parallel"),
-])
-def test_rl_with_megatron_model_parallelism_on_uneven_batches_is_refused(tmp_path, override, message):
-    """RL's micro-batches are as long as their samples, so they differ between ranks: megatron's allgather
-    dispatcher (the one without CUDA) gathers equal parts, and its sequence parallelism splits each
-    micro-batch's tokens over the TP ranks. Refused before the first iteration."""
+def test_rl_with_megatron_expert_parallel_on_the_cpu_is_refused(tmp_path):
+    """RL's micro-batches are as long as their samples, so they differ between ranks, and megatron's
+    allgather dispatcher (the one without CUDA) gathers equal parts: refused before the first iteration."""
     out = orthon("rl", "-c", _rl_recipe(tmp_path, tmp_path / "rl"), "--from", _policy(tmp_path), "backend=megatron",
-                 override, nproc=2, check=False)
+                 "megatron.expert_parallel=2", nproc=2, check=False)
     assert out.returncode != 0
+    message = "PolicyStep sizes each micro-batch by its samples, and megatron's allgather token dispatcher"
     assert message in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "rl" / "metrics.jsonl").exists() or "reward_mean" not in (tmp_path / "rl" / "metrics.jsonl").read_text()
 

@@ -147,7 +147,7 @@ def test_form2_gradient_is_the_reverse_kl_gradient():
                      teacher_log_probs=t_lp[i : i + 1].clone()), 0.0) for i, t in enumerate(tokens)]
 
     class OneRank:
-        device, world, rank = torch.device("cpu"), 1, 0
+        device, world, rank, data_world, data_rank = torch.device("cpu"), 1, 0, 1, 0
         cfg = SimpleNamespace(micro_batch_size=1000)
 
     step = PolicyStep(LossConfig(), opd=OPDConfig())

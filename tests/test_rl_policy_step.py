@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _trainer(micro_size=64, world=1, rank=0):
-    return SimpleNamespace(device=torch.device("cpu"), world=world, rank=rank,
+    return SimpleNamespace(device=torch.device("cpu"), world=world, rank=rank, data_world=world, data_rank=rank,
                            cfg=SimpleNamespace(micro_batch_size=micro_size))
 
 

@@ -49,7 +49,7 @@ def test_gradient_is_the_masked_nll(chat_tokenizer):
     batch = [conversation_example(c, tok) for c in tool_demonstrations(tok, 3, seed=1)]
 
     class FakeTrainer:
-        device, world, rank = torch.device("cpu"), 1, 0
+        device, world, rank, data_world, data_rank = torch.device("cpu"), 1, 0, 1, 0
         cfg = SimpleNamespace(micro_batch_size=2)
 
     step = SFTStep()

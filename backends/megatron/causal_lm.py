@@ -32,6 +32,7 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from orthon.backends.megatron.convert import megatron_to_orthon, model_maps, orthon_to_megatron
@@ -219,20 +220,14 @@ class MegatronCausalLM(nn.Module):
 
     def check_step(self, step) -> None:
         """The Trainer's step plug-in must suit the layout: under expert parallelism every forward runs on
-        every rank; with megatron's allgather dispatcher (the one that runs without CUDA) or sequence
-        parallelism (which splits each micro-batch's tokens over the TP ranks) every rank's micro-batches
-        have one shape."""
+        every rank, and with megatron's allgather dispatcher (the one that runs without CUDA) every rank's
+        micro-batches have one shape. (Sequence parallelism's split of each micro-batch over the TP ranks
+        needs none: ``forward`` pads the positions to a multiple of TP.)"""
         name, tp, ep = type(step).__name__, self.tensor_parallel, self.expert_parallel
         if ep > 1 and not step.runs_expert_parallel:
             raise ConfigError(f"megatron.expert_parallel = {ep}: {name} does not run every forward on every rank; "
                               f"set megatron.expert_parallel=1")
-        if step.same_shapes:
-            return
-        if tp > 1:
-            raise ConfigError(f"megatron.tensor_parallel = {tp}: {name} sizes each micro-batch by its samples, and "
-                              f"megatron's sequence parallelism splits every micro-batch's tokens over the TP ranks "
-                              f"(not wired for such batches yet); set megatron.tensor_parallel=1")
-        if ep > 1 and self.gpt.config.moe_token_dispatcher_type == "allgather":
+        if ep > 1 and not step.same_shapes and self.gpt.config.moe_token_dispatcher_type == "allgather":
             raise ConfigError(f"megatron.expert_parallel = {ep}: {name} sizes each micro-batch by its samples, and "
                               f"megatron's allgather token dispatcher (the one that runs without CUDA) needs one shape "
                               f"on every rank; on GPUs its alltoall dispatcher takes any (else set "
@@ -323,8 +318,14 @@ class MegatronCausalLM(nn.Module):
         if doc_ids is not None or context is not None:
             raise ValueError("MegatronCausalLM: packed documents and context parallelism are not supported")
         B, T = input_ids.shape
+        pad = -T % self.tensor_parallel  # sequence parallelism splits the positions over TP: right padding
+        if pad:  # (causal: the real positions never see it) to a multiple, taken off again below
+            input_ids = F.pad(input_ids, (0, pad))
+            labels = None if labels is None else F.pad(labels, (0, pad), value=IGNORE_INDEX)
         if position_ids is None:
-            position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, -1)
+            position_ids = torch.arange(T + pad, device=input_ids.device)[None].expand(B, -1)
+        elif pad:
+            position_ids = torch.cat([position_ids, position_ids[:, -1:] + torch.arange(1, pad + 1, device=position_ids.device)], 1)
         if labels is not None and not return_logits and logits_at is None:
             counted = labels != IGNORE_INDEX
             per_token = self.gpt(input_ids, position_ids, None, labels=labels.masked_fill(~counted, 0))
@@ -332,7 +333,8 @@ class MegatronCausalLM(nn.Module):
             if loss_reduction == "mean":
                 loss = loss / counted.sum().clamp(min=1)
             return CausalLMOutput(logits=None, loss=loss)
-        logits = self.gpt(input_ids, position_ids, None, runtime_gather_output=True)  # the whole vocabulary under TP
+        logits = self.gpt(input_ids, position_ids, None, runtime_gather_output=True)[:, :T]  # the whole vocabulary
+        labels = None if labels is None else labels[:, :T]
         if logits_at is not None:
             logits = logits.gather(1, logits_at[..., None].expand(*logits_at.shape, logits.shape[-1]))
         loss = cross_entropy(logits, labels, loss_reduction) if labels is not None else None
