@@ -19,8 +19,6 @@ plug-in owns the loss:
   (each rank of a context-parallel group then computes its part of the same sequences).
 - ``runs_expert_parallel``: True for a step whose every forward runs on every rank of the expert
   exchange (each MoE layer's all-to-all waits for all of them).
-- ``same_shapes``: True for a step whose micro-batches have one shape on every rank (token batches cut
-  evenly); an exchange that gathers equal parts (megatron-core's allgather dispatcher) needs it.
 
 NextTokenStep is pretraining's; mid-training adds the indexer KL (orthon.midtrain.steps) and RL the
 policy loss (orthon.rl.steps).
@@ -45,7 +43,6 @@ class TrainStep:
     update_moe_bias = True
     runs_context_parallel = False
     runs_expert_parallel = False
-    same_shapes = True
 
     def micro_batches(self, batch, size: int, device) -> list:
         n = batch.input_ids.shape[0]

@@ -44,7 +44,6 @@ class SampleStep(TrainStep):
     ``micro_loss``."""
 
     update_moe_bias = False  # post-training leaves the routers' balancing biases as pretraining left them
-    same_shapes = False  # a micro-batch is as long as its longest sample
 
     @property
     def runs_expert_parallel(self) -> bool:

@@ -123,22 +123,25 @@ def _rl_recipe(tmp_path, run_dir):
 
 
 def test_rl_on_megatron_samples_and_trains_as_on_torch(tmp_path):
-    """`orthon rl ... backend=megatron`: the policy trains on megatron-core (in one process, and tensor
-    parallel over two ranks, whose micro-batches, sized by their samples, are padded to a multiple of TP for
-    sequence parallelism), the in-process engine (orthon's own) generates with the weights it hands over.
+    """`orthon rl ... backend=megatron`: the policy trains on megatron-core (in one process; tensor parallel
+    over two ranks, whose micro-batches, sized by their samples, are padded to a multiple of TP for sequence
+    parallelism; expert parallel over two ranks, whose micro-batches are padded to one shape for megatron's
+    allgather dispatcher), the in-process engine (orthon's own) generates with the weights it hands over.
     The engine's log-probs of its samples against megatron's forward of them (logp_abs_diff, what IcePop
     guards) stay at float round-off, and every iteration samples, rewards and trains as the torch backend
     does."""
     pre = _policy(tmp_path)
     runs = {"torch": (1, ["backend=torch"]), "megatron": (1, ["backend=megatron"]),
             # two ranks of one tensor-parallel replica: both train on every sample, each counted once
-            "megatron_tp": (2, ["backend=megatron", "megatron.tensor_parallel=2"])}
+            "megatron_tp": (2, ["backend=megatron", "megatron.tensor_parallel=2"]),
+            # two data-parallel ranks holding half the experts each, micro-batches padded to one shape
+            "megatron_ep": (2, ["backend=megatron", "megatron.expert_parallel=2"])}
     for name, (ranks, overrides) in runs.items():
         orthon("rl", "-c", _rl_recipe(tmp_path, tmp_path / name), "--from", pre, *overrides, "optim.ns_dtype=fp32",
                nproc=ranks)
     ref = [r for r in _records(tmp_path / "torch") if "reward_mean" in r]
     assert len(ref) == 3 and all(r["groups_all_equal"] < 1 for r in ref)  # groups of mixed rewards: real updates
-    for name in ("megatron", "megatron_tp"):
+    for name in ("megatron", "megatron_tp", "megatron_ep"):
         got = [r for r in _records(tmp_path / name) if "reward_mean" in r]
         assert len(got) == 3
         for a, b in zip(ref, got):
@@ -147,7 +150,7 @@ def test_rl_on_megatron_samples_and_trains_as_on_torch(tmp_path):
             assert b["logp_abs_diff"] < 1e-5 and b["logp_mismatch_max"] < 1e-4  # engine (orthon) vs trainer (megatron)
             assert b["entropy"] == pytest.approx(a["entropy"], abs=1e-5)
     evals = [[r["eval_reward"] for r in _records(tmp_path / name) if "eval_reward" in r] for name in runs]
-    assert evals[0] == evals[1] == evals[2] and len(evals[0]) == 2
+    assert all(e == evals[0] for e in evals) and len(evals[0]) == 2
 
 
 @pytest.mark.slow  # about 40 s: two 2-rank runs
@@ -164,15 +167,14 @@ def test_megatron_backend_data_parallel_over_two_ranks(tmp_path):
     assert all(got["megatron"][s] == pytest.approx(got["torch"][s], abs=2e-6) for s in got["torch"])
 
 
-def test_rl_with_megatron_expert_parallel_on_the_cpu_is_refused(tmp_path):
-    """RL's micro-batches are as long as their samples, so they differ between ranks, and megatron's
-    allgather dispatcher (the one without CUDA) gathers equal parts: refused before the first iteration."""
+def test_rl_with_megatron_expert_parallel_needs_every_forward_on_every_rank(tmp_path):
+    """Each MoE layer's exchange waits for every expert-parallel rank: a DP schedule that may leave a rank
+    fewer micro-batches than another (rl.dp_schedule.equal_micro_batches=false) is refused by name before
+    the first iteration."""
     out = orthon("rl", "-c", _rl_recipe(tmp_path, tmp_path / "rl"), "--from", _policy(tmp_path), "backend=megatron",
-                 "megatron.expert_parallel=2", nproc=2, check=False)
+                 "megatron.expert_parallel=2", "rl.dp_schedule.equal_micro_batches=false", nproc=2, check=False)
     assert out.returncode != 0
-    message = "PolicyStep sizes each micro-batch by its samples, and megatron's allgather token dispatcher"
-    assert message in out.stderr, out.stderr[-2000:]
-    assert not (tmp_path / "rl" / "metrics.jsonl").exists() or "reward_mean" not in (tmp_path / "rl" / "metrics.jsonl").read_text()
+    assert "megatron.expert_parallel = 2: PolicyStep does not run every forward on every rank" in out.stderr, out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("override, reference_ranks, stored", [

@@ -220,18 +220,11 @@ class MegatronCausalLM(nn.Module):
 
     def check_step(self, step) -> None:
         """The Trainer's step plug-in must suit the layout: under expert parallelism every forward runs on
-        every rank, and with megatron's allgather dispatcher (the one that runs without CUDA) every rank's
-        micro-batches have one shape. (Sequence parallelism's split of each micro-batch over the TP ranks
-        needs none: ``forward`` pads the positions to a multiple of TP.)"""
-        name, tp, ep = type(step).__name__, self.tensor_parallel, self.expert_parallel
-        if ep > 1 and not step.runs_expert_parallel:
-            raise ConfigError(f"megatron.expert_parallel = {ep}: {name} does not run every forward on every rank; "
-                              f"set megatron.expert_parallel=1")
-        if ep > 1 and not step.same_shapes and self.gpt.config.moe_token_dispatcher_type == "allgather":
-            raise ConfigError(f"megatron.expert_parallel = {ep}: {name} sizes each micro-batch by its samples, and "
-                              f"megatron's allgather token dispatcher (the one that runs without CUDA) needs one shape "
-                              f"on every rank; on GPUs its alltoall dispatcher takes any (else set "
-                              f"megatron.expert_parallel=1)")
+        every rank (each MoE layer's exchange waits for all of them). Micro-batches of any shape do:
+        ``forward`` pads them where the layout needs one (``_padded_shape``)."""
+        if self.expert_parallel > 1 and not step.runs_expert_parallel:
+            raise ConfigError(f"megatron.expert_parallel = {self.expert_parallel}: {type(step).__name__} does not run "
+                              f"every forward on every rank; set megatron.expert_parallel=1")
 
     def _parts(self):
         """(name, parameter, is an expert's, split over its tensor-parallel group) of every parameter."""
@@ -318,14 +311,15 @@ class MegatronCausalLM(nn.Module):
         if doc_ids is not None or context is not None:
             raise ValueError("MegatronCausalLM: packed documents and context parallelism are not supported")
         B, T = input_ids.shape
-        pad = -T % self.tensor_parallel  # sequence parallelism splits the positions over TP: right padding
-        if pad:  # (causal: the real positions never see it) to a multiple, taken off again below
-            input_ids = F.pad(input_ids, (0, pad))
-            labels = None if labels is None else F.pad(labels, (0, pad), value=IGNORE_INDEX)
+        rows, length = self._padded_shape(B, T)
+        if (rows, length) != (B, T):  # padding on the right and below, taken off again below
+            input_ids = F.pad(input_ids, (0, length - T, 0, rows - B))
+            labels = None if labels is None else F.pad(labels, (0, length - T, 0, rows - B), value=IGNORE_INDEX)
+            if position_ids is not None:
+                position_ids = F.pad(position_ids, (0, length - T, 0, rows - B))
+                position_ids[:, T:] = position_ids[:, T - 1 : T] + torch.arange(1, length - T + 1, device=input_ids.device)
         if position_ids is None:
-            position_ids = torch.arange(T + pad, device=input_ids.device)[None].expand(B, -1)
-        elif pad:
-            position_ids = torch.cat([position_ids, position_ids[:, -1:] + torch.arange(1, pad + 1, device=position_ids.device)], 1)
+            position_ids = torch.arange(length, device=input_ids.device)[None].expand(rows, -1)
         if labels is not None and not return_logits and logits_at is None:
             counted = labels != IGNORE_INDEX
             per_token = self.gpt(input_ids, position_ids, None, labels=labels.masked_fill(~counted, 0))
@@ -333,12 +327,26 @@ class MegatronCausalLM(nn.Module):
             if loss_reduction == "mean":
                 loss = loss / counted.sum().clamp(min=1)
             return CausalLMOutput(logits=None, loss=loss)
-        logits = self.gpt(input_ids, position_ids, None, runtime_gather_output=True)[:, :T]  # the whole vocabulary
-        labels = None if labels is None else labels[:, :T]
+        logits = self.gpt(input_ids, position_ids, None, runtime_gather_output=True)[:B, :T]  # the whole vocabulary
+        labels = None if labels is None else labels[:B, :T]
         if logits_at is not None:
             logits = logits.gather(1, logits_at[..., None].expand(*logits_at.shape, logits.shape[-1]))
         loss = cross_entropy(logits, labels, loss_reduction) if labels is not None else None
         return CausalLMOutput(logits=logits, loss=loss)
+
+    def _padded_shape(self, rows: int, length: int) -> tuple[int, int]:
+        """The shape a forward of ``rows`` x ``length`` runs at: sequence parallelism splits the positions over
+        TP, so a multiple of TP; megatron's allgather dispatcher (without CUDA) gathers every expert-parallel
+        rank's tokens as equal parts, so under expert parallelism the largest of the ranks' shapes (a
+        collective: every rank runs each forward, as the step plug-ins that run expert parallel do). The
+        padding sits after the real positions (causal attention: they never see it) and below the real rows."""
+        if self.expert_parallel > 1 and self.gpt.config.moe_token_dispatcher_type == "allgather":
+            from megatron.core import parallel_state
+
+            shape = torch.tensor([rows, length], device=next(self.parameters()).device)
+            dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=parallel_state.get_expert_tensor_and_model_parallel_group())
+            rows, length = (int(x) for x in shape.tolist())
+        return rows, length + (-length % self.tensor_parallel)
 
     def moe_routers(self) -> list[_RouterView]:
         from megatron.core.transformer.moe.router import TopKRouter
