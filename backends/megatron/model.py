@@ -2,10 +2,11 @@
 ``MegatronOptions``, transformer-engine layers where TE is installed (megatron's local layers and torch's
 SDPA otherwise), orthon's weights loaded through the conversion of ``convert`` / ``parallel``.
 
-megatron-core allocates its MoE router state on the current CUDA device, so building the model needs a
-GPU (``build_model`` says so); the config and the specs are plain Python. What differs from orthon's
-torch model by construction: megatron has one ``layernorm_epsilon`` for every norm, where GLM-5 gives
-its two latent norms (q_a / kv_a) 1e-6 and the others ``rms_norm_eps`` (1e-5); megatron always
+megatron-core allocates its MoE router state on the current CUDA device; without CUDA ``build_model``
+points that at the CPU (``compat``), so small models build and train on a laptop. What differs from
+orthon's torch model by construction: megatron has one ``layernorm_epsilon`` for every norm, where GLM-5
+gives its two latent norms (q_a / kv_a) 1e-6 and the others ``rms_norm_eps`` (1e-5) (the Trainer's model,
+``causal_lm``, sets the two back); megatron always
 renormalises sigmoid top-k weights (norm_topk_prob must be true) and scores expert groups by their top
 (topk / topk_group) experts where GLM-5 takes the top 2 (the same for GLM-5's single group); and the DSA
 indexer is not part of this dense-MLA model (pretraining runs dense; its tensors travel with the weights)."""
