@@ -30,6 +30,7 @@ from orthon.core.distributed import all_gather_object, barrier, gather_object, i
 from orthon.core.errors import CheckpointError
 from orthon.core.files import sha256_file
 from orthon.core.interrupts import sigint_deferred
+from orthon.pretrain.parallel import unwrap
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
@@ -275,7 +276,7 @@ class Checkpointer:
         state = _renamed(state, {v: k for k, v in names.items()})
         # Into the module itself, not a DDP wrapper: through the wrapper torch takes a None value (a module's
         # empty extra state, as megatron-core's layers have) for a missing key.
-        set_state_dict(getattr(model, "module", model), optimizers, model_state_dict=state["model"],
+        set_state_dict(unwrap(model), optimizers, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
         return json.loads((path / TRAINER_STATE).read_text())
 
@@ -292,7 +293,7 @@ def _checkpoint_names(model: torch.nn.Module) -> dict[str, str]:
     (megatron-core's tensor-parallel slices, and its experts numbered from 0 on every expert-parallel rank:
     orthon.backends.megatron.causal_lm); {} for orthon's own model, whose state dicts name each tensor once
     (DTensors)."""
-    names = getattr(getattr(model, "module", model), "checkpoint_names", None)
+    names = getattr(unwrap(model), "checkpoint_names", None)
     return names() if names is not None else {}
 
 

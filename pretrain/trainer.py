@@ -179,8 +179,10 @@ class Trainer:
             else:
                 self.model = GLMForCausalLM(recipe.model, runtime=dataclasses.replace(recipe.runtime))  # a copy: phases change it
         if not sharded_build:
-            if source is not None:
-                self._load_weights(self.model, source)
+            if source is not None and self.foreign_model:
+                self.model.load_weights(source)
+            elif source is not None:
+                load_into(self.model, source)
             self.model.to(self.device)
         if self.cfg.precision == "bf16" and not bf16_gemm_is_native(self.device):
             self.log("warning: train.precision bf16 on a CPU whose bf16 matmul is emulated (no AVX512-BF16 / AMX; "
@@ -535,13 +537,6 @@ class Trainer:
             model.to_empty(device=self.device)
             load_into(model, source)
         return model.eval()
-
-    @staticmethod
-    def _load_weights(model, source) -> None:
-        if isinstance(model, GLMForCausalLM):
-            load_into(model, source)
-        else:
-            model.load_weights(source)
 
     def _builds_sharded(self) -> bool:
         """FSDP2 over several ranks: a model is built on the meta device and sharded before it has memory, so

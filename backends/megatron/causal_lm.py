@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from orthon.backends.megatron.convert import megatron_to_orthon, model_maps, orthon_to_megatron
+from orthon.backends.megatron.convert import megatron_to_orthon, orthon_to_megatron
 from orthon.backends.megatron.model import build_model, load_megatron_state, rank_key, require_megatron, sizes_of
 from orthon.backends.megatron.parallel import global_expert_name, merge
 from orthon.backends.megatron.weights import load_as_megatron, save_from_megatron
@@ -119,43 +119,40 @@ class MegatronCausalLM(nn.Module):
         self.gpt = build_model(self.config, self.options)
         for layer in self.gpt.decoder.layers:
             _set_latent_eps(layer.self_attention, LATENT_NORM_EPS)
-        # megatron's names of the full model; those of its tensors megatron's model has no module for (the
-        # DSA indexer) are carried beside it, buffers of ``carried``
-        self._names = {name for mp in model_maps(self.config, self.gpt.orthon_layout) for name in mp.megatron}
+        # megatron's names and shapes of the full model (orthon's, built on the meta device: no memory,
+        # converted); those of its tensors megatron's model has no module for (the DSA indexer) are carried
+        # beside it, buffers of ``carried``
+        with on_meta_device():
+            meta = GLMForCausalLM(self.config, runtime=self.runtime)
+        shapes = {k: v.shape for k, v in orthon_to_megatron(meta.state_dict(), self.config, self.gpt.orthon_layout).items()}
+        self._names = set(shapes)
         built = set(self.gpt.state_dict())
-        carried = sorted(n for n in self._names if n not in built and not global_expert_name(n, 0, 1, self.gpt.orthon_layout))
+        carried = sorted(n for n in shapes if n not in built and not global_expert_name(n, 0, 1, self.gpt.orthon_layout))
         self._carried_names = {name: f"t{i}" for i, name in enumerate(carried)}
         self.carried = nn.Module()
-        if recipe.train.init_from:  # the Trainer loads it next: the carried tensors' places, to be filled
-            for name, shape in self._carried_shapes().items():
-                self.carried.register_buffer(self._carried_names[name], torch.zeros(shape))
-        elif self.options.init == "orthon":
+        for name, key in self._carried_names.items():
+            self.carried.register_buffer(key, torch.zeros(shapes[name]))
+        if recipe.train.init_from:
+            return  # the Trainer loads it next
+        if self.options.init == "orthon":
             torch.manual_seed(recipe.train.seed)  # the torch backend's first draw: the same initial weights
             orthon_state = GLMForCausalLM(self.config, runtime=self.runtime).state_dict()
             self._load_full(orthon_to_megatron(orthon_state, self.config, self.gpt.orthon_layout))
         else:  # megatron drew its own; the carried tensors by orthon's rule (normal matrices, unit norm scales)
             generator = torch.Generator().manual_seed(recipe.train.seed)
-            for name, shape in self._carried_shapes().items():
-                tensor = (torch.empty(shape).normal_(0.0, self.config.initializer_range, generator=generator)
-                          if len(shape) > 1 else torch.ones(shape) if name.endswith(".weight") else torch.zeros(shape))
-                self.carried.register_buffer(self._carried_names[name], tensor)
+            for name, key in self._carried_names.items():
+                tensor = getattr(self.carried, key)
+                if tensor.dim() > 1:
+                    tensor.normal_(0.0, self.config.initializer_range, generator=generator)
+                elif name.endswith(".weight"):
+                    tensor.fill_(1.0)
 
     # ------------------------------------------------------------ weights
-    def _carried_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The carried tensors' shapes, from orthon's model built on the meta device (no memory)."""
-        with on_meta_device():
-            meta = GLMForCausalLM(self.config, runtime=self.runtime)
-        full = orthon_to_megatron(meta.state_dict(), self.config, self.gpt.orthon_layout)
-        return {name: tuple(full[name].shape) for name in self._carried_names}
-
     def _load_full(self, full: dict[str, torch.Tensor]) -> None:
         """megatron's full state dict into the model, the tensors it has no module for into ``carried``."""
         load_megatron_state(self.gpt, full, self.config, self.options)
         for name, key in self._carried_names.items():
-            if hasattr(self.carried, key):
-                getattr(self.carried, key).copy_(full[name])
-            else:
-                self.carried.register_buffer(key, full[name].detach().clone().float())
+            getattr(self.carried, key).copy_(full[name])
 
     def load_weights(self, directory) -> None:
         """A weights directory (orthon's, or any HF glm_moe_dsa checkpoint of this architecture) into the model."""
