@@ -14,6 +14,10 @@ import torch
 
 
 class BackendModel(Protocol):
+    pipelined: bool
+    """The model runs a step's micro-batches through a pipeline schedule (``train_micro_batches``); the
+    Trainer then leaves it unwrapped (no DDP) and the model averages its gradients in ``finish_grads``."""
+
     def load_weights(self, directory) -> None:
         """An orthon weights directory into the model (each rank its part)."""
 
@@ -35,6 +39,10 @@ class BackendModel(Protocol):
 
     def check_step(self, step) -> None:
         """A ConfigError where the step plug-in does not suit the model's parallelism."""
+
+    def train_micro_batches(self, step, micros: list) -> list[dict]:
+        """Where ``pipelined``: forwards and backwards of ``micros`` with the step plug-in's loss; each
+        micro-batch's metric sums, the same on every rank of a replica."""
 
     def finish_grads(self) -> None:
         """After the step's backward: the gradients DDP left to the model's own parallelism."""

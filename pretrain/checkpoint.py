@@ -299,11 +299,17 @@ def _checkpoint_names(model: torch.nn.Module) -> dict[str, str]:
 
 def _renamed(state: dict, names: dict[str, str]) -> dict:
     """``state`` ({"model": ..., "optim": get_state_dict's}) with the names of its tensors mapped by ``names``.
-    The param groups keep the ranks' own names: those lists are the same on every rank (one copy is
-    stored), and they name which parameter each setting goes with, not a tensor."""
+    The param groups keep the ranks' own parameter names (they say which parameter each setting goes
+    with, not a tensor); where the ranks hold different parameters (pipeline stages), ``names`` maps
+    "param_groups" to a key of each rank's own, since one copy of a key is stored."""
     if not names:
         return state
-    optim = {**state["optim"], "state": {names.get(k, k): v for k, v in state["optim"]["state"].items()}}
+    optim = {}
+    for key, value in state["optim"].items():
+        if key == "state":
+            optim[key] = {names.get(name, name): v for name, v in value.items()}
+        else:  # param_groups
+            optim[names.get(key, key)] = value
     return {**state, "model": {names.get(k, k): v for k, v in state["model"].items()}, "optim": optim}
 
 
@@ -332,7 +338,7 @@ def carry(path: Path, model: torch.nn.Module, optimizers: list) -> dict:
             "fresh": [name for name in optim_state["state"] if name not in carried], "carried": len(carried)}
 
 
-_GROUP_SETTING = re.compile(r"optim\.param_groups\.\d+\.(?!params$)\w+")
+_GROUP_SETTING = re.compile(r"optim\.param_groups(@\w+)?\.\d+\.(?!params$)\w+")
 
 
 def missing_keys(state: dict, path: Path) -> list[str]:

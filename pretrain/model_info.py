@@ -60,12 +60,16 @@ def rank_parameters(counts: dict[str, dict[str, int]], world: int, train=None, m
     included (it shards each rank's experts over the ranks holding the same ones); under DDP every rank
     holds everything but the routed experts, which expert parallelism spreads over its ranks. ``megatron``:
     the recipe's MegatronOptions where megatron-core trains it (its tensor parallelism splits the rest, its
-    expert parallelism and the experts' TP the routed experts)."""
+    expert parallelism and the experts' TP the routed experts, its pipeline parallelism the layers: a
+    stage holds 1 / PP of them and the larger of the embedding and the output head)."""
     if megatron is not None:
-        tp, ep = megatron.tensor_parallel, megatron.expert_parallel
+        tp, ep, pp = megatron.tensor_parallel, megatron.expert_parallel, megatron.pipeline_parallel
         etp = megatron.expert_tensor_parallel or tp
-        experts = counts.get("routed_experts", {"total": 0})["total"]
-        return (sum(c["total"] for c in counts.values()) - experts) / tp + experts / (ep * etp)
+        size = {name: c["total"] for name, c in counts.items()}
+        experts = size.get("routed_experts", 0)
+        ends = (size.get("embedding", 0), size.get("output_head", 0))
+        layers = sum(size.values()) - experts - sum(ends)
+        return (layers / pp + (max(ends) if pp > 1 else sum(ends))) / tp + experts / (pp * ep * etp)
     parallel = getattr(train, "parallel", "ddp")
     ep = getattr(train, "expert_parallel", 1)
     shard_ranks = getattr(train, "fsdp_shard_ranks", 0)

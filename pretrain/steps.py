@@ -19,6 +19,9 @@ plug-in owns the loss:
   (each rank of a context-parallel group then computes its part of the same sequences).
 - ``runs_expert_parallel``: True for a step whose every forward runs on every rank of the expert
   exchange (each MoE layer's all-to-all waits for all of them).
+- ``runs_pipeline``: True for a step that reads the model's output only inside ``loss`` and whose
+  micro-batches carry ``input_ids``: a pipeline schedule (megatron's) can then run its micro-batches, the
+  loss on the last stage, the earlier stages on the same ``input_ids``.
 
 NextTokenStep is pretraining's; mid-training adds the indexer KL (orthon.midtrain.steps) and RL the
 policy loss (orthon.rl.steps).
@@ -43,6 +46,7 @@ class TrainStep:
     update_moe_bias = True
     runs_context_parallel = False
     runs_expert_parallel = False
+    runs_pipeline = False
 
     def micro_batches(self, batch, size: int, device) -> list:
         n = batch.input_ids.shape[0]
@@ -71,6 +75,7 @@ class NextTokenStep(TrainStep):
 
     runs_context_parallel = True
     runs_expert_parallel = True
+    runs_pipeline = True
 
     def __init__(self, loss_chunk: int = 0, document_mask: bool = True, track_max_logit: bool = False):
         self.loss_chunk, self.document_mask, self.track_max_logit = loss_chunk, document_mask, track_max_logit

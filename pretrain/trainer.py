@@ -296,8 +296,16 @@ class Trainer:
     def _trainable_names(self) -> frozenset[str]:
         return frozenset(n for n, p in self.model.named_parameters() if p.requires_grad)
 
+    @property
+    def pipelined(self) -> bool:
+        """Another backend's model runs each step's micro-batches through its pipeline schedule."""
+        return self.foreign_model and self.model.pipelined
+
     def _wrap(self) -> None:
         self.wrapped = None  # an old DDP wrapper's reducer (and its gradient hooks) goes first
+        if self.pipelined:  # its schedule runs the forwards and backwards; it averages the gradients itself
+            self.wrapped, self._wrapped_for = self.model, self._trainable_names()
+            return
         self.wrapped = parallel.wrap(self.model, self.cfg.parallel, self.expert_mesh, self.cfg.fsdp_shard_ranks,
                                      torch.bfloat16 if self.cfg.fsdp_param_dtype == "bf16" else None,
                                      self.model.ddp_group() if self.foreign_model else None)
@@ -344,15 +352,21 @@ class Trainer:
         micros = self.step_fn.micro_batches(batch, self.cfg.micro_batch_size, self.device)
         sums: dict = {}
         autocast = self.autocast()
-        lengths = []
-        for i, micro in enumerate(micros):
-            with parallel.no_sync(self.wrapped, last=i == len(micros) - 1), autocast:
-                objective, micro_sums = self.step_fn.loss(self.wrapped, micro)
-                if objective.requires_grad:
-                    objective.backward()
+        lengths = [n for micro in micros for n in self.step_fn.sequence_lengths(micro)]
+        if self.pipelined:
+            with autocast:
+                every_micro_sums = self.model.train_micro_batches(self.step_fn, micros)
+        else:
+            every_micro_sums = []
+            for i, micro in enumerate(micros):
+                with parallel.no_sync(self.wrapped, last=i == len(micros) - 1), autocast:
+                    objective, micro_sums = self.step_fn.loss(self.wrapped, micro)
+                    if objective.requires_grad:
+                        objective.backward()
+                every_micro_sums.append(micro_sums)
+        for micro_sums in every_micro_sums:
             for key, value in micro_sums.items():
                 _add_metric(sums, key, value)
-            lengths += self.step_fn.sequence_lengths(micro)
         _add_metric(sums, "model_flops", self._model_flops(lengths))
         if self.expert_parallel > 1:
             expert_parallel.reduce_expert_grads(self.model, self.expert_mesh, self.cfg.parallel == "fsdp")

@@ -17,6 +17,10 @@ def megatron_on_cpu():
     import megatron.core.tensor_parallel.random as megatron_random
 
     patch.setattr(torch.cuda, "current_device", lambda: "cpu")  # undone after, whatever the code under test sets
+    patch.setattr(torch.cuda, "synchronize", torch.cuda.synchronize)  # the builder's no-op, undone after
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    patch.setattr(schedules, "torch", schedules.torch)  # the builder's CPU counters, undone after
     for name in ("_CUDA_RNG_STATE_TRACKER", "_CUDA_RNG_STATE_TRACKER_INITIALIZED"):  # the builder's CPU tracker too
         patch.setattr(megatron_random, name, getattr(megatron_random, name))
     try:

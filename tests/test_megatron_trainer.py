@@ -86,7 +86,9 @@ def test_megatron_run_resumes_bit_for_bit(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("megatron.tensor_parallel=2", "megatron.tensor_parallel = 2 does not divide the 1 rank (start it under"),
-    ("megatron.pipeline_parallel=2", "megatron.pipeline_parallel = 2: the Trainer drives megatron-core with data, tensor"),
+    ("megatron.pipeline_parallel=2", "megatron.pipeline_parallel = 2 does not divide the 1 rank"),
+    ("megatron.pipeline_parallel=2 model.tie_word_embeddings=true",
+     "megatron.pipeline_parallel = 2 with model.tie_word_embeddings: the first and last stages' copies"),
     ("train.parallel=fsdp", "train.parallel = fsdp: the megatron backend runs data parallel (DDP) with megatron's own"),
     ("runtime.sparse_attention=true", "runtime.sparse_attention: the megatron backend runs dense MLA"),
     ("data.document_mask=true", "data.document_mask: megatron-core's local attention is plainly causal"),
@@ -94,7 +96,7 @@ def test_megatron_run_resumes_bit_for_bit(tmp_path):
 def test_what_the_trainer_cannot_drive_on_megatron_is_refused_by_name(tmp_path, override, message):
     stores = make_stores(tmp_path / "data")
     recipe = write_recipe(tmp_path / "r.yaml", stores, tmp_path / "run")
-    out = orthon("pretrain", "-c", recipe, "backend=megatron", override, check=False)
+    out = orthon("pretrain", "-c", recipe, "backend=megatron", *override.split(), check=False)
     assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
 
@@ -153,6 +155,35 @@ def test_rl_on_megatron_samples_and_trains_as_on_torch(tmp_path):
     assert all(e == evals[0] for e in evals) and len(evals[0]) == 2
 
 
+@pytest.mark.slow  # about 60 s: runs of 1, 2 and three of 4 ranks on 2 cores
+def test_megatron_pipeline_with_data_tensor_and_expert_parallelism_over_four_ranks(tmp_path):
+    """Four torchrun ranks (gloo), two pipeline stages each with two data-parallel replicas (the stages
+    average their own gradients: no DDP wraps a pipelined model), two tensor-parallel ranks, or two
+    expert-parallel ranks: the losses of the same layout without the pipeline."""
+    stores = make_stores(tmp_path / "data")
+    runs = {"one": ([], 1), "dp": ([], 2), "pp_dp": (["megatron.pipeline_parallel=2"], 4),
+            "pp_tp": (["megatron.pipeline_parallel=2", "megatron.tensor_parallel=2"], 4),
+            "pp_ep": (["megatron.pipeline_parallel=2", "megatron.expert_parallel=2"], 4)}
+    for name, (overrides, ranks) in runs.items():
+        orthon("pretrain", "-c", write_recipe(tmp_path / f"{name}.yaml", stores, tmp_path / name, train={"max_steps": STEPS}),
+               "backend=megatron", "optim.ns_dtype=fp32", *overrides, nproc=ranks)
+    # TP x PP over four ranks is one data-parallel replica (one process's batches); the others two
+    for name, reference in (("pp_dp", "dp"), ("pp_tp", "one"), ("pp_ep", "dp")):
+        got, want = losses(tmp_path / name), losses(tmp_path / reference)
+        assert sorted(got) == list(range(1, STEPS + 1))
+        assert all(got[s] == pytest.approx(want[s], abs=2e-6) for s in want), (name, got, want)
+
+
+def test_rl_refuses_a_pipelined_megatron_model_by_name(tmp_path):
+    """RL's step reads the policy's log-probs outside its loss (the sampling and the IcePop check): it does
+    not run through a pipeline schedule yet, and says so before the first iteration."""
+    out = orthon("rl", "-c", _rl_recipe(tmp_path, tmp_path / "rl"), "--from", _policy(tmp_path), "backend=megatron",
+                 "megatron.pipeline_parallel=2", nproc=2, check=False)
+    assert out.returncode != 0
+    assert "megatron.pipeline_parallel = 2: PolicyStep reads the model's output outside its loss" in out.stderr, \
+        out.stderr[-2000:]
+
+
 @pytest.mark.slow  # about 40 s: two 2-rank runs
 def test_megatron_backend_data_parallel_over_two_ranks(tmp_path):
     """Two torchrun ranks (gloo): DDP over megatron's model gives the torch backend's two-rank losses."""
@@ -181,6 +212,8 @@ def test_rl_with_megatron_expert_parallel_needs_every_forward_on_every_rank(tmp_
     # rank 1 numbers its experts 0 and 1: the model's 2 and 3
     ("megatron.expert_parallel=2", 2, "model.gpt.decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"),
     ("megatron.tensor_parallel=2", 1, "model.gpt.decoder.layers.0.self_attention.linear_proj.weight@tp1"),
+    # the second stage numbers its one layer 0: the model's 1
+    ("megatron.pipeline_parallel=2", 1, "model.gpt.decoder.layers.1.self_attention.linear_proj.weight"),
 ])
 def test_megatron_model_parallel_over_two_ranks_resumes(tmp_path, override, reference_ranks, stored):
     """Two torchrun ranks (gloo) of megatron's model parallelism give what plain data parallelism (or one
@@ -189,9 +222,12 @@ def test_megatron_model_parallel_over_two_ranks_resumes(tmp_path, override, refe
       to the backend, which averages them over the ranks holding the same ones; the clipping norm adds both
       ranks' experts;
     - tensor parallelism with megatron's sequence parallelism: both ranks read the same batches, the norms'
-      and routers' partial gradients are summed over TP, the clipping norm counts every element once.
+      and routers' partial gradients are summed over TP, the clipping norm counts every element once;
+    - pipeline parallelism: each rank holds one layer, megatron's 1F1B schedule runs the micro-batches
+      (the loss on the second stage), the MoE balancing step and the clipping norm cover both stages.
     Stopped at step 4 and resumed, each goes on as the reference: the checkpoint keys each rank's part
-    apart (an expert by its index in the model, a TP slice with its rank)."""
+    apart (an expert by its index in the model, a TP slice with its rank, a stage's layers by their
+    number in the model, each stage's optimizer param groups under their own key)."""
     stores = make_stores(tmp_path / "data")
     ref, run = tmp_path / "ref", tmp_path / "run"
     orthon("pretrain", "-c", write_recipe(tmp_path / "ref.yaml", stores, ref, train={"max_steps": STEPS}),
@@ -236,6 +272,7 @@ def test_the_memory_check_weighs_megatrons_layout_and_its_initial_draw(monkeypat
     refusal names the way out."""
     import orthon.launch.args as args
     from orthon.core.errors import ConfigError
+    from orthon.pretrain.model_info import BYTES_PER_PARAM, parameter_counts, rank_parameters
     from orthon.pretrain.recipe import load_recipe
     from pretrain_support import ROOT
 
@@ -245,6 +282,30 @@ def test_the_memory_check_weighs_megatrons_layout_and_its_initial_draw(monkeypat
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     monkeypatch.delenv("ORTHON_NO_MEMORY_CHECK", raising=False)
     layout = ["backend=megatron", "megatron.tensor_parallel=8", "megatron.expert_parallel=64"]
+    # pipelined: 6 stages of 13 layers (17.23B parameters outside the routed experts, embedding and head),
+    # each with the larger end (the 0.95B embedding or head), TP 8; the 724.78B routed experts over
+    # 6 stages x EP 16 x the experts' TP 8: (17.23 / 6 + 0.95) / 8 + 724.78 / 768 = 1.4217B, 22.75 GB a rank
+    pipelined = load_recipe(ROOT / "configs/glm5.yaml", ["backend=megatron", "megatron.tensor_parallel=8",
+                                                         "megatron.pipeline_parallel=6", "megatron.expert_parallel=16"])
+    share = rank_parameters(parameter_counts(pipelined.model), 1536, pipelined.train, pipelined.megatron)
+    assert share * BYTES_PER_PARAM / 1e9 == pytest.approx(22.75, abs=0.01)
     args.check_recipe_fits(load_recipe(ROOT / "configs/glm5.yaml", [*layout, "megatron.init=megatron"]))
     with pytest.raises(ConfigError, match=r"2,975\.6 GB .* set megatron\.init=megatron"):
         args.check_recipe_fits(load_recipe(ROOT / "configs/glm5.yaml", layout))
+
+
+def test_pipelined_gradients_are_averaged_in_buckets():
+    """A pipelined model averages its data-parallel gradients itself, a bucket of tensors an all-reduce:
+    over one rank the average is each gradient divided by the size given, whichever bucket holds it."""
+    import torch.distributed as dist
+
+    from orthon.backends.megatron.causal_lm import _average
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        grads = [torch.randn(shape) for shape in ((3, 4), (5,), (2, 2, 2), (7, 1))]
+        want = [g / 4 for g in grads]
+        _average(grads, None, 4, bucket=12)  # buckets: [12], [5, 8] (a tensor beyond the bucket starts a new one), [7]
+        assert all(torch.equal(g, w) for g, w in zip(grads, want))
+    finally:
+        dist.destroy_process_group()

@@ -29,15 +29,18 @@ context parallelism are refused by name."""
 from __future__ import annotations
 
 import dataclasses
+import math
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from orthon.backends.megatron import pipeline
 from orthon.backends.megatron.convert import megatron_to_orthon, orthon_to_megatron
 from orthon.backends.megatron.model import build_model, load_megatron_state, rank_key, require_megatron, sizes_of
-from orthon.backends.megatron.parallel import global_expert_name, merge
+from orthon.backends.megatron.parallel import global_expert_name, global_layer_name, merge, stage_name
 from orthon.backends.megatron.weights import load_as_megatron, save_from_megatron
 from orthon.core.errors import ConfigError
 from orthon.pretrain.config import ModelConfig
@@ -53,9 +56,9 @@ def check_recipe(recipe) -> None:
     """What the Trainer cannot yet run on megatron-core, refused before anything is built."""
     options, train = recipe.megatron, recipe.train
     sizes = sizes_of(options)
-    if sizes.pp != 1:
-        raise ConfigError(f"megatron.pipeline_parallel = {sizes.pp}: the Trainer drives megatron-core with data, tensor "
-                          f"and expert parallelism (megatron's pipeline schedules are not wired in); set it to 1")
+    if sizes.pp > 1 and recipe.model.tie_word_embeddings:
+        raise ConfigError(f"megatron.pipeline_parallel = {sizes.pp} with model.tie_word_embeddings: the first and last "
+                          f"stages' copies of the tied embedding are not kept equal yet; set megatron.pipeline_parallel=1")
     if recipe.data.seq_len % sizes.tp:
         raise ConfigError(f"data.seq_len = {recipe.data.seq_len}: sequence parallelism (megatron's, with "
                           f"megatron.tensor_parallel = {sizes.tp}) splits each sequence over the TP ranks; make it a "
@@ -77,12 +80,15 @@ def check_recipe(recipe) -> None:
 
 
 def _check_world(sizes) -> None:
-    """megatron's groups must tile the ranks: TP divides the world, and so does EP x the experts' TP."""
+    """megatron's groups must tile the ranks: TP x PP divides the world, and so does EP x the experts' TP x PP."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    for size, what in ((sizes.tp, f"megatron.tensor_parallel = {sizes.tp}"),
-                       (sizes.ep * sizes.expert_tp, f"megatron.expert_parallel x the experts' tensor parallelism = "
-                                                    f"{sizes.ep} x {sizes.expert_tp}")):
+    pp = ("megatron.pipeline_parallel", sizes.pp)
+    for factors in ((("megatron.tensor_parallel", sizes.tp), pp),
+                    (("megatron.expert_parallel", sizes.ep), ("the experts' tensor parallelism", sizes.expert_tp), pp)):
+        named = [f for f in factors if f[1] > 1] or factors[:1]  # the sizes that split the model
+        size = math.prod(n for _, n in named)
         if world % size:
+            what = f"{' x '.join(name for name, _ in named)} = {' x '.join(str(n) for _, n in named)}"
             raise ConfigError(f"{what} does not divide the {world} rank{'s' if world > 1 else ''} (start it under "
                               f"orthon launch torchrun with a multiple of {size} processes)")
 
@@ -103,6 +109,16 @@ class _RouterView:
         return self.router.expert_bias
 
 
+class _OtherStageRouter:
+    """A MoE layer another pipeline stage holds, as this rank shows it to the balancing step: no tokens, and a
+    bias no forward here reads. Every rank lists every MoE layer, so the step's sums over the ranks pair the
+    same layers and give each its own stage's counts."""
+
+    def __init__(self, experts: int, device):
+        self.expert_load = torch.zeros(experts, device=device)
+        self.e_score_correction_bias = torch.zeros(experts, device=device)
+
+
 class MegatronCausalLM(nn.Module):
     """megatron-core's GPTModel of ``config`` (built by ``orthon.backends.megatron.model``), with the
     face orthon's Trainer asks of a model (orthon.pretrain.backend_model.BackendModel). ``recipe``: the
@@ -119,15 +135,25 @@ class MegatronCausalLM(nn.Module):
         self.gpt = build_model(self.config, self.options)
         for layer in self.gpt.decoder.layers:
             _set_latent_eps(layer.self_attention, LATENT_NORM_EPS)
+        from megatron.core import parallel_state
+
+        sizes = sizes_of(self.options)
+        self.stage, self.layers_per_stage = parallel_state.get_pipeline_model_parallel_rank(), self.config.num_hidden_layers // sizes.pp
+        self.pipelined = sizes.pp > 1
+        if self.pipelined:
+            pipeline.configure(self.gpt.config)
+        self._in_schedule = False
+        self._other_stage_routers: dict[int, _OtherStageRouter] = {}
         # megatron's names and shapes of the full model (orthon's, built on the meta device: no memory,
-        # converted); those of its tensors megatron's model has no module for (the DSA indexer) are carried
-        # beside it, buffers of ``carried``
+        # converted); those of this stage's tensors megatron's model has no module for (the DSA indexer)
+        # are carried beside it, buffers of ``carried``
         with on_meta_device():
             meta = GLMForCausalLM(self.config, runtime=self.runtime)
         shapes = {k: v.shape for k, v in orthon_to_megatron(meta.state_dict(), self.config, self.gpt.orthon_layout).items()}
         self._names = set(shapes)
-        built = set(self.gpt.state_dict())
-        carried = sorted(n for n in shapes if n not in built and not global_expert_name(n, 0, 1, self.gpt.orthon_layout))
+        built = {self._model_name(n) for n in self.gpt.state_dict()}
+        carried = sorted(n for n in shapes if stage_name(n, self.layers_per_stage)[0] == self.stage and n not in built
+                         and not global_expert_name(n, 0, 1, self.gpt.orthon_layout))
         self._carried_names = {name: f"t{i}" for i, name in enumerate(carried)}
         self.carried = nn.Module()
         for name, key in self._carried_names.items():
@@ -147,6 +173,10 @@ class MegatronCausalLM(nn.Module):
                 elif name.endswith(".weight"):
                     tensor.fill_(1.0)
 
+    def _model_name(self, name: str) -> str:
+        """The whole model's name of this stage's tensor ``name`` (megatron numbers a stage's layers from 0)."""
+        return global_layer_name(name, self.stage, self.layers_per_stage)
+
     # ------------------------------------------------------------ weights
     def _load_full(self, full: dict[str, torch.Tensor]) -> None:
         """megatron's full state dict into the model, the tensors it has no module for into ``carried``."""
@@ -164,15 +194,16 @@ class MegatronCausalLM(nn.Module):
         """megatron's full state dict of the model: its own tensors and the carried ones. Under tensor or
         expert parallelism a collective (every rank calls it): every rank's part gathered and joined
         (``parallel.merge``), on every rank."""
-        local = {k: v.detach() for k, v in self.gpt.state_dict().items() if k in self._names}  # no router counters
-        carried = {name: getattr(self.carried, key) for name, key in self._carried_names.items()}
-        if (self.tensor_parallel, self.expert_parallel) == (1, 1):
-            return {**local, **carried}
+        local = {k: v.detach() for k, v in self.gpt.state_dict().items() if self._model_name(k) in self._names}  # no router counters
+        local.update({stage_name(name, self.layers_per_stage)[1]: getattr(self.carried, key)
+                      for name, key in self._carried_names.items()})
+        if not self.model_parallel:
+            return local
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (rank_key(), {k: v.cpu() for k, v in local.items()}))
         shards: dict = {}
         for key, state in gathered:  # data-parallel replicas hold the same part: the first is kept
-            shards.setdefault(key, {**state, **carried})
+            shards.setdefault(key, state)
         return merge(shards, self.config, sizes_of(self.options), self.gpt.orthon_layout)
 
     def orthon_state(self) -> dict[str, torch.Tensor]:
@@ -202,6 +233,12 @@ class MegatronCausalLM(nn.Module):
     def expert_parallel(self) -> int:
         return sizes_of(self.options).ep
 
+    @property
+    def model_parallel(self) -> bool:
+        """The ranks hold parts of the model (tensor, expert or pipeline parallelism)."""
+        sizes = sizes_of(self.options)
+        return (sizes.tp, sizes.ep, sizes.pp) != (1, 1, 1)
+
     def data_parallel(self) -> tuple[int, int]:
         """(rank, size) of this process among the data-parallel replicas: a TP group's ranks read the same
         batches (megatron orders the ranks TP first, so these are rank // TP and world // TP)."""
@@ -222,6 +259,10 @@ class MegatronCausalLM(nn.Module):
         if self.expert_parallel > 1 and not step.runs_expert_parallel:
             raise ConfigError(f"megatron.expert_parallel = {self.expert_parallel}: {type(step).__name__} does not run "
                               f"every forward on every rank; set megatron.expert_parallel=1")
+        if self.pipelined and not step.runs_pipeline:
+            raise ConfigError(f"megatron.pipeline_parallel = {sizes_of(self.options).pp}: {type(step).__name__} reads "
+                              f"the model's output outside its loss (pretraining's step runs pipelined); set "
+                              f"megatron.pipeline_parallel=1")
 
     def _parts(self):
         """(name, parameter, is an expert's, split over its tensor-parallel group) of every parameter."""
@@ -240,6 +281,10 @@ class MegatronCausalLM(nn.Module):
           average (each rank's loss is scaled for that average over the data-parallel replicas)."""
         from megatron.core import parallel_state
 
+        replicas = parallel_state.get_data_parallel_world_size()
+        if self.pipelined and replicas > 1:  # not wrapped in DDP (the schedule runs the micro-batches)
+            grads = [p.grad for p in self.gpt.parameters() if p.grad is not None and getattr(p, "allreduce", True)]
+            _average(grads, parallel_state.get_data_parallel_group(), replicas)
         if self.tensor_parallel > 1:
             group = parallel_state.get_tensor_model_parallel_group()
             for p in self.gpt.parameters():
@@ -247,7 +292,6 @@ class MegatronCausalLM(nn.Module):
                     dist.all_reduce(p.grad, group=group)
         if self.expert_parallel > 1:
             group = parallel_state.get_expert_data_parallel_group()
-            replicas = parallel_state.get_data_parallel_world_size()
             for p in self.gpt.parameters():
                 if p.grad is not None and getattr(p, "allreduce", True) is False:
                     if dist.get_world_size(group) > 1:
@@ -258,9 +302,10 @@ class MegatronCausalLM(nn.Module):
     def clip_grads(self, max_norm: float) -> float:
         """torch's clip_grad_norm_ over the whole model's gradients, each element counted once: a split
         tensor's squares added over its tensor-parallel group, a copy counted on that group's first rank,
-        the experts' over the expert tensor-and-expert-parallel group; returns the norm. Every rank calls it."""
+        the experts' over the expert tensor-and-expert-parallel group, the stages' over the pipeline group;
+        returns the norm. Every rank calls it."""
         params = [p for p in self.parameters() if p.grad is not None]
-        if (self.tensor_parallel, self.expert_parallel) == (1, 1):
+        if not self.model_parallel:
             return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         from megatron.core import parallel_state
 
@@ -272,7 +317,10 @@ class MegatronCausalLM(nn.Module):
                 squares[expert] += p.grad.detach().float().pow(2).sum()
         dist.all_reduce(squares[False], group=parallel_state.get_tensor_model_parallel_group())
         dist.all_reduce(squares[True], group=parallel_state.get_expert_tensor_and_model_parallel_group())
-        norm = (squares[False] + squares[True]).sqrt()
+        total = squares[False] + squares[True]
+        if self.pipelined:  # each stage's own layers
+            dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+        norm = total.sqrt()
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         if coefficient < 1:
             for p in params:
@@ -283,40 +331,39 @@ class MegatronCausalLM(nn.Module):
         """{name in this rank's state dict: name in a checkpoint} where they differ, so that the ranks' keys
         differ wherever their tensors do (DCP keeps one copy of a key): an expert under expert parallelism
         by its index in the model (each rank numbers its experts from 0), a tensor split over a
-        tensor-parallel group with its rank there (``@tp1``). A checkpoint so resumes at the same layout."""
-        if (self.tensor_parallel, self.expert_parallel) == (1, 1):
+        tensor-parallel group with its rank there (``@tp1``), a pipeline stage's layers by their number in
+        the model (each stage numbers its layers from 0), its carried tensors by their names and its
+        optimizer's param groups under a key of its own. A checkpoint so resumes at the same layout."""
+        if not self.model_parallel:
             return {}
         from megatron.core import parallel_state
 
         per_rank = self.config.n_routed_experts // self.expert_parallel
         ep_rank = parallel_state.get_expert_model_parallel_rank()
         tp_rank = {False: parallel_state.get_tensor_model_parallel_rank(), True: parallel_state.get_expert_tensor_parallel_rank()}
-        names = {}
+        names = {name: self._model_name(name) for name in self.gpt.state_dict()}  # buffers too (the routers' biases)
         for name, _, expert, split in self._parts():
             full = (global_expert_name(name, ep_rank, per_rank, self.gpt.orthon_layout) if expert else None) or name
-            if split:
-                full = f"{full}@tp{tp_rank[expert]}"
-            if full != name:
-                names[f"gpt.{name}"] = f"gpt.{full}"
-        return names
+            names[name] = self._model_name(full) + (f"@tp{tp_rank[expert]}" if split else "")
+        renamed = {f"gpt.{name}": f"gpt.{full}" for name, full in names.items() if full != name}
+        if self.pipelined:  # a stage's carried tensors and its optimizer's param groups are its own
+            renamed.update({f"carried.{key}": f"carried.{name}" for name, key in self._carried_names.items()})
+            renamed["param_groups"] = f"param_groups@stage{self.stage}"
+        return renamed
 
     # ------------------------------------------------------------ the Trainer's model face
     def forward(self, input_ids, labels=None, doc_ids=None, return_logits: bool = True, loss_reduction: str = "mean",
                 loss_chunk: int = 0, context=None, position_ids=None, logits_at=None) -> CausalLMOutput:
         """As GLMForCausalLM.forward for whole sequences from position 0 (no cache, no documents, no context
-        parallelism). Without logits the loss is megatron's own (its fused cross-entropy)."""
+        parallelism). Without logits the loss is megatron's own (its fused cross-entropy). Under pipeline
+        parallelism a training step's forwards run in ``train_micro_batches``; a forward outside it gives a
+        held-out loss (through the schedule, forward only)."""
         if doc_ids is not None or context is not None:
             raise ValueError("MegatronCausalLM: packed documents and context parallelism are not supported")
+        if self.pipelined and not self._in_schedule:
+            return self._held_out_loss(input_ids, labels, return_logits or logits_at is not None, loss_reduction, position_ids)
         B, T = input_ids.shape
-        rows, length = self._padded_shape(B, T)
-        if (rows, length) != (B, T):  # padding on the right and below, taken off again below
-            input_ids = F.pad(input_ids, (0, length - T, 0, rows - B))
-            labels = None if labels is None else F.pad(labels, (0, length - T, 0, rows - B), value=IGNORE_INDEX)
-            if position_ids is not None:
-                position_ids = F.pad(position_ids, (0, length - T, 0, rows - B))
-                position_ids[:, T:] = position_ids[:, T - 1 : T] + torch.arange(1, length - T + 1, device=input_ids.device)
-        if position_ids is None:
-            position_ids = torch.arange(length, device=input_ids.device)[None].expand(rows, -1)
+        input_ids, labels, position_ids = self._padded(input_ids, labels, position_ids)
         if labels is not None and not return_logits and logits_at is None:
             counted = labels != IGNORE_INDEX
             per_token = self.gpt(input_ids, position_ids, None, labels=labels.masked_fill(~counted, 0))
@@ -330,6 +377,60 @@ class MegatronCausalLM(nn.Module):
             logits = logits.gather(1, logits_at[..., None].expand(*logits_at.shape, logits.shape[-1]))
         loss = cross_entropy(logits, labels, loss_reduction) if labels is not None else None
         return CausalLMOutput(logits=logits, loss=loss)
+
+    def _padded(self, input_ids, labels, position_ids):
+        """(input_ids, labels, position_ids) at the shape the forward runs at (``_padded_shape``): padding on
+        the right and below (the forward takes it off the logits again), positions counting on."""
+        B, T = input_ids.shape
+        rows, length = self._padded_shape(B, T)
+        if (rows, length) != (B, T):
+            input_ids = F.pad(input_ids, (0, length - T, 0, rows - B))
+            labels = None if labels is None else F.pad(labels, (0, length - T, 0, rows - B), value=IGNORE_INDEX)
+            if position_ids is not None:
+                position_ids = F.pad(position_ids, (0, length - T, 0, rows - B))
+                position_ids[:, T:] = position_ids[:, T - 1 : T] + torch.arange(1, length - T + 1, device=input_ids.device)
+        if position_ids is None:
+            position_ids = torch.arange(length, device=input_ids.device)[None].expand(rows, -1)
+        return input_ids, labels, position_ids
+
+    # ------------------------------------------------------------ pipeline parallelism
+    def _stage_output(self, input_ids, position_ids=None) -> torch.Tensor:
+        """A stage before the last: its layers' output for these sequences (the first stage embeds them; a
+        later one takes what megatron's schedule received from the stage before)."""
+        input_ids, _, position_ids = self._padded(input_ids, None, position_ids)
+        return self.gpt(input_ids, position_ids, None)
+
+    def _schedule(self, micros: list, last_stage, forward_only: bool = False) -> list[dict]:
+        self._in_schedule = True
+        try:
+            rows, length = micros[0].input_ids.shape
+            return pipeline.run(self.gpt, micros, last_stage, lambda m: self._stage_output(m.input_ids, getattr(m, "position_ids", None)),
+                                length, rows, forward_only)
+        finally:
+            self._in_schedule = False
+
+    def train_micro_batches(self, step, micros: list) -> list[dict]:
+        """A training step's micro-batches through megatron's pipeline schedule (1F1B): forwards and backwards,
+        the step plug-in's loss on the last stage. Returns each micro-batch's metric sums, on every stage."""
+        return self._schedule(micros, lambda micro: step.loss(self, micro))
+
+    @torch.no_grad()
+    def _held_out_loss(self, input_ids, labels, wants_logits: bool, loss_reduction: str, position_ids) -> CausalLMOutput:
+        """A forward outside the training step under pipeline parallelism: the loss of ``labels``, through the
+        schedule forward only, on every stage (the logits stay on the last stage: not offered)."""
+        if labels is None or wants_logits or torch.is_grad_enabled():
+            raise ValueError(f"megatron.pipeline_parallel = {sizes_of(self.options).pp}: outside a training step the "
+                             f"model gives a held-out loss only (labels, no logits, no gradients)")
+        micro = SimpleNamespace(input_ids=input_ids, labels=labels, position_ids=position_ids)
+
+        def last_stage(m):
+            loss = self(m.input_ids, labels=m.labels, return_logits=False, loss_reduction="sum",
+                        position_ids=m.position_ids).loss
+            return loss, {"loss": loss}
+        total = self._schedule([micro], last_stage, forward_only=True)[0]["loss"]
+        if loss_reduction == "mean":
+            total /= max(int((labels != IGNORE_INDEX).sum()), 1)
+        return CausalLMOutput(logits=None, loss=torch.tensor(total, device=input_ids.device))
 
     def _padded_shape(self, rows: int, length: int) -> tuple[int, int]:
         """The shape a forward of ``rows`` x ``length`` runs at: sequence parallelism splits the positions over
@@ -345,10 +446,18 @@ class MegatronCausalLM(nn.Module):
             rows, length = (int(x) for x in shape.tolist())
         return rows, length + (-length % self.tensor_parallel)
 
-    def moe_routers(self) -> list[_RouterView]:
-        from megatron.core.transformer.moe.router import TopKRouter
-
-        return [_RouterView(m) for m in self.gpt.modules() if isinstance(m, TopKRouter)]
+    def moe_routers(self) -> list:
+        """Every MoE layer's router, in layer order; under pipeline parallelism the layers other stages hold
+        too (``_OtherStageRouter``), so every rank lists the same layers."""
+        mine = {layer.layer_number - 1: _RouterView(layer.mlp.router)
+                for layer in self.gpt.decoder.layers if hasattr(layer.mlp, "router")}
+        if not self.pipelined:
+            return list(mine.values())
+        device = next(self.parameters()).device
+        for layer in range(self.config.num_hidden_layers):
+            if self.config.is_moe_layer(layer) and layer not in mine:
+                mine[layer] = self._other_stage_routers.setdefault(layer, _OtherStageRouter(self.config.n_routed_experts, device))
+        return [mine[layer] for layer in sorted(mine)]
 
     def indexers(self) -> list:
         return []
@@ -362,6 +471,26 @@ class MegatronCausalLM(nn.Module):
 
     def attention_logit_max(self) -> None:
         return None
+
+
+@torch.no_grad()
+def _average(grads: list[torch.Tensor], group, size: int, bucket: int = 1 << 26) -> None:
+    """The gradients averaged over ``group`` (``size`` ranks), in buckets of about ``bucket`` elements
+    (one all-reduce a bucket rather than one a tensor)."""
+    start = 0
+    while start < len(grads):
+        end, elements = start, 0
+        while end < len(grads) and (end == start or elements + grads[end].numel() <= bucket):
+            elements += grads[end].numel()
+            end += 1
+        flat = torch.cat([g.reshape(-1) for g in grads[start:end]])
+        dist.all_reduce(flat, group=group)
+        flat.div_(size)
+        offset = 0
+        for g in grads[start:end]:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        start = end
 
 
 def _set_latent_eps(attention, eps: float) -> None:

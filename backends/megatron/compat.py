@@ -10,6 +10,9 @@ let megatron-core run on the CPU."""
 from __future__ import annotations
 
 import importlib.util
+import types
+
+import torch
 
 
 def have_transformer_engine() -> bool:
@@ -45,15 +48,38 @@ def _cpu_device() -> str:
 def point_cuda_device_at_cpu() -> bool:
     """On a machine without CUDA, make ``torch.cuda.current_device()`` answer "cpu" in this process, so that
     megatron-core (which places its router state, RoPE frequencies and tensor-parallel buffers there, in
-    its forward and backward too) runs on the CPU. Without CUDA that call raises, so nothing that worked
-    before is changed: only code that would have failed now gets the CPU. Returns whether it is pointed
-    there; with CUDA it does nothing and returns False."""
-    import torch
-
+    its forward and backward too) runs on the CPU, and ``torch.cuda.synchronize()`` (megatron's pipeline
+    exchange calls it) do nothing. Without CUDA both calls raise, so nothing that worked before is changed:
+    only code that would have failed now gets the CPU. Returns whether it is pointed there; with CUDA it
+    does nothing and returns False. megatron's pipeline schedules get their CUDA counters on the CPU
+    (``_TorchWithCPUFactories``)."""
     if torch.cuda.is_available():
         return False
     torch.cuda.current_device = _cpu_device
+    torch.cuda.synchronize = _nothing_to_synchronize
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    schedules.torch = _TorchWithCPUFactories("torch")
     return True
+
+
+def _nothing_to_synchronize(device=None) -> None:
+    """Without CUDA there is no device work to wait for."""
+
+
+class _TorchWithCPUFactories(types.ModuleType):
+    """torch as megatron's pipeline schedules see it without CUDA: each schedule makes its token counter
+    with ``torch.zeros(..., device="cuda")``; here that counter is made on the CPU. Everything else is
+    torch's own (no cost in the forward and backward the schedules run)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        if device is not None and torch.device(device).type == "cuda":
+            device = "cpu"
+        return torch.zeros(*args, device=device, **kwargs)
 
 
 class _CPURNGTracker:

@@ -100,6 +100,7 @@ def transformer_config(model: ModelConfig, options: MegatronOptions, te: bool = 
         tensor_model_parallel_size=sizes.tp, pipeline_model_parallel_size=sizes.pp,
         expert_model_parallel_size=sizes.ep, expert_tensor_parallel_size=sizes.expert_tp,
         sequence_parallel=sizes.tp > 1, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype if sizes.pp > 1 else None,
         use_cpu_initialization=not torch.cuda.is_available(), **moe,
     )
 

@@ -169,7 +169,7 @@ def global_expert_name(name: str, ep_rank: int, experts_per_rank: int, layout: M
     return expert_name(prefix, fc, ep_rank * experts_per_rank + index, layout)
 
 
-def _stage_name(name: str, layers_per_stage: int) -> tuple[int | None, str]:
+def stage_name(name: str, layers_per_stage: int) -> tuple[int | None, str]:
     """(pipeline stage, name on that stage) of a decoder-layer tensor; (None, name) for the others."""
     m = _LAYER.match(name)
     if not m:
@@ -196,7 +196,7 @@ def shard(state: dict[str, torch.Tensor], config: ModelConfig, sizes: ParallelSi
     for name, tensor in state.items():
         if name.endswith("._extra_state"):
             continue
-        stage, local = _stage_name(name, per_stage)
+        stage, local = stage_name(name, per_stage)
         stages = [stage] if stage is not None else _stages_of(name, pp, config)
         expert = _expert_key(local)
         if expert is not None:
@@ -246,7 +246,7 @@ def merge(shards: dict[tuple[int, int, int], dict[str, torch.Tensor]], config: M
                 continue
             if name == "output_layer.weight" and config.tie_word_embeddings:
                 continue  # the last stage's copy of the tied embedding
-            full = _global_name(name, s, per_stage)
+            full = global_layer_name(name, s, per_stage)
             out[full] = join([_take(shards[(s, t, 0)], name, (s, t, 0)) for t in range(tp)], split_rule(name, layout), full)
         for e in range(ep):
             for name in shards[(s, 0, e)]:
@@ -255,12 +255,13 @@ def merge(shards: dict[tuple[int, int, int], dict[str, torch.Tensor]], config: M
                     continue
                 prefix, fc, index = key
                 pieces = [_take(shards[(s, t, e)], name, (s, t, e)) for t in range(etp)]
-                full = _global_name(expert_name(prefix, fc, e * per_ep + index, layout), s, per_stage)
+                full = global_layer_name(expert_name(prefix, fc, e * per_ep + index, layout), s, per_stage)
                 out[full] = join(pieces, split_rule(name, layout), full)
     return out
 
 
-def _global_name(name: str, stage: int, per_stage: int) -> str:
+def global_layer_name(name: str, stage: int, per_stage: int) -> str:
+    """The model's name of a tensor named ``name`` on pipeline ``stage`` (the inverse of ``stage_name``)."""
     m = _LAYER.match(name)
     return f"decoder.layers.{stage * per_stage + int(m[1])}.{m[2]}" if m else name
 
