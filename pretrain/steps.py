@@ -19,9 +19,9 @@ plug-in owns the loss:
   (each rank of a context-parallel group then computes its part of the same sequences).
 - ``runs_expert_parallel``: True for a step whose every forward runs on every rank of the expert
   exchange (each MoE layer's all-to-all waits for all of them).
-- ``runs_pipeline``: True for a step that reads the model's output only inside ``loss`` and whose
-  micro-batches carry ``input_ids``: a pipeline schedule (megatron's) can then run its micro-batches, the
-  loss on the last stage, the earlier stages on the same ``input_ids``.
+
+A pipeline schedule (megatron's) runs ``loss`` on every stage: it must call the model once a micro-batch,
+before anything the earlier stages must not do (their call ends the loss there).
 
 NextTokenStep is pretraining's; mid-training adds the indexer KL (orthon.midtrain.steps) and RL the
 policy loss (orthon.rl.steps).
@@ -46,7 +46,6 @@ class TrainStep:
     update_moe_bias = True
     runs_context_parallel = False
     runs_expert_parallel = False
-    runs_pipeline = False
 
     def micro_batches(self, batch, size: int, device) -> list:
         n = batch.input_ids.shape[0]
@@ -75,7 +74,6 @@ class NextTokenStep(TrainStep):
 
     runs_context_parallel = True
     runs_expert_parallel = True
-    runs_pipeline = True
 
     def __init__(self, loss_chunk: int = 0, document_mask: bool = True, track_max_logit: bool = False):
         self.loss_chunk, self.document_mask, self.track_max_logit = loss_chunk, document_mask, track_max_logit

@@ -128,7 +128,9 @@ def test_rl_on_megatron_samples_and_trains_as_on_torch(tmp_path):
     """`orthon rl ... backend=megatron`: the policy trains on megatron-core (in one process; tensor parallel
     over two ranks, whose micro-batches, sized by their samples, are padded to a multiple of TP for sequence
     parallelism; expert parallel over two ranks, whose micro-batches are padded to one shape for megatron's
-    allgather dispatcher), the in-process engine (orthon's own) generates with the weights it hands over.
+    allgather dispatcher; pipeline parallel over two ranks, megatron's schedule running RL's micro-batches
+    of any shape, the policy loss on the second stage), the in-process engine (orthon's own) generates with
+    the weights it hands over.
     The engine's log-probs of its samples against megatron's forward of them (logp_abs_diff, what IcePop
     guards) stay at float round-off, and every iteration samples, rewards and trains as the torch backend
     does."""
@@ -137,13 +139,15 @@ def test_rl_on_megatron_samples_and_trains_as_on_torch(tmp_path):
             # two ranks of one tensor-parallel replica: both train on every sample, each counted once
             "megatron_tp": (2, ["backend=megatron", "megatron.tensor_parallel=2"]),
             # two data-parallel ranks holding half the experts each, micro-batches padded to one shape
-            "megatron_ep": (2, ["backend=megatron", "megatron.expert_parallel=2"])}
+            "megatron_ep": (2, ["backend=megatron", "megatron.expert_parallel=2"]),
+            # two pipeline stages: the policy loss on the second, the rescoring forward-only through both
+            "megatron_pp": (2, ["backend=megatron", "megatron.pipeline_parallel=2"])}
     for name, (ranks, overrides) in runs.items():
         orthon("rl", "-c", _rl_recipe(tmp_path, tmp_path / name), "--from", pre, *overrides, "optim.ns_dtype=fp32",
                nproc=ranks)
     ref = [r for r in _records(tmp_path / "torch") if "reward_mean" in r]
     assert len(ref) == 3 and all(r["groups_all_equal"] < 1 for r in ref)  # groups of mixed rewards: real updates
-    for name in ("megatron", "megatron_tp", "megatron_ep"):
+    for name in ("megatron", "megatron_tp", "megatron_ep", "megatron_pp"):
         got = [r for r in _records(tmp_path / name) if "reward_mean" in r]
         assert len(got) == 3
         for a, b in zip(ref, got):
@@ -172,16 +176,6 @@ def test_megatron_pipeline_with_data_tensor_and_expert_parallelism_over_four_ran
         got, want = losses(tmp_path / name), losses(tmp_path / reference)
         assert sorted(got) == list(range(1, STEPS + 1))
         assert all(got[s] == pytest.approx(want[s], abs=2e-6) for s in want), (name, got, want)
-
-
-def test_rl_refuses_a_pipelined_megatron_model_by_name(tmp_path):
-    """RL's step reads the policy's log-probs outside its loss (the sampling and the IcePop check): it does
-    not run through a pipeline schedule yet, and says so before the first iteration."""
-    out = orthon("rl", "-c", _rl_recipe(tmp_path, tmp_path / "rl"), "--from", _policy(tmp_path), "backend=megatron",
-                 "megatron.pipeline_parallel=2", nproc=2, check=False)
-    assert out.returncode != 0
-    assert "megatron.pipeline_parallel = 2: PolicyStep reads the model's output outside its loss" in out.stderr, \
-        out.stderr[-2000:]
 
 
 @pytest.mark.slow  # about 40 s: two 2-rank runs

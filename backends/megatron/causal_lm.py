@@ -22,15 +22,15 @@ pretraining runs the same data, batch ramp, schedule, checkpoints and metrics on
   a laptop.
 
 The Trainer drives it data parallel (DDP over megatron's data-parallel group), tensor parallel with
-megatron's sequence parallelism (``megatron.tensor_parallel``) and expert parallel
-(``megatron.expert_parallel``), through the hooks ``data_parallel``, ``ddp_group``, ``finish_grads``,
-``clip_grads`` and ``checkpoint_names`` below. Pipeline parallelism (megatron's schedules), FSDP2 and
-context parallelism are refused by name."""
+megatron's sequence parallelism (``megatron.tensor_parallel``), expert parallel
+(``megatron.expert_parallel``) and pipeline parallel (``megatron.pipeline_parallel``: megatron's 1F1B
+schedule runs each step's micro-batches, ``train_micro_batches``; see ``orthon.backends.megatron.pipeline``),
+through the hooks ``data_parallel``, ``ddp_group``, ``finish_grads``, ``clip_grads`` and
+``checkpoint_names`` below. FSDP2 and context parallelism are refused by name."""
 from __future__ import annotations
 
 import dataclasses
 import math
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -142,7 +142,7 @@ class MegatronCausalLM(nn.Module):
         self.pipelined = sizes.pp > 1
         if self.pipelined:
             pipeline.configure(self.gpt.config)
-        self._in_schedule = False
+        self._in_schedule, self._forwards = False, 0
         self._other_stage_routers: dict[int, _OtherStageRouter] = {}
         # megatron's names and shapes of the full model (orthon's, built on the meta device: no memory,
         # converted); those of this stage's tensors megatron's model has no module for (the DSA indexer)
@@ -259,10 +259,6 @@ class MegatronCausalLM(nn.Module):
         if self.expert_parallel > 1 and not step.runs_expert_parallel:
             raise ConfigError(f"megatron.expert_parallel = {self.expert_parallel}: {type(step).__name__} does not run "
                               f"every forward on every rank; set megatron.expert_parallel=1")
-        if self.pipelined and not step.runs_pipeline:
-            raise ConfigError(f"megatron.pipeline_parallel = {sizes_of(self.options).pp}: {type(step).__name__} reads "
-                              f"the model's output outside its loss (pretraining's step runs pipelined); set "
-                              f"megatron.pipeline_parallel=1")
 
     def _parts(self):
         """(name, parameter, is an expert's, split over its tensor-parallel group) of every parameter."""
@@ -356,12 +352,17 @@ class MegatronCausalLM(nn.Module):
                 loss_chunk: int = 0, context=None, position_ids=None, logits_at=None) -> CausalLMOutput:
         """As GLMForCausalLM.forward for whole sequences from position 0 (no cache, no documents, no context
         parallelism). Without logits the loss is megatron's own (its fused cross-entropy). Under pipeline
-        parallelism a training step's forwards run in ``train_micro_batches``; a forward outside it gives a
-        held-out loss (through the schedule, forward only)."""
+        parallelism a training step's forwards run in ``train_micro_batches``; one outside it runs through
+        the schedule forward only (``_through_pipeline``)."""
         if doc_ids is not None or context is not None:
             raise ValueError("MegatronCausalLM: packed documents and context parallelism are not supported")
         if self.pipelined and not self._in_schedule:
-            return self._held_out_loss(input_ids, labels, return_logits or logits_at is not None, loss_reduction, position_ids)
+            return self._through_pipeline(input_ids, labels=labels, return_logits=return_logits,
+                                          loss_reduction=loss_reduction, position_ids=position_ids, logits_at=logits_at)
+        if self.pipelined:
+            self._forwards += 1
+            if not pipeline.is_last_stage():  # the step's loss is the last stage's to compute
+                raise pipeline.StageOutput(self._stage_output(input_ids, position_ids))
         B, T = input_ids.shape
         input_ids, labels, position_ids = self._padded(input_ids, labels, position_ids)
         if labels is not None and not return_logits and logits_at is None:
@@ -400,37 +401,50 @@ class MegatronCausalLM(nn.Module):
         input_ids, _, position_ids = self._padded(input_ids, None, position_ids)
         return self.gpt(input_ids, position_ids, None)
 
-    def _schedule(self, micros: list, last_stage, forward_only: bool = False) -> list[dict]:
+    def _schedule(self, micros: list, step_loss, forward_only: bool = False) -> list[dict]:
+        def once(micro):  # the stages split one forward of the model: a loss must call it once a micro-batch
+            self._forwards = 0
+            result = step_loss(micro)
+            if self._forwards != 1:
+                raise ValueError(f"megatron.pipeline_parallel = {sizes_of(self.options).pp}: a step's loss called the "
+                                 f"model {self._forwards} times for one micro-batch; under pipeline parallelism it "
+                                 f"calls it once (the stages run that forward between them)")
+            return result
         self._in_schedule = True
         try:
-            rows, length = micros[0].input_ids.shape
-            return pipeline.run(self.gpt, micros, last_stage, lambda m: self._stage_output(m.input_ids, getattr(m, "position_ids", None)),
-                                length, rows, forward_only)
+            return pipeline.run(self.gpt, micros, once, forward_only)
         finally:
             self._in_schedule = False
 
     def train_micro_batches(self, step, micros: list) -> list[dict]:
         """A training step's micro-batches through megatron's pipeline schedule (1F1B): forwards and backwards,
-        the step plug-in's loss on the last stage. Returns each micro-batch's metric sums, on every stage."""
+        the step plug-in's loss run on every stage (before the last it ends at the model's call, see
+        ``pipeline.StageOutput``). Returns each micro-batch's metric sums, on every stage."""
         return self._schedule(micros, lambda micro: step.loss(self, micro))
 
     @torch.no_grad()
-    def _held_out_loss(self, input_ids, labels, wants_logits: bool, loss_reduction: str, position_ids) -> CausalLMOutput:
-        """A forward outside the training step under pipeline parallelism: the loss of ``labels``, through the
-        schedule forward only, on every stage (the logits stay on the last stage: not offered)."""
-        if labels is None or wants_logits or torch.is_grad_enabled():
-            raise ValueError(f"megatron.pipeline_parallel = {sizes_of(self.options).pp}: outside a training step the "
-                             f"model gives a held-out loss only (labels, no logits, no gradients)")
-        micro = SimpleNamespace(input_ids=input_ids, labels=labels, position_ids=position_ids)
+    def _through_pipeline(self, input_ids, **kwargs) -> CausalLMOutput:
+        """A forward outside a training step under pipeline parallelism (held-out losses, RL's log-probs):
+        through the schedule, forward only; the loss and logits the last stage computes are sent to every
+        stage (the logits in fp32)."""
+        if torch.is_grad_enabled():
+            raise ValueError(f"megatron.pipeline_parallel = {sizes_of(self.options).pp}: the model's gradients come "
+                             f"from a training step's schedule (Trainer.train_step), not from a forward outside it")
+        outputs = []
 
-        def last_stage(m):
-            loss = self(m.input_ids, labels=m.labels, return_logits=False, loss_reduction="sum",
-                        position_ids=m.position_ids).loss
-            return loss, {"loss": loss}
-        total = self._schedule([micro], last_stage, forward_only=True)[0]["loss"]
-        if loss_reduction == "mean":
-            total /= max(int((labels != IGNORE_INDEX).sum()), 1)
-        return CausalLMOutput(logits=None, loss=torch.tensor(total, device=input_ids.device))
+        def last_stage(_):
+            out = self(input_ids, **kwargs)
+            outputs.append(out)
+            return (out.loss if out.loss is not None else out.logits.new_zeros(())), {}
+        self._schedule([None], last_stage, forward_only=True)
+        loss = logits = None
+        if kwargs.get("labels") is not None:
+            loss = pipeline.from_last_stage(outputs[0].loss.float() if outputs else None, (), input_ids.device)
+        if kwargs.get("return_logits", True) or kwargs.get("logits_at") is not None:
+            at = kwargs.get("logits_at")
+            shape = (*(input_ids.shape if at is None else at.shape), self.config.vocab_size)
+            logits = pipeline.from_last_stage(outputs[0].logits.float() if outputs else None, shape, input_ids.device)
+        return CausalLMOutput(logits=logits, loss=loss)
 
     def _padded_shape(self, rows: int, length: int) -> tuple[int, int]:
         """The shape a forward of ``rows`` x ``length`` runs at: sequence parallelism splits the positions over
