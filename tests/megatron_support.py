@@ -21,7 +21,8 @@ def megatron_on_cpu():
     import megatron.core.pipeline_parallel.schedules as schedules
 
     patch.setattr(schedules, "torch", schedules.torch)  # the builder's CPU counters, undone after
-    for name in ("_CUDA_RNG_STATE_TRACKER", "_CUDA_RNG_STATE_TRACKER_INITIALIZED"):  # the builder's CPU tracker too
+    for name in ("_CUDA_RNG_STATE_TRACKER", "_CUDA_RNG_STATE_TRACKER_INITIALIZED",  # the builder's CPU tracker too
+                 "_get_cuda_rng_state", "_set_cuda_rng_state"):
         patch.setattr(megatron_random, name, getattr(megatron_random, name))
     try:
         yield

@@ -60,6 +60,11 @@ def test_transformer_config_of_the_tiny_model(tiny):
     assert (c.moe_shared_expert_intermediate_size, c.moe_router_load_balancing_type) == (256, "none")
     assert (c.tensor_model_parallel_size, c.expert_model_parallel_size, c.expert_tensor_parallel_size) == (2, 2, 2)
     assert c.sequence_parallel and c.params_dtype == torch.bfloat16
+    assert (c.recompute_granularity, c.pipeline_dtype) == (None, None)
+    # activation checkpointing: each layer recomputed in the backward; a pipeline exchanges the params' dtype
+    c = transformer_config(config, MegatronOptions(pipeline_parallel=2, params_dtype="fp32"), recompute=True)
+    assert (c.recompute_granularity, c.recompute_method, c.recompute_num_layers) == ("full", "uniform", 1)
+    assert (c.pipeline_model_parallel_size, c.pipeline_dtype) == (2, torch.float32)
 
 
 def test_what_megatron_cannot_compute_is_refused(tiny):

@@ -70,11 +70,16 @@ def test_megatron_backend_trains_as_the_torch_backend(tmp_path):
     assert worst < 1e-4, worst
 
 
-def test_megatron_run_resumes_bit_for_bit(tmp_path):
+def test_megatron_run_resumes_and_recomputes_bit_for_bit(tmp_path):
+    """A resumed megatron run repeats the straight one bit for bit; so does one that recomputes each layer in
+    the backward (runtime.activation_checkpointing: megatron's full recompute, on the CPU too)."""
     stores = make_stores(tmp_path / "data")
-    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    ref_dir, run_dir, recomputed = tmp_path / "ref", tmp_path / "run", tmp_path / "recomputed"
     orthon("pretrain", "-c", write_recipe(tmp_path / "ref.yaml", stores, ref_dir, train={"max_steps": STEPS}),
            "backend=megatron")
+    orthon("pretrain", "-c", write_recipe(tmp_path / "recomputed.yaml", stores, recomputed, train={"max_steps": STEPS}),
+           "backend=megatron", "runtime.activation_checkpointing=true")
+    assert losses(recomputed) == losses(ref_dir)
     orthon("pretrain", "-c", write_recipe(tmp_path / "run.yaml", stores, run_dir, train={"max_steps": 4}),
            "backend=megatron")
     out = orthon("pretrain", "--resume", run_dir, f"train.max_steps={STEPS}")

@@ -72,8 +72,6 @@ def check_recipe(recipe) -> None:
     if recipe.runtime.sparse_attention:
         raise ConfigError("runtime.sparse_attention: the megatron backend runs dense MLA (pretraining's attention); "
                           "DSA (mid-training) runs on the torch backend")
-    if recipe.runtime.activation_checkpointing:
-        raise ConfigError("runtime.activation_checkpointing: not wired to megatron-core's recompute yet; set it false")
     if recipe.data.document_mask:
         raise ConfigError("data.document_mask: megatron-core's local attention is plainly causal; packed documents "
                           "need transformer-engine's (not wired yet); set data.document_mask=false")
@@ -132,7 +130,7 @@ class MegatronCausalLM(nn.Module):
         self.runtime = dataclasses.replace(recipe.runtime)
         self.options: MegatronOptions = dataclasses.replace(recipe.megatron, params_dtype="fp32")
         _check_world(sizes_of(self.options))
-        self.gpt = build_model(self.config, self.options)
+        self.gpt = build_model(self.config, self.options, recompute=self.runtime.activation_checkpointing)
         for layer in self.gpt.decoder.layers:
             _set_latent_eps(layer.self_attention, LATENT_NORM_EPS)
         from megatron.core import parallel_state

@@ -111,8 +111,15 @@ class _CPURNGTracker:
 
 def use_cpu_rng_tracker() -> None:
     """Install _CPURNGTracker as megatron-core's tracker (a machine without CUDA: its own would call the
-    CUDA generator)."""
+    CUDA generator), and let megatron's activation recompute, which saves the CUDA generator's state with
+    the CPU's before a layer and restores both before recomputing it, find no CUDA state to keep."""
     import megatron.core.tensor_parallel.random as megatron_random
 
     megatron_random._CUDA_RNG_STATE_TRACKER = _CPURNGTracker()
     megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    megatron_random._get_cuda_rng_state = _no_cuda_rng_state
+    megatron_random._set_cuda_rng_state = _no_cuda_rng_state
+
+
+def _no_cuda_rng_state(*args, **kwargs) -> None:
+    """Without CUDA there is no CUDA generator: nothing to read or set."""

@@ -60,9 +60,11 @@ def layout(te: bool) -> MegatronLayout:
     return MegatronLayout(te=te, grouped_experts=te, column_down_proj=False)
 
 
-def transformer_config(model: ModelConfig, options: MegatronOptions, te: bool = False):
+def transformer_config(model: ModelConfig, options: MegatronOptions, te: bool = False, recompute: bool = False):
     """megatron-core's MLATransformerConfig for ``model`` (no GPU needed). What megatron cannot compute
-    the way GLM-5 does is a ConfigError naming the setting."""
+    the way GLM-5 does is a ConfigError naming the setting. ``recompute``: each decoder layer recomputed
+    in the backward instead of keeping its activations (megatron's full, uniform recompute of one layer at
+    a time: orthon's ``runtime.activation_checkpointing``)."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -102,6 +104,7 @@ def transformer_config(model: ModelConfig, options: MegatronOptions, te: bool = 
         sequence_parallel=sizes.tp > 1, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype if sizes.pp > 1 else None,
         use_cpu_initialization=not torch.cuda.is_available(), **moe,
+        **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}),
     )
 
 
@@ -151,27 +154,28 @@ def initialize_parallel(options: MegatronOptions) -> None:
         model_parallel_cuda_manual_seed(options.seed)
 
 
-def build_model(model: ModelConfig, options: MegatronOptions | None = None):
+def build_model(model: ModelConfig, options: MegatronOptions | None = None, recompute: bool = False):
     """The megatron-core GPTModel of this rank (its pipeline stage, its TP / EP shard); initialises
     torch.distributed and megatron's groups unless they are. Without CUDA it is built for the CPU
     (``compat.point_cuda_device_at_cpu``, ``compat.use_cpu_rng_tracker``; the MoE tokens through
     megatron's allgather dispatcher, since its alltoall one needs CUDA streams): small models train on a
-    laptop, tensor parallel too (sequence-parallel norms: ``local_spec``)."""
+    laptop, tensor parallel too (sequence-parallel norms: ``local_spec``). ``recompute``: see
+    ``transformer_config``."""
     options = options or MegatronOptions()
     require_megatron()
     if compat.point_cuda_device_at_cpu():
         compat.use_cpu_rng_tracker()
         options = dataclasses.replace(options, token_dispatcher="allgather")
-    return _build(model, options)
+    return _build(model, options, recompute)
 
 
-def _build(model: ModelConfig, options: MegatronOptions):
+def _build(model: ModelConfig, options: MegatronOptions, recompute: bool = False):
     require_megatron()
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     te = use_te(options)
-    config = transformer_config(model, options, te)
+    config = transformer_config(model, options, te, recompute)
     initialize_parallel(options)
     gpt = GPTModel(
         config, block_spec(config, te), vocab_size=model.vocab_size, max_sequence_length=model.max_position_embeddings,
