@@ -50,6 +50,12 @@ class BackendModel(Protocol):
     def clip_grads(self, max_norm: float) -> float:
         """Clip the whole model's gradients to ``max_norm`` (each element counted once); returns the norm."""
 
+    def layout(self) -> dict:
+        """How the ranks split the model (saved with each checkpoint)."""
+
+    def check_layout(self, saved: dict | None, path) -> None:
+        """A ConfigError where the checkpoint at ``path``, written at layout ``saved``, cannot be resumed here."""
+
     def checkpoint_names(self) -> dict[str, str]:
         """{state-dict name: checkpoint name} where the ranks' state dicts use one name for different
         tensors (orthon.pretrain.checkpoint keeps one copy of a name)."""

@@ -280,6 +280,11 @@ class Checkpointer:
                        optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
         return json.loads((path / TRAINER_STATE).read_text())
 
+    @staticmethod
+    def trainer_state(path: Path) -> dict:
+        """The trainer state a checkpoint was written with (read before its tensors are loaded)."""
+        return json.loads((path / TRAINER_STATE).read_text())
+
     def load_model(self, path: Path, model: torch.nn.Module) -> dict:
         """Only the model's weights (to evaluate a saved step, no optimizer built); returns trainer state."""
         state = {"model": get_model_state_dict(model)}

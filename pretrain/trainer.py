@@ -248,6 +248,8 @@ class Trainer:
                          f"{self.checkpointer.root / 'abandoned'}")
         if path is None:
             return None
+        if self.foreign_model:  # its checkpoints hold each rank's part of the model as that layout cut it
+            self.model.check_layout(self.checkpointer.trainer_state(path).get("layout"), path)
         state = self.checkpointer.load(path, self.wrapped, self.optimizer.optimizers)
         self.step, self.tokens = state["step"], state["tokens"]
         if "guard" in state:  # checkpoints from before skipped steps have none: nothing was skipped
@@ -272,6 +274,8 @@ class Trainer:
                  "guard": self.guard.state_dict(), **(extra or {})}
         if self.data is not None:
             state["data"] = self.data.state_dict()
+        if self.foreign_model:
+            state["layout"] = self.model.layout()
         self.checkpointer.save(self.step, self.wrapped, self.optimizer.optimizers, state, background=self._background_saves)
 
     def _shard_experts(self):

@@ -181,6 +181,9 @@ def test_megatron_pipeline_with_data_tensor_and_expert_parallelism_over_four_ran
         got, want = losses(tmp_path / name), losses(tmp_path / reference)
         assert sorted(got) == list(range(1, STEPS + 1))
         assert all(got[s] == pytest.approx(want[s], abs=2e-6) for s in want), (name, got, want)
+        # final/, gathered a part at a time from the first rank holding each piece
+        a, b = (load_weights(tmp_path / run / "final").state_dict() for run in (reference, name))
+        assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5, name
 
 
 @pytest.mark.slow  # about 40 s: two 2-rank runs
@@ -226,7 +229,8 @@ def test_megatron_model_parallel_over_two_ranks_resumes(tmp_path, override, refe
       (the loss on the second stage), the MoE balancing step and the clipping norm cover both stages.
     Stopped at step 4 and resumed, each goes on as the reference: the checkpoint keys each rank's part
     apart (an expert by its index in the model, a TP slice with its rank, a stage's layers by their
-    number in the model, each stage's optimizer param groups under their own key)."""
+    number in the model, each stage's optimizer param groups under their own key); resumed at another
+    layout, it is refused by name."""
     stores = make_stores(tmp_path / "data")
     ref, run = tmp_path / "ref", tmp_path / "run"
     orthon("pretrain", "-c", write_recipe(tmp_path / "ref.yaml", stores, ref, train={"max_steps": STEPS}),
@@ -243,6 +247,13 @@ def test_megatron_model_parallel_over_two_ranks_resumes(tmp_path, override, refe
     assert all(got[s] == pytest.approx(want[s], abs=2e-6) for s in want), (got, want)
     a, b = (load_weights(d / "final").state_dict() for d in (ref, run))
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    # final/ was gathered and written a part of the model at a time: the embedding, each layer, norm and head
+    assert len(list((run / "final").glob("model-*.safetensors"))) == MODEL["num_hidden_layers"] + 2
+    # at another layout the checkpoint is refused by name, with the way across
+    key = override.split("=")[0]
+    out = orthon("pretrain", "--resume", run, f"train.max_steps={STEPS + 2}", f"{key}=1", nproc=2, check=False)
+    assert out.returncode != 0 and f"was written with {override} (this run: {key.removeprefix('megatron.')}=1)" in out.stderr, \
+        out.stderr[-2000:]
 
 
 def test_megatron_draws_its_own_initial_weights_when_asked(tmp_path):

@@ -41,7 +41,8 @@ from orthon.backends.megatron import pipeline
 from orthon.backends.megatron.convert import megatron_to_orthon, orthon_to_megatron
 from orthon.backends.megatron.model import build_model, load_megatron_state, rank_key, require_megatron, sizes_of
 from orthon.backends.megatron.parallel import global_expert_name, global_layer_name, merge, stage_name
-from orthon.backends.megatron.weights import load_as_megatron, save_from_megatron
+from orthon.backends.megatron.gathered_weights import save_gathered
+from orthon.backends.megatron.weights import load_as_megatron
 from orthon.core.errors import ConfigError
 from orthon.pretrain.config import ModelConfig
 from orthon.pretrain.loss import IGNORE_INDEX, cross_entropy
@@ -149,7 +150,7 @@ class MegatronCausalLM(nn.Module):
             meta = GLMForCausalLM(self.config, runtime=self.runtime)
         shapes = {k: v.shape for k, v in orthon_to_megatron(meta.state_dict(), self.config, self.gpt.orthon_layout).items()}
         self._names = set(shapes)
-        built = {self._model_name(n) for n in self.gpt.state_dict()}
+        built = {self.global_name(n) for n in self.gpt.state_dict()}
         carried = sorted(n for n in shapes if stage_name(n, self.layers_per_stage)[0] == self.stage and n not in built
                          and not global_expert_name(n, 0, 1, self.gpt.orthon_layout))
         self._carried_names = {name: f"t{i}" for i, name in enumerate(carried)}
@@ -171,7 +172,7 @@ class MegatronCausalLM(nn.Module):
                 elif name.endswith(".weight"):
                     tensor.fill_(1.0)
 
-    def _model_name(self, name: str) -> str:
+    def global_name(self, name: str) -> str:
         """The whole model's name of this stage's tensor ``name`` (megatron numbers a stage's layers from 0)."""
         return global_layer_name(name, self.stage, self.layers_per_stage)
 
@@ -188,13 +189,18 @@ class MegatronCausalLM(nn.Module):
         device = next(self.parameters()).device
         self._load_full({k: v.to(device) for k, v in full.items()})
 
-    def full_state(self) -> dict[str, torch.Tensor]:
-        """megatron's full state dict of the model: its own tensors and the carried ones. Under tensor or
-        expert parallelism a collective (every rank calls it): every rank's part gathered and joined
-        (``parallel.merge``), on every rank."""
-        local = {k: v.detach() for k, v in self.gpt.state_dict().items() if self._model_name(k) in self._names}  # no router counters
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """This rank's part of megatron's state dict (its stage's names), the carried tensors included."""
+        local = {k: v.detach() for k, v in self.gpt.state_dict().items() if self.global_name(k) in self._names}  # no router counters
         local.update({stage_name(name, self.layers_per_stage)[1]: getattr(self.carried, key)
                       for name, key in self._carried_names.items()})
+        return local
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """megatron's full state dict of the model: its own tensors and the carried ones. Under tensor,
+        expert or pipeline parallelism a collective (every rank calls it): every rank's part gathered and
+        joined (``parallel.merge``), on every rank."""
+        local = self.local_state()
         if not self.model_parallel:
             return local
         gathered: list = [None] * dist.get_world_size()
@@ -210,11 +216,10 @@ class MegatronCausalLM(nn.Module):
         return {k: v.detach() for k, v in megatron_to_orthon(self.full_state(), self.config, self.gpt.orthon_layout).items()}
 
     def save_weights(self, directory, write: bool = True) -> None:
-        """The model as an orthon weights directory (HF layout + sidecar), written where ``write``; under
-        tensor or expert parallelism a collective (every rank calls it, one writes)."""
-        state = self.full_state()
-        if write:
-            save_from_megatron(state, self.config, directory, self.gpt.orthon_layout, self.runtime)
+        """The model as an orthon weights directory (HF layout + sidecar), written where ``write`` (rank 0);
+        under tensor, expert or pipeline parallelism a collective (every rank calls it) that gathers one
+        part of the model at a time (``gathered_weights``)."""
+        save_gathered(self, directory, write)
 
     def build_optimizer(self, recipe):
         """orthon's Muon + Split / AdamW over megatron's parameters (orthon.backends.megatron.optimizer)."""
@@ -321,6 +326,26 @@ class MegatronCausalLM(nn.Module):
                 p.grad.mul_(coefficient.to(p.grad.dtype))
         return float(norm)
 
+    def layout(self) -> dict[str, int]:
+        """megatron's sizes this model is cut by (saved with each checkpoint)."""
+        return {key: getattr(self.options, key)  # expert_tensor_parallel None: as tensor_parallel
+                for key in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "expert_tensor_parallel")}
+
+    def check_layout(self, saved: dict | None, path) -> None:
+        """A checkpoint holds each rank's part as its layout cut it (``checkpoint_names``): it resumes at that
+        layout; at another, a ConfigError names both and the way across (its weights, written at its own
+        layout, start the new one). ``saved`` None: a checkpoint from before layouts were saved (not checked)."""
+        if saved is None or saved == self.layout():
+            return
+        mine = self.layout()
+        differ = [key for key in saved if saved[key] != mine.get(key)]
+        theirs = " ".join(f"megatron.{key}={saved[key]}" for key in differ)
+        raise ConfigError(f"{path} was written with {theirs} (this run: {', '.join(f'{key}={mine.get(key)}' for key in differ)}); "
+                          f"a megatron checkpoint resumes at its own layout: resume with {theirs}, or carry its "
+                          f"weights across (resume at its layout with train.max_steps=<its step>, which writes "
+                          f"final/, then start the new layout with train.init_from=<run>/final; the optimizer "
+                          f"state starts afresh)")
+
     def checkpoint_names(self) -> dict[str, str]:
         """{name in this rank's state dict: name in a checkpoint} where they differ, so that the ranks' keys
         differ wherever their tensors do (DCP keeps one copy of a key): an expert under expert parallelism
@@ -335,10 +360,10 @@ class MegatronCausalLM(nn.Module):
         per_rank = self.config.n_routed_experts // self.expert_parallel
         ep_rank = parallel_state.get_expert_model_parallel_rank()
         tp_rank = {False: parallel_state.get_tensor_model_parallel_rank(), True: parallel_state.get_expert_tensor_parallel_rank()}
-        names = {name: self._model_name(name) for name in self.gpt.state_dict()}  # buffers too (the routers' biases)
+        names = {name: self.global_name(name) for name in self.gpt.state_dict()}  # buffers too (the routers' biases)
         for name, _, expert, split in self._parts():
             full = (global_expert_name(name, ep_rank, per_rank, self.gpt.orthon_layout) if expert else None) or name
-            names[name] = self._model_name(full) + (f"@tp{tp_rank[expert]}" if split else "")
+            names[name] = self.global_name(full) + (f"@tp{tp_rank[expert]}" if split else "")
         renamed = {f"gpt.{name}": f"gpt.{full}" for name, full in names.items() if full != name}
         if self.pipelined:  # a stage's carried tensors and its optimizer's param groups are its own
             renamed.update({f"carried.{key}": f"carried.{name}" for name, key in self._carried_names.items()})

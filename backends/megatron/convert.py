@@ -142,16 +142,21 @@ def layer_maps(config: ModelConfig, layer: int, layout: MegatronLayout) -> list[
     return maps
 
 
+def model_parts(config: ModelConfig, layout: MegatronLayout) -> list[list[_Map]]:
+    """Every tensor of the model in parts a weights directory is written in, one at a time: the embedding,
+    each decoder layer, the final norm with the output layer."""
+    check_convertible(config)
+    parts = [[_Map(("model.embed_tokens.weight",), ("embedding.word_embeddings.weight",))]]
+    parts += [layer_maps(config, layer, layout) for layer in range(config.num_hidden_layers)]
+    end = [_Map(("model.norm.weight",), ("decoder.final_layernorm.weight",))]
+    if not config.tie_word_embeddings:  # tied: megatron's output layer reads the embedding
+        end.append(_Map(("lm_head.weight",), ("output_layer.weight",)))
+    return parts + [end]
+
+
 def model_maps(config: ModelConfig, layout: MegatronLayout) -> list[_Map]:
     """Every tensor of the model: embedding, the decoder layers, the final norm, the output layer."""
-    check_convertible(config)
-    maps = [_Map(("model.embed_tokens.weight",), ("embedding.word_embeddings.weight",))]
-    for layer in range(config.num_hidden_layers):
-        maps += layer_maps(config, layer, layout)
-    maps.append(_Map(("model.norm.weight",), ("decoder.final_layernorm.weight",)))
-    if not config.tie_word_embeddings:  # tied: megatron's output layer reads the embedding
-        maps.append(_Map(("lm_head.weight",), ("output_layer.weight",)))
-    return maps
+    return [mp for part in model_parts(config, layout) for mp in part]
 
 
 def check_convertible(config: ModelConfig) -> None:
@@ -191,11 +196,12 @@ def orthon_to_megatron(state: dict[str, torch.Tensor], config: ModelConfig,
 
 
 def megatron_to_orthon(state: dict[str, torch.Tensor], config: ModelConfig,
-                       layout: MegatronLayout = MegatronLayout()) -> dict[str, torch.Tensor]:
+                       layout: MegatronLayout = MegatronLayout(), maps: list[_Map] | None = None) -> dict[str, torch.Tensor]:
     """megatron's full state dict -> orthon's state (GLMForCausalLM's names, experts stacked). Megatron's
-    non-tensor entries (transformer-engine ``_extra_state``) are left out."""
+    non-tensor entries (transformer-engine ``_extra_state``) are left out. ``maps``: one part of the model
+    (``model_parts``), whose tensors ``state`` holds (default: all)."""
     out, used = {}, set()
-    for mp in model_maps(config, layout):
+    for mp in maps if maps is not None else model_maps(config, layout):
         tensors = [_take(state, name, "megatron") for name in mp.megatron]
         used.update(mp.megatron)
         if mp.kind == "same":

@@ -169,6 +169,12 @@ def global_expert_name(name: str, ep_rank: int, experts_per_rank: int, layout: M
     return expert_name(prefix, fc, ep_rank * experts_per_rank + index, layout)
 
 
+def layer_of(name: str) -> int | None:
+    """The decoder layer of megatron's tensor ``name`` (None: the embedding, final norm or head)."""
+    m = _LAYER.match(name)
+    return int(m[1]) if m else None
+
+
 def stage_name(name: str, layers_per_stage: int) -> tuple[int | None, str]:
     """(pipeline stage, name on that stage) of a decoder-layer tensor; (None, name) for the others."""
     m = _LAYER.match(name)
