@@ -136,8 +136,14 @@ def _export_step(run: Path, args) -> int:
         path = checkpointer.of_step(step)
     config, runtime, tokenizer = _run_model(run)
     tokenizer = args.tokenizer or tokenizer
-    export_checkpoint(path, config, runtime, args.out, dtype=DTYPES[args.dtype] if args.dtype else None,
-                      max_shard_bytes=parse_size(args.max_shard_size), tokenizer=tokenizer)
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    if "layout" in Checkpointer.trainer_state(path):  # the megatron backend's: a part of the model at a time
+        from orthon.backends.megatron.checkpoint_export import export_megatron_checkpoint
+
+        export_megatron_checkpoint(path, config, runtime, args.out, dtype=dtype, tokenizer=tokenizer)
+    else:
+        export_checkpoint(path, config, runtime, args.out, dtype=dtype, max_shard_bytes=parse_size(args.max_shard_size),
+                          tokenizer=tokenizer)
     with_tokenizer = f", tokenizer {Path(tokenizer).name}" if tokenizer else "; no tokenizer (pass --tokenizer)"
     print(f"wrote {args.out} from {path} (hidden {config.hidden_size}, {config.num_hidden_layers} layers; "
           f"HF layout + orthon.json{with_tokenizer})")

@@ -249,6 +249,10 @@ def test_megatron_model_parallel_over_two_ranks_resumes(tmp_path, override, refe
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
     # final/ was gathered and written a part of the model at a time: the embedding, each layer, norm and head
     assert len(list((run / "final").glob("model-*.safetensors"))) == MODEL["num_hidden_layers"] + 2
+    # `orthon export` reads the last checkpoint on one process, whatever layout wrote it: final/ bit for bit
+    orthon("export", run, "--step", "latest", "--out", tmp_path / "exported")
+    exported = load_weights(tmp_path / "exported").state_dict()
+    assert exported.keys() == b.keys() and all(torch.equal(exported[k], b[k]) for k in b)
     # at another layout the checkpoint is refused by name, with the way across
     key = override.split("=")[0]
     out = orthon("pretrain", "--resume", run, f"train.max_steps={STEPS + 2}", f"{key}=1", nproc=2, check=False)

@@ -328,8 +328,9 @@ class MegatronCausalLM(nn.Module):
 
     def layout(self) -> dict[str, int]:
         """megatron's sizes this model is cut by (saved with each checkpoint)."""
-        return {key: getattr(self.options, key)  # expert_tensor_parallel None: as tensor_parallel
-                for key in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "expert_tensor_parallel")}
+        sizes = {key: getattr(self.options, key)  # expert_tensor_parallel None: as tensor_parallel
+                 for key in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "expert_tensor_parallel")}
+        return {**sizes, "transformer_engine": "on" if self.gpt.orthon_layout.te else "off"}  # the layers' names
 
     def check_layout(self, saved: dict | None, path) -> None:
         """A checkpoint holds each rank's part as its layout cut it (``checkpoint_names``): it resumes at that
@@ -342,9 +343,8 @@ class MegatronCausalLM(nn.Module):
         theirs = " ".join(f"megatron.{key}={saved[key]}" for key in differ)
         raise ConfigError(f"{path} was written with {theirs} (this run: {', '.join(f'{key}={mine.get(key)}' for key in differ)}); "
                           f"a megatron checkpoint resumes at its own layout: resume with {theirs}, or carry its "
-                          f"weights across (resume at its layout with train.max_steps=<its step>, which writes "
-                          f"final/, then start the new layout with train.init_from=<run>/final; the optimizer "
-                          f"state starts afresh)")
+                          f"weights across (orthon export RUN --step N --out DIR, then a run at the new layout "
+                          f"with train.init_from=DIR; the optimizer state starts afresh)")
 
     def checkpoint_names(self) -> dict[str, str]:
         """{name in this rank's state dict: name in a checkpoint} where they differ, so that the ranks' keys

@@ -23,7 +23,7 @@ from orthon.pretrain.model_info import meta_model
 from orthon.pretrain.weights import writing_weights_dir
 
 
-def _part_index(name: str, layers: int) -> int:
+def part_index(name: str, layers: int) -> int:
     """The part (``convert.model_parts``' order) megatron's tensor ``name`` belongs to."""
     if name == "embedding.word_embeddings.weight":
         return 0
@@ -48,7 +48,7 @@ def save_gathered(model, directory, write: bool) -> None:
     sends = _first_holders() if model.model_parallel else True
     by_part: list[dict] = [{} for _ in parts]
     for name, tensor in local.items():
-        by_part[_part_index(model.global_name(name), config.num_hidden_layers)][name] = tensor
+        by_part[part_index(model.global_name(name), config.num_hidden_layers)][name] = tensor
 
     def load(index: int) -> dict[str, torch.Tensor] | None:
         mine = {k: v.detach().cpu() for k, v in by_part[index].items()} if sends else {}
