@@ -53,7 +53,7 @@ def megatron_pair(config, options, device, seed: int = 0):
         for name, tensor in ours.state_dict().items():
             if tensor.ndim == 1:
                 tensor.normal_(1.0 if "norm" in name else 0.0, 0.05)
-    gpt = _build(config, options)
+    gpt = _build(config, options)[0]
     full = orthon_to_megatron(ours.state_dict(), config, gpt.orthon_layout)
     load_megatron_state(gpt, full, config, options)
     return ours.to(device), gpt.to(device), full

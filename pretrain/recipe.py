@@ -41,6 +41,9 @@ class MegatronOptions:
 
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
+    # Model chunks a pipeline rank holds (megatron's interleaved 1F1B: each rank runs 1 / (PP x this) of the
+    # layers this many times a micro-batch, which shrinks the pipeline's idle start and end by this factor).
+    virtual_pipeline_parallel: int = 1
     expert_parallel: int = 1
     expert_tensor_parallel: int | None = None  # None: tensor_parallel (megatron-core's default)
     transformer_engine: Literal["auto", "on", "off"] = "auto"  # auto: TE layers when transformer-engine imports

@@ -43,7 +43,7 @@ def cpu_megatron(tiny):
 
     config, model = tiny
     with megatron_on_cpu():
-        gpt = _build(config, OPTIONS)
+        gpt = _build(config, OPTIONS)[0]
         full = orthon_to_megatron(model.state_dict(), config, gpt.orthon_layout)
         load_megatron_state(gpt, full, config, OPTIONS)
         yield gpt, full
@@ -182,9 +182,9 @@ def test_bf16_parameters_step_through_fp32_main_weights(tiny, cpu_megatron):
     config, _ = tiny
     _, full = cpu_megatron  # inside the fixture's megatron-on-CPU set-up
     rounded = {k: v.bfloat16().float() for k, v in full.items()}
-    half = _build(config, dataclasses.replace(OPTIONS, params_dtype="bf16"))
+    half = _build(config, dataclasses.replace(OPTIONS, params_dtype="bf16"))[0]
     load_megatron_state(half, rounded, config, OPTIONS)
-    whole = _build(config, OPTIONS)
+    whole = _build(config, OPTIONS)[0]
     load_megatron_state(whole, rounded, config, OPTIONS)
     cfg = OptimConfig(ns_dtype="fp32")
     schedule = ScheduleConfig(peak_lr=0.01, floor_lr=0.01, warmup_tokens=0, total_tokens=10**6)

@@ -24,13 +24,15 @@ pretraining runs the same data, batch ramp, schedule, checkpoints and metrics on
 The Trainer drives it data parallel (DDP over megatron's data-parallel group), tensor parallel with
 megatron's sequence parallelism (``megatron.tensor_parallel``), expert parallel
 (``megatron.expert_parallel``) and pipeline parallel (``megatron.pipeline_parallel``: megatron's 1F1B
-schedule runs each step's micro-batches, ``train_micro_batches``; see ``orthon.backends.megatron.pipeline``),
+schedule runs each step's micro-batches, ``train_micro_batches``, interleaved over model chunks with
+``megatron.virtual_pipeline_parallel``; see ``orthon.backends.megatron.pipeline``),
 through the hooks ``data_parallel``, ``ddp_group``, ``finish_grads``, ``clip_grads`` and
 ``checkpoint_names`` below. FSDP2 and context parallelism are refused by name."""
 from __future__ import annotations
 
 import dataclasses
 import math
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -39,7 +41,8 @@ from torch import nn
 
 from orthon.backends.megatron import pipeline
 from orthon.backends.megatron.convert import megatron_to_orthon, orthon_to_megatron
-from orthon.backends.megatron.model import build_model, load_megatron_state, rank_key, require_megatron, sizes_of
+from orthon.backends.megatron.model import (build_chunks, load_megatron_state, rank_key, require_megatron, sizes_of,
+                                            stage_sizes)
 from orthon.backends.megatron.parallel import global_expert_name, global_layer_name, merge, stage_name
 from orthon.backends.megatron.gathered_weights import save_gathered
 from orthon.backends.megatron.weights import load_as_megatron
@@ -57,6 +60,9 @@ def check_recipe(recipe) -> None:
     """What the Trainer cannot yet run on megatron-core, refused before anything is built."""
     options, train = recipe.megatron, recipe.train
     sizes = sizes_of(options)
+    if options.virtual_pipeline_parallel > 1 and sizes.pp == 1:
+        raise ConfigError(f"megatron.virtual_pipeline_parallel = {options.virtual_pipeline_parallel}: model chunks "
+                          f"interleave over pipeline stages; set megatron.pipeline_parallel > 1 too")
     if sizes.pp > 1 and recipe.model.tie_word_embeddings:
         raise ConfigError(f"megatron.pipeline_parallel = {sizes.pp} with model.tie_word_embeddings: the first and last "
                           f"stages' copies of the tied embedding are not kept equal yet; set megatron.pipeline_parallel=1")
@@ -131,17 +137,24 @@ class MegatronCausalLM(nn.Module):
         self.runtime = dataclasses.replace(recipe.runtime)
         self.options: MegatronOptions = dataclasses.replace(recipe.megatron, params_dtype="fp32")
         _check_world(sizes_of(self.options))
-        self.gpt = build_model(self.config, self.options, recompute=self.runtime.activation_checkpointing)
-        for layer in self.gpt.decoder.layers:
-            _set_latent_eps(layer.self_attention, LATENT_NORM_EPS)
+        # this rank's model chunks: one, or one per virtual pipeline stage (megatron.virtual_pipeline_parallel)
+        self.chunks = build_chunks(self.config, self.options, recompute=self.runtime.activation_checkpointing)
+        self.gpt = self.chunks[0]
+        for c, chunk in enumerate(self.chunks[1:], start=1):
+            self.add_module(f"gpt_chunk{c}", chunk)
+        for chunk in self.chunks:
+            for layer in chunk.decoder.layers:
+                _set_latent_eps(layer.self_attention, LATENT_NORM_EPS)
         from megatron.core import parallel_state
 
         sizes = sizes_of(self.options)
-        self.stage, self.layers_per_stage = parallel_state.get_pipeline_model_parallel_rank(), self.config.num_hidden_layers // sizes.pp
+        self.pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
+        self.stages = [rank_key(c)[0] for c in range(len(self.chunks))]  # each chunk's stage of stage_sizes
+        self.layers_per_stage = self.config.num_hidden_layers // stage_sizes(self.options).pp
         self.pipelined = sizes.pp > 1
         if self.pipelined:
-            pipeline.configure(self.gpt.config)
-        self._in_schedule, self._forwards = False, 0
+            pipeline.configure(self.gpt.config, interleaved=len(self.chunks) > 1)
+        self._in_schedule, self._forwards, self._chunk = False, 0, 0  # _chunk: the chunk a forward runs
         self._other_stage_routers: dict[int, _OtherStageRouter] = {}
         # megatron's names and shapes of the full model (orthon's, built on the meta device: no memory,
         # converted); those of this stage's tensors megatron's model has no module for (the DSA indexer)
@@ -150,8 +163,8 @@ class MegatronCausalLM(nn.Module):
             meta = GLMForCausalLM(self.config, runtime=self.runtime)
         shapes = {k: v.shape for k, v in orthon_to_megatron(meta.state_dict(), self.config, self.gpt.orthon_layout).items()}
         self._names = set(shapes)
-        built = {self.global_name(n) for n in self.gpt.state_dict()}
-        carried = sorted(n for n in shapes if stage_name(n, self.layers_per_stage)[0] == self.stage and n not in built
+        built = {self.global_name(n, c) for c, chunk in enumerate(self.chunks) for n in chunk.state_dict()}
+        carried = sorted(n for n in shapes if stage_name(n, self.layers_per_stage)[0] in self.stages and n not in built
                          and not global_expert_name(n, 0, 1, self.gpt.orthon_layout))
         self._carried_names = {name: f"t{i}" for i, name in enumerate(carried)}
         self.carried = nn.Module()
@@ -172,14 +185,20 @@ class MegatronCausalLM(nn.Module):
                 elif name.endswith(".weight"):
                     tensor.fill_(1.0)
 
-    def global_name(self, name: str) -> str:
-        """The whole model's name of this stage's tensor ``name`` (megatron numbers a stage's layers from 0)."""
-        return global_layer_name(name, self.stage, self.layers_per_stage)
+    def global_name(self, name: str, chunk: int = 0) -> str:
+        """The whole model's name of tensor ``name`` of model chunk ``chunk`` (megatron numbers a stage's layers
+        from 0)."""
+        return global_layer_name(name, self.stages[chunk], self.layers_per_stage)
+
+    def _chunk_prefix(self, chunk: int) -> str:
+        """The chunk's name in this module (its state-dict prefix)."""
+        return "gpt" if chunk == 0 else f"gpt_chunk{chunk}"
 
     # ------------------------------------------------------------ weights
     def _load_full(self, full: dict[str, torch.Tensor]) -> None:
         """megatron's full state dict into the model, the tensors it has no module for into ``carried``."""
-        load_megatron_state(self.gpt, full, self.config, self.options)
+        for c, chunk in enumerate(self.chunks):
+            load_megatron_state(chunk, full, self.config, self.options, c)
         for name, key in self._carried_names.items():
             getattr(self.carried, key).copy_(full[name])
 
@@ -189,26 +208,30 @@ class MegatronCausalLM(nn.Module):
         device = next(self.parameters()).device
         self._load_full({k: v.to(device) for k, v in full.items()})
 
-    def local_state(self) -> dict[str, torch.Tensor]:
-        """This rank's part of megatron's state dict (its stage's names), the carried tensors included."""
-        local = {k: v.detach() for k, v in self.gpt.state_dict().items() if self.global_name(k) in self._names}  # no router counters
-        local.update({stage_name(name, self.layers_per_stage)[1]: getattr(self.carried, key)
-                      for name, key in self._carried_names.items()})
-        return local
+    def local_states(self) -> dict[tuple[int, int, int], dict[str, torch.Tensor]]:
+        """This rank's parts of megatron's state dict, {``rank_key`` of a chunk: its state (its stage's
+        names)}, the carried tensors included."""
+        states = {rank_key(c): {k: v.detach() for k, v in chunk.state_dict().items()
+                                if self.global_name(k, c) in self._names}  # no router counters
+                  for c, chunk in enumerate(self.chunks)}
+        for name, key in self._carried_names.items():
+            stage, local = stage_name(name, self.layers_per_stage)
+            states[rank_key(self.stages.index(stage))][local] = getattr(self.carried, key)
+        return states
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """megatron's full state dict of the model: its own tensors and the carried ones. Under tensor,
         expert or pipeline parallelism a collective (every rank calls it): every rank's part gathered and
         joined (``parallel.merge``), on every rank."""
-        local = self.local_state()
+        local = self.local_states()
         if not self.model_parallel:
-            return local
+            return next(iter(local.values()))
         gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (rank_key(), {k: v.cpu() for k, v in local.items()}))
+        dist.all_gather_object(gathered, [(key, {k: v.cpu() for k, v in state.items()}) for key, state in local.items()])
         shards: dict = {}
-        for key, state in gathered:  # data-parallel replicas hold the same part: the first is kept
+        for key, state in (pair for pairs in gathered for pair in pairs):  # replicas hold the same part: the first is kept
             shards.setdefault(key, state)
-        return merge(shards, self.config, sizes_of(self.options), self.gpt.orthon_layout)
+        return merge(shards, self.config, stage_sizes(self.options), self.gpt.orthon_layout)
 
     def orthon_state(self) -> dict[str, torch.Tensor]:
         """The model's tensors in orthon's names (GLMForCausalLM's state dict: what the engines and RL's
@@ -225,7 +248,9 @@ class MegatronCausalLM(nn.Module):
         """orthon's Muon + Split / AdamW over megatron's parameters (orthon.backends.megatron.optimizer)."""
         from orthon.backends.megatron.optimizer import build_optimizer
 
-        return build_optimizer(self.gpt, self.config, recipe.optim, recipe.schedule, tp=sizes_of(self.options).tp)
+        named = _NamedParameters([(self.global_name(n, c), p) for c, chunk in enumerate(self.chunks)
+                                  for n, p in chunk.named_parameters()])
+        return build_optimizer(named, self.config, recipe.optim, recipe.schedule, tp=sizes_of(self.options).tp)
 
     # ------------------------------------------------------------ tensor and expert parallelism
     @property
@@ -264,11 +289,12 @@ class MegatronCausalLM(nn.Module):
                               f"every forward on every rank; set megatron.expert_parallel=1")
 
     def _parts(self):
-        """(name, parameter, is an expert's, split over its tensor-parallel group) of every parameter."""
+        """(chunk, name in it, parameter, is an expert's, split over its tensor-parallel group) of every parameter."""
         tp = {"dense": self.tensor_parallel, "expert": sizes_of(self.options).expert_tp}
-        for name, p in self.gpt.named_parameters():
-            expert = ".mlp.experts." in name
-            yield name, p, expert, bool(getattr(p, "tensor_model_parallel", False)) and tp["expert" if expert else "dense"] > 1
+        for c, chunk in enumerate(self.chunks):
+            for name, p in chunk.named_parameters():
+                expert = ".mlp.experts." in name
+                yield c, name, p, expert, bool(getattr(p, "tensor_model_parallel", False)) and tp["expert" if expert else "dense"] > 1
 
     @torch.no_grad()
     def finish_grads(self) -> None:
@@ -282,16 +308,16 @@ class MegatronCausalLM(nn.Module):
 
         replicas = parallel_state.get_data_parallel_world_size()
         if self.pipelined and replicas > 1:  # not wrapped in DDP (the schedule runs the micro-batches)
-            grads = [p.grad for p in self.gpt.parameters() if p.grad is not None and getattr(p, "allreduce", True)]
+            grads = [p.grad for p in self.parameters() if p.grad is not None and getattr(p, "allreduce", True)]
             _average(grads, parallel_state.get_data_parallel_group(), replicas)
         if self.tensor_parallel > 1:
             group = parallel_state.get_tensor_model_parallel_group()
-            for p in self.gpt.parameters():
+            for p in self.parameters():
                 if p.grad is not None and getattr(p, "sequence_parallel", False):
                     dist.all_reduce(p.grad, group=group)
         if self.expert_parallel > 1:
             group = parallel_state.get_expert_data_parallel_group()
-            for p in self.gpt.parameters():
+            for p in self.parameters():
                 if p.grad is not None and getattr(p, "allreduce", True) is False:
                     if dist.get_world_size(group) > 1:
                         dist.all_reduce(p.grad, group=group)
@@ -311,7 +337,7 @@ class MegatronCausalLM(nn.Module):
         first = {False: parallel_state.get_tensor_model_parallel_rank() == 0,
                  True: parallel_state.get_expert_tensor_parallel_rank() == 0}
         squares = {False: torch.zeros((), device=params[0].grad.device), True: torch.zeros((), device=params[0].grad.device)}
-        for _, p, expert, split in self._parts():
+        for _, _, p, expert, split in self._parts():
             if p.grad is not None and (split or first[expert]):
                 squares[expert] += p.grad.detach().float().pow(2).sum()
         dist.all_reduce(squares[False], group=parallel_state.get_tensor_model_parallel_group())
@@ -329,7 +355,8 @@ class MegatronCausalLM(nn.Module):
     def layout(self) -> dict[str, int]:
         """megatron's sizes this model is cut by (saved with each checkpoint)."""
         sizes = {key: getattr(self.options, key)  # expert_tensor_parallel None: as tensor_parallel
-                 for key in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "expert_tensor_parallel")}
+                 for key in ("tensor_parallel", "pipeline_parallel", "virtual_pipeline_parallel", "expert_parallel",
+                             "expert_tensor_parallel")}
         return {**sizes, "transformer_engine": "on" if self.gpt.orthon_layout.te else "off"}  # the layers' names
 
     def check_layout(self, saved: dict | None, path) -> None:
@@ -360,14 +387,15 @@ class MegatronCausalLM(nn.Module):
         per_rank = self.config.n_routed_experts // self.expert_parallel
         ep_rank = parallel_state.get_expert_model_parallel_rank()
         tp_rank = {False: parallel_state.get_tensor_model_parallel_rank(), True: parallel_state.get_expert_tensor_parallel_rank()}
-        names = {name: self.global_name(name) for name in self.gpt.state_dict()}  # buffers too (the routers' biases)
-        for name, _, expert, split in self._parts():
+        names = {f"{self._chunk_prefix(c)}.{name}": self.global_name(name, c)  # buffers too (the routers' biases)
+                 for c, chunk in enumerate(self.chunks) for name in chunk.state_dict()}
+        for c, name, _, expert, split in self._parts():
             full = (global_expert_name(name, ep_rank, per_rank, self.gpt.orthon_layout) if expert else None) or name
-            names[name] = self.global_name(full) + (f"@tp{tp_rank[expert]}" if split else "")
-        renamed = {f"gpt.{name}": f"gpt.{full}" for name, full in names.items() if full != name}
+            names[f"{self._chunk_prefix(c)}.{name}"] = self.global_name(full, c) + (f"@tp{tp_rank[expert]}" if split else "")
+        renamed = {name: f"gpt.{full}" for name, full in names.items() if f"gpt.{full}" != name}
         if self.pipelined:  # a stage's carried tensors and its optimizer's param groups are its own
             renamed.update({f"carried.{key}": f"carried.{name}" for name, key in self._carried_names.items()})
-            renamed["param_groups"] = f"param_groups@stage{self.stage}"
+            renamed["param_groups"] = f"param_groups@stage{self.pipeline_rank}"
         return renamed
 
     # ------------------------------------------------------------ the Trainer's model face
@@ -384,18 +412,18 @@ class MegatronCausalLM(nn.Module):
                                           loss_reduction=loss_reduction, position_ids=position_ids, logits_at=logits_at)
         if self.pipelined:
             self._forwards += 1
-            if not pipeline.is_last_stage():  # the step's loss is the last stage's to compute
+            if not pipeline.is_last_stage(self.chunks[self._chunk]):  # the step's loss is the last stage's to compute
                 raise pipeline.StageOutput(self._stage_output(input_ids, position_ids))
         B, T = input_ids.shape
         input_ids, labels, position_ids = self._padded(input_ids, labels, position_ids)
         if labels is not None and not return_logits and logits_at is None:
             counted = labels != IGNORE_INDEX
-            per_token = self.gpt(input_ids, position_ids, None, labels=labels.masked_fill(~counted, 0))
+            per_token = self.chunks[self._chunk](input_ids, position_ids, None, labels=labels.masked_fill(~counted, 0))
             loss = per_token.float().masked_fill(~counted, 0.0).sum()
             if loss_reduction == "mean":
                 loss = loss / counted.sum().clamp(min=1)
             return CausalLMOutput(logits=None, loss=loss)
-        logits = self.gpt(input_ids, position_ids, None, runtime_gather_output=True)[:B, :T]  # the whole vocabulary
+        logits = self.chunks[self._chunk](input_ids, position_ids, None, runtime_gather_output=True)[:B, :T]  # the whole vocabulary
         labels = None if labels is None else labels[:B, :T]
         if logits_at is not None:
             logits = logits.gather(1, logits_at[..., None].expand(*logits_at.shape, logits.shape[-1]))
@@ -422,9 +450,9 @@ class MegatronCausalLM(nn.Module):
         """A stage before the last: its layers' output for these sequences (the first stage embeds them; a
         later one takes what megatron's schedule received from the stage before)."""
         input_ids, _, position_ids = self._padded(input_ids, None, position_ids)
-        return self.gpt(input_ids, position_ids, None)
+        return self.chunks[self._chunk](input_ids, position_ids, None)
 
-    def _schedule(self, micros: list, step_loss, forward_only: bool = False) -> list[dict]:
+    def _schedule(self, micros: list, step_loss, shape: tuple[int, int] = (1, 1), forward_only: bool = False) -> list[dict]:
         def once(micro):  # the stages split one forward of the model: a loss must call it once a micro-batch
             self._forwards = 0
             result = step_loss(micro)
@@ -433,17 +461,36 @@ class MegatronCausalLM(nn.Module):
                                  f"model {self._forwards} times for one micro-batch; under pipeline parallelism it "
                                  f"calls it once (the stages run that forward between them)")
             return result
+        def use(chunk):
+            self._chunk = next(c for c, mine in enumerate(self.chunks) if mine is chunk)
+
         self._in_schedule = True
         try:
-            return pipeline.run(self.gpt, micros, once, forward_only)
+            return pipeline.run(self.chunks, micros, once, use, shape, forward_only)
         finally:
-            self._in_schedule = False
+            self._in_schedule, self._chunk = False, 0
 
     def train_micro_batches(self, step, micros: list) -> list[dict]:
         """A training step's micro-batches through megatron's pipeline schedule (1F1B): forwards and backwards,
         the step plug-in's loss run on every stage (before the last it ends at the model's call, see
         ``pipeline.StageOutput``). Returns each micro-batch's metric sums, on every stage."""
-        return self._schedule(micros, lambda micro: step.loss(self, micro))
+        return self._schedule(micros, lambda micro: step.loss(self, micro), self._interleaved_shape(micros))
+
+    def _interleaved_shape(self, micros: list) -> tuple[int, int]:
+        """(positions, rows) every micro-batch runs at under megatron's interleaved schedule, which runs them
+        in groups of PP and sizes its exchange by one shape; (1, 1) without it (each sent with its own)."""
+        if len(self.chunks) == 1:
+            return 1, 1
+        pp, vp = sizes_of(self.options).pp, len(self.chunks)
+        shapes = {tuple(m.input_ids.shape) for m in micros if hasattr(m, "input_ids")}
+        if len(shapes) != 1 or not all(hasattr(m, "input_ids") for m in micros) or len(micros) % pp:
+            raise ConfigError(f"megatron.virtual_pipeline_parallel = {vp}: megatron's interleaved schedule runs "
+                              f"micro-batches of one shape in groups of the {pp} pipeline stages; this step has "
+                              f"{len(micros)} on each data-parallel replica, of shapes {sorted(shapes) or 'unknown'} "
+                              f"(RL's and SFT's are sized by their samples). Pretrain with a batch of a multiple of "
+                              f"{pp} micro-batches on each replica, or set megatron.virtual_pipeline_parallel=1")
+        rows, length = self._padded_shape(*shapes.pop())
+        return length, rows
 
     @torch.no_grad()
     def _through_pipeline(self, input_ids, **kwargs) -> CausalLMOutput:
@@ -459,7 +506,10 @@ class MegatronCausalLM(nn.Module):
             out = self(input_ids, **kwargs)
             outputs.append(out)
             return (out.loss if out.loss is not None else out.logits.new_zeros(())), {}
-        self._schedule([None], last_stage, forward_only=True)
+        # megatron's interleaved schedule runs micro-batches in groups of PP: the same one PP times there
+        pp = sizes_of(self.options).pp if len(self.chunks) > 1 else 1
+        self._schedule([SimpleNamespace(input_ids=input_ids)] * pp, last_stage,
+                       self._interleaved_shape([SimpleNamespace(input_ids=input_ids)] * pp), forward_only=True)
         loss = logits = None
         if kwargs.get("labels") is not None:
             loss = pipeline.from_last_stage(outputs[0].loss.float() if outputs else None, (), input_ids.device)
@@ -487,7 +537,7 @@ class MegatronCausalLM(nn.Module):
         """Every MoE layer's router, in layer order; under pipeline parallelism the layers other stages hold
         too (``_OtherStageRouter``), so every rank lists the same layers."""
         mine = {layer.layer_number - 1: _RouterView(layer.mlp.router)
-                for layer in self.gpt.decoder.layers if hasattr(layer.mlp, "router")}
+                for chunk in self.chunks for layer in chunk.decoder.layers if hasattr(layer.mlp, "router")}
         if not self.pipelined:
             return list(mine.values())
         device = next(self.parameters()).device
@@ -508,6 +558,16 @@ class MegatronCausalLM(nn.Module):
 
     def attention_logit_max(self) -> None:
         return None
+
+
+class _NamedParameters:
+    """The chunks' parameters under the whole model's names, as the optimizer's builder reads a module."""
+
+    def __init__(self, pairs: list):
+        self.pairs = pairs
+
+    def named_parameters(self):
+        return iter(self.pairs)
 
 
 @torch.no_grad()

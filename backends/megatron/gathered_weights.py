@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from orthon.backends.megatron.convert import megatron_to_orthon, model_parts
-from orthon.backends.megatron.model import rank_key, sizes_of
-from orthon.backends.megatron.parallel import layer_of, merge
+from orthon.backends.megatron.model import rank_key, stage_sizes
+from orthon.backends.megatron.parallel import global_layer_name, layer_of, merge
 from orthon.core.errors import CheckpointError
 from orthon.pretrain import hf_io
 from orthon.pretrain.gathered_weights import drain_on_error
@@ -38,30 +38,42 @@ def _first_holders() -> bool:
     return keys.index(rank_key()) == dist.get_rank()
 
 
+def _all_keys(model) -> list[tuple[int, int, int]]:
+    """Every (stage, tp, ep) shard key of the model's layout."""
+    sizes = stage_sizes(model.options)
+    return [(s, t, e) for s in range(sizes.pp) for t in range(sizes.tp) for e in range(sizes.ep)]
+
+
 def save_gathered(model, directory, write: bool) -> None:
     """Write ``model`` (a MegatronCausalLM) as the weights directory ``directory``. A collective where the
     ranks hold parts of it: every rank calls it, the one that ``write``s (rank 0) gathers and writes. When
     its writing fails, it still takes part in the gathers left (no rank waits in a collective), then raises."""
     config, layout = model.config, model.gpt.orthon_layout
     parts = model_parts(config, layout)
-    local = model.local_state()
     sends = _first_holders() if model.model_parallel else True
-    by_part: list[dict] = [{} for _ in parts]
-    for name, tensor in local.items():
-        by_part[part_index(model.global_name(name), config.num_hidden_layers)][name] = tensor
+    by_part: list[dict] = [{} for _ in parts]  # {chunk's rank_key: {name: tensor}} of each part
+    for key, state in model.local_states().items():
+        stage = key[0]
+        for name, tensor in state.items():
+            index = part_index(global_layer_name(name, stage, model.layers_per_stage), config.num_hidden_layers)
+            by_part[index].setdefault(key, {})[name] = tensor
 
     def load(index: int) -> dict[str, torch.Tensor] | None:
-        mine = {k: v.detach().cpu() for k, v in by_part[index].items()} if sends else {}
-        if model.model_parallel:
-            gathered = [None] * dist.get_world_size() if write else None
-            dist.gather_object((rank_key(), mine), gathered, dst=0)
-            if not write:
-                return None
-            shards: dict = {}
-            for key, state in gathered:  # the first holder's piece (ranks in order)
+        mine = {key: {k: v.detach().cpu() for k, v in state.items()} for key, state in by_part[index].items()} if sends else {}
+        if not model.model_parallel:
+            return megatron_to_orthon(next(iter(mine.values()), {}), config, layout, maps=parts[index])
+        gathered = [None] * dist.get_world_size() if write else None
+        dist.gather_object((rank_key(), mine), gathered, dst=0)
+        if not write:
+            return None
+        shards: dict = {}
+        for _, states in gathered:  # the first holder's pieces (ranks in order)
+            for key, state in states.items():
                 shards.setdefault(key, state)
-            mine = merge(shards, config, sizes_of(model.options), layout)
-        return megatron_to_orthon(mine, config, layout, maps=parts[index])
+        for key in _all_keys(model):  # the chunks holding nothing of this part
+            shards.setdefault(key, {})
+        return megatron_to_orthon(merge(shards, config, stage_sizes(model.options), layout), config, layout,
+                                  maps=parts[index])
 
     loaders = [partial(load, index) for index in range(len(parts))]
     if not write:

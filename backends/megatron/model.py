@@ -32,6 +32,13 @@ def sizes_of(options: MegatronOptions) -> ParallelSizes:
                          options.expert_tensor_parallel)
 
 
+def stage_sizes(options: MegatronOptions) -> ParallelSizes:
+    """The layout ``parallel.shard`` / ``merge`` cut the model by: each model chunk a stage of its own
+    (with a virtual pipeline, PP x VP stages of consecutive layers; chunk c of pipeline rank r is stage
+    c x PP + r)."""
+    return dataclasses.replace(sizes_of(options), pp=options.pipeline_parallel * options.virtual_pipeline_parallel)
+
+
 def require_megatron() -> None:
     """megatron-core importable (with TE-less megatron's two flags corrected), else the extra to install."""
     try:
@@ -69,7 +76,7 @@ def transformer_config(model: ModelConfig, options: MegatronOptions, te: bool = 
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     sizes = sizes_of(options)
-    check_parallel(model, sizes, layout(te))
+    check_parallel(model, stage_sizes(options), layout(te))
     if model.has_moe and not model.norm_topk_prob and model.num_experts_per_tok > 1:
         raise ConfigError("norm_topk_prob: megatron-core renormalises the sigmoid top-k weights; false is not "
                           "supported by the megatron backend")
@@ -100,6 +107,7 @@ def transformer_config(model: ModelConfig, options: MegatronOptions, te: bool = 
         layernorm_epsilon=model.rms_norm_eps, qk_layernorm=True, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=model.initializer_range,
         tensor_model_parallel_size=sizes.tp, pipeline_model_parallel_size=sizes.pp,
+        virtual_pipeline_model_parallel_size=options.virtual_pipeline_parallel if options.virtual_pipeline_parallel > 1 else None,
         expert_model_parallel_size=sizes.ep, expert_tensor_parallel_size=sizes.expert_tp,
         sequence_parallel=sizes.tp > 1, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype if sizes.pp > 1 else None,
@@ -108,7 +116,7 @@ def transformer_config(model: ModelConfig, options: MegatronOptions, te: bool = 
     )
 
 
-def block_spec(config, te: bool):
+def block_spec(config, te: bool, vp_stage: int | None = None):
     """The decoder's layer specs: megatron's MLA layers with the dense / MoE pattern of ``moe_layer_freq``;
     without TE, MLA's core attention is orthon's SDPA module (see core_attention), its down-projections
     replicated and its norms sequence-parallel (see local_spec)."""
@@ -119,7 +127,7 @@ def block_spec(config, te: bool):
     from orthon.backends.megatron.core_attention import SDPACoreAttention
     from orthon.backends.megatron.local_spec import replace_torch_norms, use_replicated_down_projections
 
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vp_stage)
     if not te:
         spec.layer_specs = [copy.deepcopy(s) for s in spec.layer_specs]  # the specs are shared objects
         for layer in spec.layer_specs:
@@ -147,6 +155,7 @@ def initialize_parallel(options: MegatronOptions) -> None:
         sizes = sizes_of(options)
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=sizes.tp, pipeline_model_parallel_size=sizes.pp,
+            virtual_pipeline_model_parallel_size=options.virtual_pipeline_parallel if options.virtual_pipeline_parallel > 1 else None,
             expert_model_parallel_size=sizes.ep, expert_tensor_parallel_size=sizes.expert_tp)
     if torch.cuda.is_available():
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -160,7 +169,16 @@ def build_model(model: ModelConfig, options: MegatronOptions | None = None, reco
     (``compat.point_cuda_device_at_cpu``, ``compat.use_cpu_rng_tracker``; the MoE tokens through
     megatron's allgather dispatcher, since its alltoall one needs CUDA streams): small models train on a
     laptop, tensor parallel too (sequence-parallel norms: ``local_spec``). ``recompute``: see
-    ``transformer_config``."""
+    ``transformer_config``. With a virtual pipeline a rank holds several models: ``build_chunks``."""
+    chunks = build_chunks(model, options, recompute)
+    if len(chunks) > 1:
+        raise ConfigError("megatron.virtual_pipeline_parallel > 1: a rank holds several model chunks (build_chunks)")
+    return chunks[0]
+
+
+def build_chunks(model: ModelConfig, options: MegatronOptions | None = None, recompute: bool = False) -> list:
+    """This rank's model chunks (``build_model``): one GPTModel, or with a virtual pipeline
+    (``virtual_pipeline_parallel``) one per chunk, chunk c holding stage c x PP + rank's layers."""
     options = options or MegatronOptions()
     require_megatron()
     if compat.point_cuda_device_at_cpu():
@@ -169,7 +187,7 @@ def build_model(model: ModelConfig, options: MegatronOptions | None = None, reco
     return _build(model, options, recompute)
 
 
-def _build(model: ModelConfig, options: MegatronOptions, recompute: bool = False):
+def _build(model: ModelConfig, options: MegatronOptions, recompute: bool = False) -> list:
     require_megatron()
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -177,27 +195,39 @@ def _build(model: ModelConfig, options: MegatronOptions, recompute: bool = False
     te = use_te(options)
     config = transformer_config(model, options, te, recompute)
     initialize_parallel(options)
-    gpt = GPTModel(
-        config, block_spec(config, te), vocab_size=model.vocab_size, max_sequence_length=model.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=model.tie_word_embeddings, position_embedding_type="rope",
-        rotary_base=int(model.rope_theta))
-    gpt.orthon_layout = layout(te)  # the names its state dict has, for the conversion
-    return gpt
+    chunks = []
+    virtual = options.virtual_pipeline_parallel > 1
+    for chunk in range(options.virtual_pipeline_parallel):
+        vp_stage = chunk if virtual else None
+        gpt = GPTModel(
+            config, block_spec(config, te, vp_stage), vocab_size=model.vocab_size,
+            max_sequence_length=model.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=not virtual, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=not virtual, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=model.tie_word_embeddings, position_embedding_type="rope",
+            rotary_base=int(model.rope_theta), vp_stage=vp_stage)
+        gpt.orthon_layout = layout(te)  # the names its state dict has, for the conversion
+        chunks.append(gpt)
+    return chunks
 
 
-def rank_key() -> tuple[int, int, int]:
-    """(pp, tp, ep) of this process: which shard of ``parallel.shard`` its model holds."""
+def rank_key(chunk: int = 0) -> tuple[int, int, int]:
+    """(stage, tp, ep) of this process's model chunk ``chunk``: which shard of ``parallel.shard`` (cut by
+    ``stage_sizes``) it holds."""
     from megatron.core import parallel_state
 
-    return (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_expert_model_parallel_rank())
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    return (chunk * pp + parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_expert_model_parallel_rank())
 
 
-def load_megatron_state(gpt, full_state: dict[str, torch.Tensor], model: ModelConfig, options: MegatronOptions) -> None:
+def load_megatron_state(gpt, full_state: dict[str, torch.Tensor], model: ModelConfig, options: MegatronOptions,
+                        chunk: int = 0) -> None:
     """Load this rank's shard of megatron's full state dict (``convert.hf_to_megatron`` /
-    ``weights.load_as_megatron``) into ``gpt``; a parameter the shard does not give is a CheckpointError."""
-    mine = shard(full_state, model, sizes_of(options), gpt.orthon_layout, only=rank_key())[rank_key()]
+    ``weights.load_as_megatron``) into ``gpt`` (its model chunk ``chunk``); a parameter the shard does not
+    give is a CheckpointError."""
+    key = rank_key(chunk)
+    mine = shard(full_state, model, stage_sizes(options), gpt.orthon_layout, only=key)[key]
     expected = {k for k in gpt.state_dict() if not k.endswith("._extra_state")}
     missing = sorted(expected - set(mine))
     if missing:

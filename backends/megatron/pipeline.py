@@ -32,28 +32,41 @@ class StageOutput(Exception):
         self.output = output
 
 
-def configure(config) -> None:
-    """megatron's TransformerConfig set for the Trainer's schedule (see the module docstring)."""
-    config.variable_seq_lengths = True
+def configure(config, interleaved: bool) -> None:
+    """megatron's TransformerConfig set for the Trainer's schedule (see the module docstring). megatron's
+    interleaved schedule exchanges shapes in a pattern its neighbours do not match (it hangs): there every
+    micro-batch has the one shape ``run`` is given."""
+    config.variable_seq_lengths = not interleaved
     config.calculate_per_token_loss = True
+    # The interleaved schedule sends to both neighbours at once; with two stages they are one rank, and one
+    # batch of sends and receives matches an activation with a gradient. Its one-at-a-time exchange sends
+    # the two directions over two communicators (what megatron's training loop picks for interleaving).
+    config.batch_p2p_comm = not interleaved
 
 
-def is_last_stage() -> bool:
+def is_last_stage(chunk) -> bool:
+    """Whether model chunk ``chunk`` (a GPTModel) ends the pipeline (with a virtual pipeline: the last chunk
+    of the last rank)."""
     from megatron.core import parallel_state
 
-    return parallel_state.is_pipeline_last_stage()
+    return parallel_state.is_pipeline_last_stage(ignore_virtual=chunk.vp_stage is None, vp_stage=chunk.vp_stage)
 
 
-def run(gpt, micros: list, step_loss, forward_only: bool = False) -> list[dict]:
-    """Run ``micros`` through the pipeline: ``step_loss(micro)`` gives (the objective to backward, that
-    micro-batch's metric sums) on the last stage and raises StageOutput on the others. Returns the metric
-    sums of every micro-batch, on every stage (a collective over the pipeline group)."""
+def run(chunks: list, micros: list, step_loss, use_chunk, shape: tuple[int, int] = (1, 1),
+        forward_only: bool = False) -> list[dict]:
+    """Run ``micros`` through the pipeline of this rank's model ``chunks`` (several: megatron's interleaved
+    schedule): ``use_chunk(chunk)`` then ``step_loss(micro)``, which gives (the objective to backward, that
+    micro-batch's metric sums) on the last stage and raises StageOutput on the others. ``shape``: (positions,
+    rows) of every micro-batch, which the interleaved schedule's exchange is sized by (the other sends each
+    micro-batch's own shape first). Returns the metric sums of every micro-batch, on every stage (a
+    collective over the pipeline group)."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     sums: list[dict] = []
 
     def forward_step(data_iterator, model):
+        use_chunk(model)
         try:
             objective, micro_sums = step_loss(next(data_iterator))
         except StageOutput as stage:
@@ -61,10 +74,10 @@ def run(gpt, micros: list, step_loss, forward_only: bool = False) -> list[dict]:
         sums.append(micro_sums)
         return objective, lambda output: (output, 1, {})
 
-    # seq_length and micro_batch_size size the exchange only where the shapes are fixed: here each
-    # micro-batch's shape is sent before it (variable_seq_lengths)
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micros), model=[gpt],
-                                num_microbatches=len(micros), seq_length=1, micro_batch_size=1,
+    iterators = [iter(micros) for _ in chunks]  # each chunk runs every micro-batch
+    get_forward_backward_func()(forward_step_func=forward_step,
+                                data_iterator=iterators if len(chunks) > 1 else iterators[0], model=chunks,
+                                num_microbatches=len(micros), seq_length=shape[0], micro_batch_size=shape[1],
                                 forward_only=forward_only)
     plain = [[{k: float(v) for k, v in s.items()} for s in sums]]  # one transfer, then sent as objects
     dist.broadcast_object_list(plain, src=parallel_state.get_pipeline_model_parallel_last_rank(),
