@@ -41,10 +41,10 @@ from torch import nn
 
 from orthon.backends.megatron import pipeline
 from orthon.backends.megatron.convert import megatron_to_orthon, orthon_to_megatron
+from orthon.backends.megatron.gathered_weights import save_gathered
 from orthon.backends.megatron.model import (build_chunks, load_megatron_state, rank_key, require_megatron, sizes_of,
                                             stage_sizes)
 from orthon.backends.megatron.parallel import global_expert_name, global_layer_name, merge, stage_name
-from orthon.backends.megatron.gathered_weights import save_gathered
 from orthon.backends.megatron.weights import load_as_megatron
 from orthon.core.errors import ConfigError
 from orthon.pretrain.config import ModelConfig
@@ -361,8 +361,8 @@ class MegatronCausalLM(nn.Module):
 
     def check_layout(self, saved: dict | None, path) -> None:
         """A checkpoint holds each rank's part as its layout cut it (``checkpoint_names``): it resumes at that
-        layout; at another, a ConfigError names both and the way across (its weights, written at its own
-        layout, start the new one). ``saved`` None: a checkpoint from before layouts were saved (not checked)."""
+        layout; at another, a ConfigError names both and the way across (its weights, exported, start the
+        new one). ``saved`` None: a checkpoint from before layouts were saved (not checked)."""
         if saved is None or saved == self.layout():
             return
         mine = self.layout()
@@ -461,6 +461,7 @@ class MegatronCausalLM(nn.Module):
                                  f"model {self._forwards} times for one micro-batch; under pipeline parallelism it "
                                  f"calls it once (the stages run that forward between them)")
             return result
+
         def use(chunk):
             self._chunk = next(c for c, mine in enumerate(self.chunks) if mine is chunk)
 

@@ -39,6 +39,11 @@ def stage_sizes(options: MegatronOptions) -> ParallelSizes:
     return dataclasses.replace(sizes_of(options), pp=options.pipeline_parallel * options.virtual_pipeline_parallel)
 
 
+def _virtual_size(options: MegatronOptions) -> int | None:
+    """megatron's virtual_pipeline_model_parallel_size (None: no virtual pipeline)."""
+    return options.virtual_pipeline_parallel if options.virtual_pipeline_parallel > 1 else None
+
+
 def require_megatron() -> None:
     """megatron-core importable (with TE-less megatron's two flags corrected), else the extra to install."""
     try:
@@ -76,7 +81,11 @@ def transformer_config(model: ModelConfig, options: MegatronOptions, te: bool = 
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     sizes = sizes_of(options)
-    check_parallel(model, stage_sizes(options), layout(te))
+    check_parallel(model, sizes, layout(te))
+    stages = stage_sizes(options).pp
+    if model.num_hidden_layers % stages:
+        raise ConfigError(f"megatron.pipeline_parallel x megatron.virtual_pipeline_parallel = {stages} does not divide "
+                          f"the model's {model.num_hidden_layers} layers (num_hidden_layers)")
     if model.has_moe and not model.norm_topk_prob and model.num_experts_per_tok > 1:
         raise ConfigError("norm_topk_prob: megatron-core renormalises the sigmoid top-k weights; false is not "
                           "supported by the megatron backend")
@@ -107,7 +116,7 @@ def transformer_config(model: ModelConfig, options: MegatronOptions, te: bool = 
         layernorm_epsilon=model.rms_norm_eps, qk_layernorm=True, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=model.initializer_range,
         tensor_model_parallel_size=sizes.tp, pipeline_model_parallel_size=sizes.pp,
-        virtual_pipeline_model_parallel_size=options.virtual_pipeline_parallel if options.virtual_pipeline_parallel > 1 else None,
+        virtual_pipeline_model_parallel_size=_virtual_size(options),
         expert_model_parallel_size=sizes.ep, expert_tensor_parallel_size=sizes.expert_tp,
         sequence_parallel=sizes.tp > 1, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype if sizes.pp > 1 else None,
@@ -155,7 +164,7 @@ def initialize_parallel(options: MegatronOptions) -> None:
         sizes = sizes_of(options)
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=sizes.tp, pipeline_model_parallel_size=sizes.pp,
-            virtual_pipeline_model_parallel_size=options.virtual_pipeline_parallel if options.virtual_pipeline_parallel > 1 else None,
+            virtual_pipeline_model_parallel_size=_virtual_size(options),
             expert_model_parallel_size=sizes.ep, expert_tensor_parallel_size=sizes.expert_tp)
     if torch.cuda.is_available():
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
