@@ -329,17 +329,17 @@ def test_pipelined_gradients_are_averaged_in_buckets():
 
 def test_megatron_interleaved_pipeline_trains_resumes_and_exports(tmp_path):
     """megatron.virtual_pipeline_parallel=2 over two pipeline ranks (four layers: rank 0 holds layers 0 and 2,
-    rank 1 layers 1 and 3; megatron's interleaved 1F1B, four micro-batches a step in groups of two) gives one
-    process's losses and final/ bit for bit; its checkpoint names every chunk's layers by their number in
-    the model; resumed at step 4 it repeats the straight run; `orthon export` reads its checkpoint. A step
-    whose micro-batches do not fill the groups is refused by name."""
+    rank 1 layers 1 and 3; megatron's interleaved 1F1B, the batch ramp's 4, 5 and 6 micro-batches a step, an
+    odd number in one group) gives one process's losses and final/ bit for bit; its checkpoint names every
+    chunk's layers by their number in the model; resumed at step 4 it repeats the straight run; `orthon
+    export` reads its checkpoint. A step of fewer micro-batches than stages is refused by name."""
     stores = make_stores(tmp_path / "data")
-    sections = dict(model={**MODEL, "num_hidden_layers": 4}, batch={"end_batch_tokens": 256},
-                    train={"max_steps": STEPS, "micro_batch_size": 2})
+    sections = dict(model={**MODEL, "num_hidden_layers": 4}, train={"max_steps": STEPS, "micro_batch_size": 2})
     layout = ["megatron.pipeline_parallel=2", "megatron.virtual_pipeline_parallel=2"]
     ref, run = tmp_path / "ref", tmp_path / "run"
     orthon("pretrain", "-c", write_recipe(tmp_path / "ref.yaml", stores, ref, **sections), "backend=megatron",
            "optim.ns_dtype=fp32")
+    assert {r["micro_batches"] for r in _records(ref) if "micro_batches" in r} >= {4, 5}
     sections["train"] = {**sections["train"], "max_steps": 4}
     orthon("pretrain", "-c", write_recipe(tmp_path / "run.yaml", stores, run, **sections), "backend=megatron",
            "optim.ns_dtype=fp32", *layout, nproc=2)
@@ -355,9 +355,9 @@ def test_megatron_interleaved_pipeline_trains_resumes_and_exports(tmp_path):
     orthon("export", run, "--step", "latest", "--out", tmp_path / "exported")
     exported = load_weights(tmp_path / "exported").state_dict()
     assert all(torch.equal(exported[k], b[k]) for k in b)
-    # three micro-batches a step (384 tokens of 2 x 32) do not fill groups of two
-    out = orthon("pretrain", "-c", write_recipe(tmp_path / "odd.yaml", stores, tmp_path / "odd", **{
-        **sections, "batch": {"start_batch_tokens": 192, "end_batch_tokens": 192}}), "backend=megatron", *layout,
+    # one micro-batch a step (64 tokens of 2 x 32) cannot fill two stages
+    out = orthon("pretrain", "-c", write_recipe(tmp_path / "one.yaml", stores, tmp_path / "one", **{
+        **sections, "batch": {"start_batch_tokens": 64, "end_batch_tokens": 64}}), "backend=megatron", *layout,
         nproc=2, check=False)
-    assert out.returncode != 0 and "megatron's interleaved schedule runs micro-batches of one shape in groups of the 2 " \
-                                   "pipeline stages; this step has 3" in out.stderr, out.stderr[-2000:]
+    assert out.returncode != 0 and "megatron's interleaved schedule runs at least 2 micro-batches (the pipeline " \
+                                   "stages) of one shape; this step has 1" in out.stderr, out.stderr[-2000:]

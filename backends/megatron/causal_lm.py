@@ -478,18 +478,18 @@ class MegatronCausalLM(nn.Module):
         return self._schedule(micros, lambda micro: step.loss(self, micro), self._interleaved_shape(micros))
 
     def _interleaved_shape(self, micros: list) -> tuple[int, int]:
-        """(positions, rows) every micro-batch runs at under megatron's interleaved schedule, which runs them
-        in groups of PP and sizes its exchange by one shape; (1, 1) without it (each sent with its own)."""
+        """(positions, rows) every micro-batch runs at under megatron's interleaved schedule, which runs at least
+        PP of them and sizes its exchange by one shape; (1, 1) without it (each sent with its own)."""
         if len(self.chunks) == 1:
             return 1, 1
         pp, vp = sizes_of(self.options).pp, len(self.chunks)
         shapes = {tuple(m.input_ids.shape) for m in micros if hasattr(m, "input_ids")}
-        if len(shapes) != 1 or not all(hasattr(m, "input_ids") for m in micros) or len(micros) % pp:
-            raise ConfigError(f"megatron.virtual_pipeline_parallel = {vp}: megatron's interleaved schedule runs "
-                              f"micro-batches of one shape in groups of the {pp} pipeline stages; this step has "
+        if len(shapes) != 1 or not all(hasattr(m, "input_ids") for m in micros) or len(micros) < pp:
+            raise ConfigError(f"megatron.virtual_pipeline_parallel = {vp}: megatron's interleaved schedule runs at "
+                              f"least {pp} micro-batches (the pipeline stages) of one shape; this step has "
                               f"{len(micros)} on each data-parallel replica, of shapes {sorted(shapes) or 'unknown'} "
-                              f"(RL's and SFT's are sized by their samples). Pretrain with a batch of a multiple of "
-                              f"{pp} micro-batches on each replica, or set megatron.virtual_pipeline_parallel=1")
+                              f"(RL's and SFT's are sized by their samples). Pretrain with a batch of at least {pp} "
+                              f"micro-batches on each replica, or set megatron.virtual_pipeline_parallel=1")
         rows, length = self._padded_shape(*shapes.pop())
         return length, rows
 

@@ -14,7 +14,9 @@ megatron sizes each micro-batch's exchange per micro-batch (``variable_seq_lengt
 may differ in shape (RL's are sized by their samples), and takes the objective as the plug-in returns it
 (``calculate_per_token_loss``: no division by the number of micro-batches; the plug-in already divides by
 the step's normaliser). With several model chunks a rank (``megatron.virtual_pipeline_parallel``) the
-schedule is megatron's interleaved 1F1B: micro-batches of one shape, in groups of PP (``configure``).
+schedule is megatron's interleaved 1F1B: micro-batches of one shape (``configure``), at least PP of them,
+in groups of PP (or one group, where PP does not divide them: more micro-batches in flight, no bubble
+megatron refuses).
 
 Without CUDA the schedule runs on the CPU over gloo (``compat.point_cuda_device_at_cpu``: megatron makes
 a counter on "cuda" and synchronises CUDA around its shape exchange)."""
@@ -75,6 +77,9 @@ def run(chunks: list, micros: list, step_loss, use_chunk, shape: tuple[int, int]
         sums.append(micro_sums)
         return objective, lambda output: (output, 1, {})
 
+    if len(chunks) > 1:  # groups of PP, or all in one where PP does not divide them (megatron takes [PP, M])
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        chunks[0].config.microbatch_group_size_per_vp_stage = pp if len(micros) % pp == 0 else len(micros)
     iterators = [iter(micros) for _ in chunks]  # each chunk runs every micro-batch
     get_forward_backward_func()(forward_step_func=forward_step,
                                 data_iterator=iterators if len(chunks) > 1 else iterators[0], model=chunks,
