@@ -321,7 +321,7 @@ def _chunks(n: int, size: int):
 
 
 @torch.no_grad()
-def _max_logit(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float,
+def max_attention_logit(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float,
                q_slots: torch.Tensor | None = None) -> torch.Tensor:
     """max over attended (query, key, head) of q.k * scale; q: (B, T, H, D), k: (B, S, H, D); without a
     mask, causal by the queries' positions ``q_slots`` (default 0 .. T - 1). By query chunks: the whole (B, H, T, S) logits
@@ -464,7 +464,7 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, latent[..., None, self.rank :].expand(B, S, H, self.rope)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         if self.track_max_logit:
-            self.max_logit = _max_logit(q, k, mask, self.scale, q_slots)
+            self.max_logit = max_attention_logit(q, k, mask, self.scale, q_slots)
         if pieces is not None:
             return _run_attention(q, k, v, self.scale, pieces)
         if runs is not None:

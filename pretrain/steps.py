@@ -110,6 +110,10 @@ class NextTokenStep(TrainStep):
     def end(self, trainer, sums):
         metrics = {"loss": sums["loss"] / self.count}
         if self.track_max_logit:  # over every rank's sequences (a rank sees its own, or its positions' part)
+            # the model's own after the step: a pipelined model's covers the stages whose loss ended early
+            latest = unwrap(trainer.wrapped).attention_logit_max()
+            if latest is not None:
+                self.max_logit = latest if self.max_logit is None else torch.maximum(self.max_logit, latest)
             mine = (torch.full((1,), -math.inf, device=trainer.device) if self.max_logit is None
                     else self.max_logit.float().reshape(1))
             largest = distributed.all_reduce_max(mine).item()

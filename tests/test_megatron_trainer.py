@@ -54,6 +54,7 @@ def test_megatron_backend_trains_as_the_torch_backend(tmp_path):
         assert b["loss"] == pytest.approx(a["loss"], abs=2e-6)  # 2e-7 measured; the losses move by ~1.8
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
         assert b["moe_load_max_over_mean"] == pytest.approx(a["moe_load_max_over_mean"], abs=1e-6)  # same routing
+        assert b["max_attn_logit"] == pytest.approx(a["max_attn_logit"], rel=1e-5)  # orthon's SDPA core attention
         assert b["batch_tokens"] == a["batch_tokens"] and b["lr"] == a["lr"]  # the same ramp and schedule
     assert got[-1]["loss"] < got[0]["loss"] - 0.3
     evals = [json.loads(line).get("eval_loss") for run in runs.values()
@@ -247,6 +248,10 @@ def test_megatron_model_parallel_over_two_ranks_resumes(tmp_path, override, refe
     want, got = losses(ref), losses(run)
     assert sorted(got) == list(range(1, STEPS + 1))
     assert all(got[s] == pytest.approx(want[s], abs=2e-6) for s in want), (got, want)
+    # the largest attention logit over every rank's heads, experts' tokens, or stages
+    logits = [{r["step"]: r["max_attn_logit"] for r in _records(d) if "max_attn_logit" in r} for d in (ref, run)]
+    assert sorted(logits[1]) == list(range(1, STEPS + 1))
+    assert all(logits[1][s] == pytest.approx(logits[0][s], rel=1e-5) for s in logits[0])
     a, b = (load_weights(d / "final").state_dict() for d in (ref, run))
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
     # final/ was gathered and written a part of the model at a time: the embedding, each layer, norm and head

@@ -275,7 +275,7 @@ def test_gathered_attention_backward_matches_autograd_of_gather_then_attention(a
 
 @pytest.mark.parametrize("docs", [False, True])
 def test_additive_topk_mask_opens_exactly_the_visible_selected_keys(docs):
-    from orthon.pretrain.attention import _max_logit, attention_mask, causal_mask, document_mask
+    from orthon.pretrain.attention import attention_mask, causal_mask, document_mask, max_attention_logit
 
     torch.manual_seed(0)
     B, T, k = 2, 12, 5
@@ -289,7 +289,7 @@ def test_additive_topk_mask_opens_exactly_the_visible_selected_keys(docs):
     assert torch.equal(mask[:, 0] == 0, allowed)
     assert torch.all(mask[:, 0][~allowed] == float("-inf"))
     q, key = torch.randn(B, T, 3, 4), torch.randn(B, T, 3, 4)
-    assert _max_logit(q, key, mask, 0.5) == _max_logit(q, key, allowed.unsqueeze(1), 0.5)
+    assert max_attention_logit(q, key, mask, 0.5) == max_attention_logit(q, key, allowed.unsqueeze(1), 0.5)
 
 
 def test_metric_sums_on_the_device_are_the_float_sums_bit_for_bit():

@@ -155,6 +155,7 @@ class MegatronCausalLM(nn.Module):
         if self.pipelined:
             pipeline.configure(self.gpt.config, interleaved=len(self.chunks) > 1)
         self._in_schedule, self._forwards, self._chunk = False, 0, 0  # _chunk: the chunk a forward runs
+        self._stage_max_logit: torch.Tensor | None = None
         self._other_stage_routers: dict[int, _OtherStageRouter] = {}
         # megatron's names and shapes of the full model (orthon's, built on the meta device: no memory,
         # converted); those of this stage's tensors megatron's model has no module for (the DSA indexer)
@@ -453,9 +454,19 @@ class MegatronCausalLM(nn.Module):
         return self.chunks[self._chunk](input_ids, position_ids, None)
 
     def _schedule(self, micros: list, step_loss, shape: tuple[int, int] = (1, 1), forward_only: bool = False) -> list[dict]:
+        best = [None]  # this stage's largest attention logit over the micro-batches (when tracked)
+
+        def keep_max_logit():
+            latest = self._local_max_logit()
+            if latest is not None:
+                best[0] = latest if best[0] is None else torch.maximum(best[0], latest)
+
         def once(micro):  # the stages split one forward of the model: a loss must call it once a micro-batch
             self._forwards = 0
-            result = step_loss(micro)
+            try:
+                result = step_loss(micro)
+            finally:
+                keep_max_logit()
             if self._forwards != 1:
                 raise ValueError(f"megatron.pipeline_parallel = {sizes_of(self.options).pp}: a step's loss called the "
                                  f"model {self._forwards} times for one micro-batch; under pipeline parallelism it "
@@ -465,11 +476,13 @@ class MegatronCausalLM(nn.Module):
         def use(chunk):
             self._chunk = next(c for c, mine in enumerate(self.chunks) if mine is chunk)
 
-        self._in_schedule = True
+        self._in_schedule, self._stage_max_logit = True, None
         try:
-            return pipeline.run(self.chunks, micros, once, use, shape, forward_only)
+            sums = pipeline.run(self.chunks, micros, once, use, shape, forward_only)
         finally:
             self._in_schedule, self._chunk = False, 0
+        self._stage_max_logit = best[0]
+        return sums
 
     def train_micro_batches(self, step, micros: list) -> list[dict]:
         """A training step's micro-batches through megatron's pipeline schedule (1F1B): forwards and backwards,
@@ -554,11 +567,30 @@ class MegatronCausalLM(nn.Module):
         if trainable:
             raise ConfigError("the megatron backend has no DSA indexer to train (mid-training runs on the torch backend)")
 
-    def track_max_logit(self, on: bool = True) -> None:
-        """megatron-core's attention does not expose its logits: the metric is not logged on this backend."""
+    def _core_attentions(self) -> list:
+        from orthon.backends.megatron.core_attention import SDPACoreAttention
 
-    def attention_logit_max(self) -> None:
-        return None
+        return [m for chunk in self.chunks for m in chunk.modules() if isinstance(m, SDPACoreAttention)]
+
+    def track_max_logit(self, on: bool = True) -> None:
+        """Keep each layer's largest attention logit (orthon's core attention of megatron's local spec;
+        transformer-engine's attention does not expose its logits: there the metric is not logged)."""
+        for module in self._core_attentions():
+            module.track_max_logit, module.max_logit = on, None
+        self._stage_max_logit = None
+
+    def _local_max_logit(self) -> torch.Tensor | None:
+        values = [m.max_logit for m in self._core_attentions() if m.max_logit is not None]
+        return torch.stack(values).max() if values else None
+
+    def attention_logit_max(self) -> torch.Tensor | None:
+        """The largest attention logit of the last forward over this rank's layers; under pipeline
+        parallelism, once a schedule has run, over its micro-batches (a stage before the last ends the
+        step's loss at the model's call, before the step reads this: the step reads it at its end and
+        takes the largest over the ranks)."""
+        if self._stage_max_logit is not None:
+            return self._stage_max_logit
+        return self._local_max_logit()
 
 
 class _NamedParameters:

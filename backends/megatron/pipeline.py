@@ -101,3 +101,4 @@ def from_last_stage(tensor: torch.Tensor | None, shape: tuple, device) -> torch.
     dist.broadcast(tensor, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                    group=parallel_state.get_pipeline_model_parallel_group())
     return tensor
+
