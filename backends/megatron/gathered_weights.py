@@ -31,7 +31,7 @@ def part_index(name: str, layers: int) -> int:
     return layers + 1 if layer is None else layer + 1
 
 
-def _first_holders() -> bool:
+def _first_holder() -> bool:
     """Whether this rank is the first (lowest) of the ranks holding its piece of the model."""
     keys: list = [None] * dist.get_world_size()
     dist.all_gather_object(keys, rank_key())
@@ -50,7 +50,7 @@ def save_gathered(model, directory, write: bool) -> None:
     its writing fails, it still takes part in the gathers left (no rank waits in a collective), then raises."""
     config, layout = model.config, model.gpt.orthon_layout
     parts = model_parts(config, layout)
-    sends = _first_holders() if model.model_parallel else True
+    sends = _first_holder() if model.model_parallel else True
     by_part: list[dict] = [{} for _ in parts]  # {chunk's rank_key: {name: tensor}} of each part
     for key, state in model.local_states().items():
         stage = key[0]
@@ -63,11 +63,11 @@ def save_gathered(model, directory, write: bool) -> None:
         if not model.model_parallel:
             return megatron_to_orthon(next(iter(mine.values()), {}), config, layout, maps=parts[index])
         gathered = [None] * dist.get_world_size() if write else None
-        dist.gather_object((rank_key(), mine), gathered, dst=0)
+        dist.gather_object(mine, gathered, dst=0)
         if not write:
             return None
         shards: dict = {}
-        for _, states in gathered:  # the first holder's pieces (ranks in order)
+        for states in gathered:  # the first holder's pieces (ranks in order)
             for key, state in states.items():
                 shards.setdefault(key, state)
         for key in _all_keys(model):  # the chunks holding nothing of this part
