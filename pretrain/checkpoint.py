@@ -278,11 +278,11 @@ class Checkpointer:
         # empty extra state, as megatron-core's layers have) for a missing key.
         set_state_dict(unwrap(model), optimizers, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
-        return json.loads((path / TRAINER_STATE).read_text())
+        return self.trainer_state(path)
 
     @staticmethod
     def trainer_state(path: Path) -> dict:
-        """The trainer state a checkpoint was written with (read before its tensors are loaded)."""
+        """The trainer state a checkpoint was written with (readable before its tensors are loaded)."""
         return json.loads((path / TRAINER_STATE).read_text())
 
     def load_model(self, path: Path, model: torch.nn.Module) -> dict:
@@ -290,7 +290,7 @@ class Checkpointer:
         state = {"model": get_model_state_dict(model)}
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
-        return json.loads((path / TRAINER_STATE).read_text())
+        return self.trainer_state(path)
 
 
 def _checkpoint_names(model: torch.nn.Module) -> dict[str, str]:

@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from orthon.backends.megatron import pipeline
-from orthon.backends.megatron.convert import megatron_to_orthon, orthon_to_megatron
+from orthon.backends.megatron.convert import megatron_shapes, megatron_to_orthon, orthon_to_megatron
+from orthon.backends.megatron.core_attention import SDPACoreAttention
 from orthon.backends.megatron.gathered_weights import save_gathered
 from orthon.backends.megatron.model import (build_chunks, load_megatron_state, rank_key, require_megatron, sizes_of,
                                             stage_sizes)
@@ -49,7 +50,7 @@ from orthon.backends.megatron.weights import load_as_megatron
 from orthon.core.errors import ConfigError
 from orthon.pretrain.config import ModelConfig
 from orthon.pretrain.loss import IGNORE_INDEX, cross_entropy
-from orthon.pretrain.model import CausalLMOutput, GLMForCausalLM, on_meta_device
+from orthon.pretrain.model import CausalLMOutput, GLMForCausalLM
 from orthon.pretrain.recipe import MegatronOptions
 
 LATENT_NORM_EPS = 1e-6  # GLM-5's q_a / kv_a latent norms (orthon.pretrain.attention)
@@ -156,13 +157,14 @@ class MegatronCausalLM(nn.Module):
             pipeline.configure(self.gpt.config, interleaved=len(self.chunks) > 1)
         self._in_schedule, self._forwards, self._chunk = False, 0, 0  # _chunk: the chunk a forward runs
         self._stage_max_logit: torch.Tensor | None = None
+        # orthon's core attention modules of the local spec (they keep the largest attention logit; TE's
+        # exposes none), found once: under pipeline parallelism they are read every micro-batch
+        self._attentions = [m for chunk in self.chunks for m in chunk.modules() if isinstance(m, SDPACoreAttention)]
         self._other_stage_routers: dict[int, _OtherStageRouter] = {}
         # megatron's names and shapes of the full model (orthon's, built on the meta device: no memory,
         # converted); those of this stage's tensors megatron's model has no module for (the DSA indexer)
         # are carried beside it, buffers of ``carried``
-        with on_meta_device():
-            meta = GLMForCausalLM(self.config, runtime=self.runtime)
-        shapes = {k: v.shape for k, v in orthon_to_megatron(meta.state_dict(), self.config, self.gpt.orthon_layout).items()}
+        shapes = megatron_shapes(self.config, self.runtime, self.gpt.orthon_layout)
         self._names = set(shapes)
         built = {self.global_name(n, c) for c, chunk in enumerate(self.chunks) for n in chunk.state_dict()}
         carried = sorted(n for n in shapes if stage_name(n, self.layers_per_stage)[0] in self.stages and n not in built
@@ -364,9 +366,9 @@ class MegatronCausalLM(nn.Module):
         """A checkpoint holds each rank's part as its layout cut it (``checkpoint_names``): it resumes at that
         layout; at another, a ConfigError names both and the way across (its weights, exported, start the
         new one). ``saved`` None: a checkpoint from before layouts were saved (not checked)."""
-        if saved is None or saved == self.layout():
-            return
         mine = self.layout()
+        if saved is None or saved == mine:
+            return
         differ = [key for key in saved if saved[key] != mine.get(key)]
         theirs = " ".join(f"megatron.{key}={saved[key]}" for key in differ)
         raise ConfigError(f"{path} was written with {theirs} (this run: {', '.join(f'{key}={mine.get(key)}' for key in differ)}); "
@@ -522,8 +524,8 @@ class MegatronCausalLM(nn.Module):
             return (out.loss if out.loss is not None else out.logits.new_zeros(())), {}
         # megatron's interleaved schedule runs micro-batches in groups of PP: the same one PP times there
         pp = sizes_of(self.options).pp if len(self.chunks) > 1 else 1
-        self._schedule([SimpleNamespace(input_ids=input_ids)] * pp, last_stage,
-                       self._interleaved_shape([SimpleNamespace(input_ids=input_ids)] * pp), forward_only=True)
+        copies = [SimpleNamespace(input_ids=input_ids)] * pp
+        self._schedule(copies, last_stage, self._interleaved_shape(copies), forward_only=True)
         loss = logits = None
         if kwargs.get("labels") is not None:
             loss = pipeline.from_last_stage(outputs[0].loss.float() if outputs else None, (), input_ids.device)
@@ -567,20 +569,15 @@ class MegatronCausalLM(nn.Module):
         if trainable:
             raise ConfigError("the megatron backend has no DSA indexer to train (mid-training runs on the torch backend)")
 
-    def _core_attentions(self) -> list:
-        from orthon.backends.megatron.core_attention import SDPACoreAttention
-
-        return [m for chunk in self.chunks for m in chunk.modules() if isinstance(m, SDPACoreAttention)]
-
     def track_max_logit(self, on: bool = True) -> None:
         """Keep each layer's largest attention logit (orthon's core attention of megatron's local spec;
         transformer-engine's attention does not expose its logits: there the metric is not logged)."""
-        for module in self._core_attentions():
+        for module in self._attentions:
             module.track_max_logit, module.max_logit = on, None
         self._stage_max_logit = None
 
     def _local_max_logit(self) -> torch.Tensor | None:
-        values = [m.max_logit for m in self._core_attentions() if m.max_logit is not None]
+        values = [m.max_logit for m in self._attentions if m.max_logit is not None]
         return torch.stack(values).max() if values else None
 
     def attention_logit_max(self) -> torch.Tensor | None:

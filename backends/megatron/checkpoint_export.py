@@ -18,14 +18,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from orthon.backends.megatron.convert import MegatronLayout, megatron_to_orthon, model_parts, orthon_to_megatron
+from orthon.backends.megatron.convert import megatron_shapes, megatron_to_orthon, model_parts
 from orthon.backends.megatron.gathered_weights import part_index
+from orthon.backends.megatron.model import layout as megatron_layout
 from orthon.backends.megatron.parallel import join, split_rule
 from orthon.core.errors import CheckpointError
 from orthon.pretrain import hf_io
 from orthon.pretrain.checkpoint import Checkpointer, verify
 from orthon.pretrain.config import ModelConfig, RuntimeOptions
-from orthon.pretrain.model import GLMForCausalLM, on_meta_device
 from orthon.pretrain.weights import writing_weights_dir
 
 PREFIX = "model."  # the model's part of a checkpoint (orthon.pretrain.checkpoint saves {"model", "optim"})
@@ -58,12 +58,9 @@ def export_megatron_checkpoint(path, config: ModelConfig, runtime: RuntimeOption
     saved = Checkpointer.trainer_state(path).get("layout")
     if saved is None:
         raise CheckpointError(f"{path}: not a checkpoint of the megatron backend (no layout in its trainer state)")
-    te = saved.get("transformer_engine") == "on"
-    layout = MegatronLayout(te=te, grouped_experts=te, column_down_proj=False)  # as orthon builds it (model.layout)
+    layout = megatron_layout(te=saved.get("transformer_engine") == "on")  # as the model was built
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    with on_meta_device():
-        meta = GLMForCausalLM(config, runtime=runtime)
-    names = list(orthon_to_megatron(meta.state_dict(), config, layout))
+    names = list(megatron_shapes(config, runtime, layout))
     carried = sorted(n for n in names if f"{PREFIX}gpt.{n}" not in stored and f"{PREFIX}gpt.{n}@tp0" not in stored)
     parts = model_parts(config, layout)
     by_part: list[list[str]] = [[] for _ in parts]

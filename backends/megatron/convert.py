@@ -38,6 +38,7 @@ import torch
 
 from orthon.core.errors import CheckpointError, ConfigError
 from orthon.pretrain.config import ModelConfig
+from orthon.pretrain.model_info import meta_model
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,12 @@ def orthon_to_megatron(state: dict[str, torch.Tensor], config: ModelConfig,
                 out[name] = tensor
     _check_all_used(state, used, "orthon")
     return out
+
+
+def megatron_shapes(config: ModelConfig, runtime, layout: MegatronLayout = MegatronLayout()) -> dict[str, torch.Size]:
+    """megatron's names and shapes of the whole model (orthon's model of ``config`` on the meta device, no
+    memory, converted)."""
+    return {k: v.shape for k, v in orthon_to_megatron(meta_model(config, runtime).state_dict(), config, layout).items()}
 
 
 def megatron_to_orthon(state: dict[str, torch.Tensor], config: ModelConfig,
