@@ -27,7 +27,6 @@ all but the last not ``final``.
 from __future__ import annotations
 
 import json
-import re
 import struct
 from dataclasses import dataclass
 from typing import Iterable, Mapping
@@ -40,6 +39,7 @@ from orthon.core.errors import CheckpointError
 from orthon.engine.delta_codec import ENCODINGS, ZSTD_LEVEL, Prepared, check_encodings, encode_tensor, prepare
 from orthon.engine.tensor_bytes import (cpu_contiguous, dtype_name, int_kind, int_view, named_list, parse_dtype,
                                         tensor_hash)
+from orthon.pretrain.hf_io import row_piece
 
 MAGIC = b"ORTHDLT1"
 FORMAT = "orthon-delta"
@@ -265,24 +265,15 @@ def _parse_header(header) -> tuple[int, int, bool, list[dict]]:
 
 
 # ------------------------------------------------------------------ row pieces
-# A tensor's rows [first, last) under the name "NAME[first:last]": what one trainer rank holds of a tensor
-# sharded by rows (orthon.rl.shard_delta); the receiver writes such an entry into those rows of NAME.
-_ROW_PIECE = re.compile(r"^(.+)\[(\d+):(\d+)\]$")
-
-
-def row_piece_name(name: str, first: int, last: int) -> str:
-    return f"{name}[{first}:{last}]"
-
-
 def row_views(state: Mapping[str, torch.Tensor], names: Iterable[str]) -> dict[str, torch.Tensor]:
     """{piece name: the view of its rows} for each of ``names`` that names rows of a tensor of ``state``
     (contiguous where the tensor is)."""
     views = {}
     for name in names:
-        m = _ROW_PIECE.match(name)
-        if m is None or m.group(1) not in state:
+        piece = row_piece(name)
+        if piece is None or piece[0] not in state:
             continue
-        tensor, first, last = state[m.group(1)], int(m.group(2)), int(m.group(3))
+        tensor, first, last = state[piece[0]], piece[1], piece[2]
         if not first < last <= (tensor.shape[0] if tensor.dim() else 0):
             raise CheckpointError(f"delta payload: {name!r}: rows outside the receiver's {tuple(tensor.shape)}")
         views[name] = tensor[first:last]

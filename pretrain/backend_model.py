@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import torch
-
 
 class BackendModel(Protocol):
     pipelined: bool
@@ -25,8 +23,14 @@ class BackendModel(Protocol):
         """The model as an orthon weights directory, written where ``write``; a collective where the ranks
         hold parts of it."""
 
-    def orthon_state(self) -> dict[str, torch.Tensor]:
-        """The whole model's tensors in orthon's names, on every rank (a collective where ranks hold parts)."""
+    model_parallel: bool
+    """The ranks hold parts of the model (no rank holds all of it)."""
+
+    def weight_parts(self, part_bytes: int, owner=lambda i: 0) -> list:
+        """The model in orthon's names in parts of about ``part_bytes``, as loaders: calling the i-th, on every
+        rank in turn (a collective where the ranks hold parts), returns on rank ``owner(i)`` that part,
+        {name: CPU tensor} (a routed-expert stack larger than a part as row pieces of whole experts,
+        ``hf_io.row_piece_name``), None elsewhere."""
 
     def build_optimizer(self, recipe):
         """The optimizer (orthon's HybridOptimizer) over the model's parameters."""

@@ -33,15 +33,32 @@ def _persistent_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 _STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# Rows [first, last) of tensor NAME under the name "NAME[first:last]": a part of a tensor that travels alone
+# (a trainer rank's rows of a sharded tensor in a delta, a window of an expert stack in a streamed part).
+_ROW_PIECE = re.compile(r"^(.+)\[(\d+):(\d+)\]$")
+
+
+def row_piece_name(name: str, first: int, last: int) -> str:
+    return f"{name}[{first}:{last}]"
+
+
+def row_piece(name: str) -> tuple[str, int, int] | None:
+    """(tensor name, first, last) of a row piece's name (``row_piece_name``); None for a whole tensor's."""
+    m = _ROW_PIECE.match(name)
+    return (m.group(1), int(m.group(2)), int(m.group(3))) if m else None
 
 
 def experts_to_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """orthon keeps routed experts stacked (E, 2I, H) / (E, H, I) for grouped compute; published
-    glm_moe_dsa checkpoints (and transformers' save_pretrained) hold one gate/up/down per expert."""
+    glm_moe_dsa checkpoints (and transformers' save_pretrained) hold one gate/up/down per expert. A row
+    piece of a stack (``row_piece_name``: experts first..last-1) becomes those experts' tensors."""
     out = {}
     for key, tensor in state.items():
+        piece = row_piece(key)
         if _STACKED.match(key):
             out.update(stack_to_hf(key, tensor))
+        elif piece is not None and _STACKED.match(piece[0]):
+            out.update(stack_to_hf(piece[0], tensor, piece[1]))
         else:
             out[key] = tensor
     return out

@@ -40,7 +40,7 @@ from orthon.pretrain import context_parallel, expert_parallel, parallel
 from orthon.pretrain.checkpoint import Checkpointer
 from orthon.pretrain.config import TOKEN_ID_FIELDS
 from orthon.pretrain.flops import ModelFlops
-from orthon.pretrain.gathered_weights import save_gathered
+from orthon.pretrain.gathered_weights import gathered_parts, save_gathered
 from orthon.pretrain.model import GLMForCausalLM, on_meta_device
 from orthon.pretrain.moe import update_expert_bias
 from orthon.pretrain.steps import NextTokenStep, TrainStep
@@ -565,18 +565,33 @@ class Trainer:
 
     @property
     def holds_shards(self) -> bool:
-        """No rank holds the whole model (``holds_shards``)."""
-        return holds_shards(self.cfg, self.world)
+        """No rank holds the whole model (``holds_shards``; another backend's model: its own model
+        parallelism)."""
+        return self.model.model_parallel if self.foreign_model else holds_shards(self.cfg, self.world)
 
     def whole_state(self) -> dict | None:
         """The model's state dict gathered from the ranks' shards (a collective: every rank calls it; CPU
-        copies, on rank 0 only), or None where every rank holds the whole model (``self.model``'s own). Another
-        backend's model: its state in orthon's names (on every rank)."""
+        copies, on rank 0 only; empty elsewhere), or None where every rank holds the whole model
+        (``self.model``'s own). Another backend's model: its state in orthon's names (on every rank where
+        each holds the whole model)."""
         if self.foreign_model:  # another framework's names: orthon's, as every reader of this expects
-            return self.model.orthon_state()
+            keep = 0 if self.holds_shards else self.rank
+            state: dict = {}
+            for load in self.model.weight_parts(1 << 62, owner=lambda i: keep):
+                state.update(load() or {})
+            return state
         if not self.holds_shards:
             return None
         return get_model_state_dict(self.wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def weight_parts(self, part_bytes: int) -> list:
+        """The model in parts of about ``part_bytes`` as loaders, each gathering its part from the ranks'
+        shards (a collective: every rank calls each in turn); the i-th returns on rank 0 its {name: CPU
+        tensor} in orthon's names (a routed-expert stack larger than a part as windows of whole experts),
+        None elsewhere (``orthon.pretrain.gathered_weights.gathered_parts``; another backend's model its own)."""
+        if self.foreign_model:
+            return self.model.weight_parts(part_bytes)
+        return gathered_parts(self.model, self.rank, part_bytes, split_experts=True)
 
     def write_weights(self, directory) -> None:
         """The model as a weights directory (``orthon.pretrain.weights``), written by rank 0. Where the

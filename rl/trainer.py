@@ -12,8 +12,10 @@ Under torchrun, or as several trainer ranks on Ray (data parallelism: DDP, or FS
 prompts and collects each iteration's groups, hands them to every rank, and every rank trains its share
 of them (the policy step's DP schedule). With DDP alone in the synchronous mode every rank holds an
 engine and generates a share of each round (orthon.rl.rank_rollouts); otherwise rank 0's engines
-generate alone, and where the ranks hold shards (FSDP2, expert parallelism) the new weights are
-gathered from them on every rank first.
+generate alone, and where the ranks hold shards (FSDP2, expert parallelism, another backend's model
+parallelism) no process holds the whole model to hand it over: the engines take it a part at a time as
+the ranks gather it, or as each rank's delta of what it holds (orthon.rl.weight_sync); it is gathered
+whole, on rank 0 only, for an in-process engine and the shared path.
 """
 from __future__ import annotations
 
@@ -35,7 +37,6 @@ from orthon.core.interrupts import stop_signals_recorded
 from orthon.core.metrics import MetricsLogger, moving_average, plot_curves, read_metrics
 from orthon.core.step_loop import stop_if_signalled
 from orthon.engine.in_process import InProcessEngine
-from orthon.pretrain.gathered_weights import gathered_parts
 from orthon.pretrain.trainer import Trainer, other_fields
 from orthon.pretrain.weights import load_weights
 from orthon.rl.logprobs import sample_log_probs
@@ -44,7 +45,7 @@ from orthon.rl.rank_rollouts import RankRollouts
 from orthon.rl.rollout_manager import RolloutManager, rollout_state
 from orthon.rl.sample import Sample, branches, sample_to_dict
 from orthon.rl.steps import METRICS, PolicyStep
-from orthon.rl.shard_delta import ShardDelta
+from orthon.rl.shard_delta import PartDelta, ShardDelta
 from orthon.rl.weight_sync import IncompleteSync, ShardDeltas, SyncForm, WeightParts
 
 
@@ -98,7 +99,7 @@ class RLTrainer:
             rollout.roll_round = self.shared_rollouts.roll
         self.weight_sync = weight_sync or self._update_engine
         self.sync_form = sync_form
-        self._deltas: ShardDelta | None = None  # this rank's, where the ranks hold shards and sync by delta
+        self._deltas: ShardDelta | PartDelta | None = None  # this rank's, where the ranks hold shards and sync by delta
         self.weight_version = 0  # of the weights the engines hold; every sync adds one
         self.iteration = 0
 
@@ -134,6 +135,8 @@ class RLTrainer:
             from orthon.rl.distill import teacher_model
 
             model, where = teacher_model(weights).to(self.trainer.device), "whole (another architecture)"
+        elif self.trainer.foreign_model:  # orthon's model beside another framework's policy
+            model, where = self.trainer.frozen_copy(weights), "whole in each process (orthon's model)"
         else:
             model, where = self.trainer.frozen_copy(weights), "placed as the policy" + (
                 ": sharded" if self.trainer.holds_shards else "")
@@ -235,7 +238,7 @@ class RLTrainer:
     def _stream_parts(self, part_bytes: int):
         """The weights to the engines part by part as the ranks gather them; None once sent, else (the
         sync failed part way) the SyncForm of the directory for a full copy."""
-        loaders = gathered_parts(self.model, self.rank, part_bytes, split_experts=True)
+        loaders = self.trainer.weight_parts(part_bytes)
         retry = None
         if self.rank == 0:
             try:
@@ -248,10 +251,13 @@ class RLTrainer:
                 load()
         return self._from_rank_zero(lambda: retry)
 
-    def _shard_delta(self) -> ShardDelta:
-        """Each rank's ShardDelta, planned on every rank together at the first full copy."""
+    def _shard_delta(self) -> ShardDelta | PartDelta:
+        """Each rank's delta of what it holds (its rows of FSDP2's shards; of another backend's model, whose
+        ranks' parts are not rows of orthon's tensors, the parts it keeps), planned on every rank together
+        at the first full copy."""
         if self._deltas is None:
-            self._deltas = ShardDelta(self.model, self.rank)
+            self._deltas = (PartDelta(self.model, self.rank, self.trainer.world, self.recipe.rl.cluster.part_bytes)
+                            if self.trainer.foreign_model else ShardDelta(self.model, self.rank))
         return self._deltas
 
     def _stream_shard_deltas(self, directory: Path):
@@ -265,8 +271,7 @@ class RLTrainer:
             self.log(f"rank {self.rank}: delta payload not written ({exc})")
             path = None
         paths = distributed.all_gather_object(path)
-        check = gathered_parts(self.model, self.rank, self.recipe.rl.cluster.part_bytes, split_experts=True) \
-            if self.recipe.rl.cluster.check_weights else []
+        check = self.trainer.weight_parts(self.recipe.rl.cluster.part_bytes) if self.recipe.rl.cluster.check_weights else []
         retry = None
         if self.rank == 0:
             try:

@@ -631,7 +631,8 @@ def test_each_ranks_delta_of_its_rows_and_a_failed_one_asks_for_a_full_copy(muta
     engine ends on the trainer's bytes at that version and the files are gone. A damaged payload stops the
     stream: the engine is resumed, IncompleteSync names the directory for a full copy, and no delta is
     taken until that copy is in."""
-    from orthon.engine.delta import DeltaEncoder, row_piece_name
+    from orthon.engine.delta import DeltaEncoder
+    from orthon.pretrain.hf_io import row_piece_name
     from orthon.engine.tensor_bytes import tensor_hashes
     from orthon.pretrain.weights import save_weights
     from orthon.rl.config import ClusterConfig

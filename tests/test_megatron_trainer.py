@@ -254,8 +254,8 @@ def test_megatron_model_parallel_over_two_ranks_resumes(tmp_path, override, refe
     assert all(logits[1][s] == pytest.approx(logits[0][s], rel=1e-5) for s in logits[0])
     a, b = (load_weights(d / "final").state_dict() for d in (ref, run))
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
-    # final/ was gathered and written a part of the model at a time: the embedding, each layer, norm and head
-    assert len(list((run / "final").glob("model-*.safetensors"))) == MODEL["num_hidden_layers"] + 2
+    # final/ was gathered and written a safetensors shard at a time (HF's 5 GB: one file for this model)
+    assert (run / "final" / "model.safetensors").is_file()
     # `orthon export` reads the last checkpoint on one process, whatever layout wrote it: final/ bit for bit
     orthon("export", run, "--step", "latest", "--out", tmp_path / "exported")
     exported = load_weights(tmp_path / "exported").state_dict()

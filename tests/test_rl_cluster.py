@@ -196,6 +196,56 @@ def test_trainer_ranks_train_what_one_process_does(tmp_path, parallel, experts, 
     assert delta or path != "disk" or (tmp_path / "two" / "weights" / versions[-1] / "orthon.json").is_file()
 
 
+@pytest.mark.parametrize("layout,path,delta", [
+    ("tensor_parallel", "distributed", False), ("pipeline_parallel", "distributed", True),
+    pytest.param("expert_parallel", "disk", False, marks=pytest.mark.slow),
+    pytest.param("tensor_parallel", "disk", True, marks=pytest.mark.slow)])
+def test_megatron_trainer_ranks_hand_the_engines_their_parts(tmp_path, layout, path, delta):
+    """Two trainer ranks on Ray holding megatron's tensor-, pipeline- or expert-parallel parts of the policy
+    train on saved rollouts to the weights megatron reaches on them in one process, and no process gathers
+    the whole model to hand it over: the engines get each version part by part as the ranks gather it
+    (distributed; the 64 kB expert stacks a window of whole experts at a time), the directory the ranks
+    wrote a shard at a time (disk), or with delta each rank's delta of the parts it keeps (two payloads a
+    version); every sync leaves the engine holding the trainer's bytes (check_weights raises otherwise)."""
+    pytest.importorskip("megatron.core")
+    from dataclasses import replace
+
+    from orthon.data.tokenizer import load_tokenizer
+    from orthon.rl.cluster import run
+    from orthon.rl.trainer import RLTrainer
+    from test_rl_parallel import _trained_apart, _weights
+
+    pre = _pretrain_dir(tmp_path)
+    rollouts = str(tmp_path / "rollouts")
+
+    def recipe(name, debug, megatron=None, **rl):
+        loaded = _recipe(tmp_path, pre, 2, mode="sync", debug=debug, rollouts_dir=rollouts,
+                         dp_schedule={"micro_batch_tokens": 48}, **rl)
+        loaded = replace(loaded, train=replace(loaded.train, run_dir=str(tmp_path / name)))
+        return loaded if megatron is None else replace(  # megatron runs dense MLA (pretraining's attention)
+            loaded, backend="megatron", megatron=replace(loaded.megatron, **megatron),
+            runtime=replace(loaded.runtime, sparse_attention=False))
+
+    def in_process(name, debug, **kw):
+        RLTrainer(recipe(name, debug, cluster={"enabled": False}, **kw), load_tokenizer(_tokenizer(pre))).fit()
+
+    in_process("rollouts", "rollout_only", reward={"name": "test_rl_parallel.first_letter_reward"})
+    in_process("one", "train_only", megatron={})
+    cluster = {"engines": 1, "router": False, "check_weights": True, "trainer_ranks": 2, "delta": delta,
+               "weight_sync": path, "part_bytes": 50_000}
+    result = run(recipe("two", "train_only", megatron={layout: 2}, cluster=cluster), _tokenizer(pre),
+                 log=lambda *a: None)
+    assert result["iterations"] == 2
+    start, one, two = _weights(pre / "final"), _weights(tmp_path / "one" / "final"), _weights(tmp_path / "two" / "final")
+    assert max((one[k].float() - start[k].float()).abs().max().item() for k in start) > 1e-4  # it trained
+    assert _trained_apart(one, two, start) == []
+    parts, payloads = result["fleet"].get("streamed_parts", 0), result["fleet"].get("delta_payloads", 0)
+    assert parts % 3 == 0 and (parts >= 3 * 5) == (path == "distributed" and not delta), result["fleet"]
+    assert payloads == (2 * 2 if delta else 0), result["fleet"]
+    versions = sorted(p.name for p in (tmp_path / "two" / "weights").glob("v*"))
+    assert versions == ({"distributed": [], "disk": ["v00000001", "v00000002"]}[path] if not delta else ["v00000000"])
+
+
 def test_an_engine_restarted_after_a_streamed_sync_joins_at_the_next(tmp_path):
     """Where the last sync was streamed (the parts are used up, nothing on disk to copy), a restarted engine
     stays out of the router until the next sync brings it the whole current version; then it joins, holding

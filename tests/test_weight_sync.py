@@ -364,7 +364,7 @@ def test_a_version_in_row_pieces_from_two_senders():
     """Where trainer ranks hold row shards, each encodes its own rows ("NAME[a:b]") and the version comes as
     two payloads: after the first (not final) the engine still reports the base version, after the second
     it holds the trainer's bytes at the new one. A piece outside the tensor's rows is refused."""
-    from orthon.engine.delta import row_piece_name
+    from orthon.pretrain.hf_io import row_piece_name
 
     trainer, engine, _ = _trainer_and_engines()
 

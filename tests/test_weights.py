@@ -259,3 +259,17 @@ def test_a_runs_final_dir_is_hf_layout_that_transformers_loads(tmp_path):
     ids = torch.randint(0, model.config.vocab_size, (2, model.config.index_topk))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_a_window_of_an_expert_stack_becomes_those_experts_hf_tensors():
+    """A row piece of a stack ("...experts.gate_up_proj[2:4]", a part streamed alone) is experts 2 and 3 of
+    the HF layout, equal to the same experts of the whole stack's conversion."""
+    from orthon.pretrain.hf_io import experts_to_hf, row_piece_name
+
+    stack = torch.arange(4 * 6 * 3, dtype=torch.float32).reshape(4, 6, 3)  # 4 experts, [gate; up] 3 + 3 rows
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    whole = experts_to_hf({name: stack})
+    window = experts_to_hf({row_piece_name(name, 2, 4): stack[2:4]})
+    assert sorted(window) == sorted(k for k in whole if ".experts.2." in k or ".experts.3." in k)
+    assert all(torch.equal(window[k], whole[k]) for k in window)
+    assert torch.equal(window["model.layers.1.mlp.experts.3.up_proj.weight"], stack[3, 3:])

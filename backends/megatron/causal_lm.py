@@ -40,12 +40,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from orthon.backends.megatron import pipeline
-from orthon.backends.megatron.convert import megatron_shapes, megatron_to_orthon, orthon_to_megatron
+from orthon.backends.megatron.convert import megatron_shapes, orthon_to_megatron
 from orthon.backends.megatron.core_attention import SDPACoreAttention
-from orthon.backends.megatron.gathered_weights import save_gathered
+from orthon.backends.megatron.gathered_weights import save_gathered, weight_parts
 from orthon.backends.megatron.model import (build_chunks, load_megatron_state, rank_key, require_megatron, sizes_of,
                                             stage_sizes)
-from orthon.backends.megatron.parallel import global_expert_name, global_layer_name, merge, stage_name
+from orthon.backends.megatron.parallel import global_expert_name, global_layer_name, stage_name
 from orthon.backends.megatron.weights import load_as_megatron
 from orthon.core.errors import ConfigError
 from orthon.pretrain.config import ModelConfig
@@ -222,24 +222,11 @@ class MegatronCausalLM(nn.Module):
             states[rank_key(self.stages.index(stage))][local] = getattr(self.carried, key)
         return states
 
-    def full_state(self) -> dict[str, torch.Tensor]:
-        """megatron's full state dict of the model: its own tensors and the carried ones. Under tensor,
-        expert or pipeline parallelism a collective (every rank calls it): every rank's part gathered and
-        joined (``parallel.merge``), on every rank."""
-        local = self.local_states()
-        if not self.model_parallel:
-            return next(iter(local.values()))
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, [(key, {k: v.cpu() for k, v in state.items()}) for key, state in local.items()])
-        shards: dict = {}
-        for key, state in (pair for pairs in gathered for pair in pairs):  # replicas hold the same part: the first is kept
-            shards.setdefault(key, state)
-        return merge(shards, self.config, stage_sizes(self.options), self.gpt.orthon_layout)
-
-    def orthon_state(self) -> dict[str, torch.Tensor]:
-        """The model's tensors in orthon's names (GLMForCausalLM's state dict: what the engines and RL's
-        weight syncs take), detached."""
-        return {k: v.detach() for k, v in megatron_to_orthon(self.full_state(), self.config, self.gpt.orthon_layout).items()}
+    def weight_parts(self, part_bytes: int, owner=lambda i: 0) -> list:
+        """The model in orthon's names in parts of about ``part_bytes``, as loaders (a collective where the
+        ranks hold parts of it: every rank calls each in turn); the i-th returns its part on rank
+        ``owner(i)``, None elsewhere (``gathered_weights.weight_parts``)."""
+        return weight_parts(self, part_bytes, owner)
 
     def save_weights(self, directory, write: bool = True) -> None:
         """The model as an orthon weights directory (HF layout + sidecar), written where ``write`` (rank 0);

@@ -1,21 +1,27 @@
-"""A megatron model whose ranks hold parts of it (tensor, expert, pipeline parallelism) written as an orthon
-weights directory one part of the model at a time (the embedding, each decoder layer, the final norm
-with the head: ``convert.model_parts``): each part's pieces are gathered to rank 0, joined
-(``parallel.merge``), converted and written as one safetensors file before the next part is gathered.
-No process holds more than one part of the whole model (GLM-5's 744B parameters in fp32 would be 3 TB;
-its largest part, a MoE layer, 39 GB), as the torch backend's ``pretrain.gathered_weights`` does for
-FSDP2. Of the ranks holding the same piece (data-parallel replicas) the first sends it, the others
-nothing."""
+"""A megatron model whose ranks hold parts of it (tensor, expert, pipeline parallelism) in parts of about a
+given size, each gathered to one rank: ``final/`` written a safetensors shard at a time, and RL's weight
+syncs streamed to the engines a part at a time or as each rank's delta of the parts it keeps
+(orthon.rl.weight_sync), as the torch backend's ``pretrain.gathered_weights`` does for FSDP2's shards.
+
+A part is a run of ``convert.model_parts``' tensor maps (the embedding, each decoder layer's tensors, the
+final norm with the head) of at most the size asked for; a routed-expert stack larger than that comes as
+windows of whole experts, each under its row piece's name (``hf_io.row_piece_name``: experts a..b-1 of
+orthon's stack), which ``hf_io.experts_to_hf`` turns into those experts' HF tensors. Loading a part, every
+rank sends the pieces it holds of the part's megatron tensors to the part's owner (the first of the ranks
+holding the same piece: data-parallel replicas send nothing twice), which joins them (``parallel.merge``)
+and converts them to orthon's names. No process holds more than a part of the whole model (GLM-5's 744B
+parameters in fp32 would be 3 TB; one of its MoE layers 39 GB)."""
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from orthon.backends.megatron.convert import megatron_to_orthon, model_parts
+from orthon.backends.megatron.convert import _Map, megatron_shapes, megatron_to_orthon, model_parts
 from orthon.backends.megatron.model import rank_key, stage_sizes
-from orthon.backends.megatron.parallel import global_layer_name, layer_of, merge
+from orthon.backends.megatron.parallel import global_expert_name, global_layer_name, layer_of, merge
 from orthon.core.errors import CheckpointError
 from orthon.pretrain import hf_io
 from orthon.pretrain.gathered_weights import drain_on_error
@@ -31,6 +37,34 @@ def part_index(name: str, layers: int) -> int:
     return layers + 1 if layer is None else layer + 1
 
 
+@dataclass(frozen=True)
+class _Window:
+    """Experts ``first`` .. ``last - 1`` of an "experts" map (``map``: those experts' megatron tensors)."""
+
+    map: _Map
+    first: int
+    last: int
+
+
+def plan(model, part_bytes: int) -> list[list]:
+    """The model's tensor maps (and expert windows) in parts of at most ``part_bytes`` (a larger map alone)."""
+    config, layout = model.config, model.gpt.orthon_layout
+    shapes = megatron_shapes(config, model.runtime, layout)
+    itemsize = next(model.parameters()).element_size()
+    sizes = {}
+    for mp in (mp for part in model_parts(config, layout) for mp in part):
+        nbytes = sum(shapes[n].numel() for n in mp.megatron) * itemsize
+        if mp.kind != "experts" or nbytes <= part_bytes:
+            sizes[mp] = nbytes
+            continue
+        experts = len(mp.megatron)
+        step = max(1, part_bytes // (nbytes // experts))
+        for first in range(0, experts, step):
+            last = min(first + step, experts)
+            sizes[_Window(replace(mp, megatron=mp.megatron[first:last]), first, last)] = nbytes // experts * (last - first)
+    return hf_io.plan_shards(sizes, part_bytes)
+
+
 def _first_holder() -> bool:
     """Whether this rank is the first (lowest) of the ranks holding its piece of the model."""
     keys: list = [None] * dist.get_world_size()
@@ -38,68 +72,99 @@ def _first_holder() -> bool:
     return keys.index(rank_key()) == dist.get_rank()
 
 
-def _all_keys(model) -> list[tuple[int, int, int]]:
-    """Every (stage, tp, ep) shard key of the model's layout."""
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class _Pieces:
+    """This rank's tensors of the model by their megatron names in the whole model: {name: (chunk's
+    ``rank_key``, name on the chunk, tensor)}."""
+
+    def __init__(self, model):
+        sizes = stage_sizes(model.options)
+        per_ep = model.config.n_routed_experts // sizes.ep if model.config.has_moe else 0
+        self.by_name = {}
+        for key, state in model.local_states().items():
+            for local, tensor in state.items():
+                name = global_expert_name(local, key[2], per_ep, model.gpt.orthon_layout) or local
+                self.by_name[global_layer_name(name, key[0], model.layers_per_stage)] = (key, local, tensor)
+
+    def of(self, names) -> dict:
+        """{chunk key: {name on the chunk: CPU copy}} of the tensors of ``names`` this rank holds."""
+        out: dict = {}
+        for name in names:
+            if name in self.by_name:
+                key, local, tensor = self.by_name[name]
+                out.setdefault(key, {})[local] = tensor.detach().cpu()
+        return out
+
+
+def _merged(model, pieces: _Pieces, names: list[str], owner: int, sends: bool) -> dict | None:
+    """megatron's whole tensors ``names`` on rank ``owner`` (None elsewhere): the ranks' pieces gathered there."""
+    if not model.model_parallel:  # every rank holds the whole model: the owner reads its own
+        return {name: tensor for state in pieces.of(names).values() for name, tensor in state.items()} \
+            if _rank() == owner else None
+    mine = pieces.of(names) if sends else {}
+    gathered = [None] * dist.get_world_size() if _rank() == owner else None
+    dist.gather_object(mine, gathered, dst=owner)
+    if gathered is None:
+        return None
     sizes = stage_sizes(model.options)
-    return [(s, t, e) for s in range(sizes.pp) for t in range(sizes.tp) for e in range(sizes.ep)]
+    shards: dict = {(s, t, e): {} for s in range(sizes.pp) for t in range(sizes.tp) for e in range(sizes.ep)}
+    for states in gathered:  # one holder's pieces each (the first of its replicas)
+        for key, state in states.items():
+            shards[key].update(state)
+    return merge(shards, model.config, sizes, model.gpt.orthon_layout)
 
 
-def save_gathered(model, directory, write: bool) -> None:
-    """Write ``model`` (a MegatronCausalLM) as the weights directory ``directory``. A collective where the
-    ranks hold parts of it: every rank calls it, the one that ``write``s (rank 0) gathers and writes. When
-    its writing fails, it still takes part in the gathers left (no rank waits in a collective), then raises."""
-    config, layout = model.config, model.gpt.orthon_layout
-    parts = model_parts(config, layout)
+def _load(model, pieces: _Pieces, items: list, owner: int, sends: bool, expected: dict) -> dict | None:
+    """One part in orthon's names on rank ``owner`` (expert windows as row pieces of their stacks)."""
+    merged = _merged(model, pieces, [n for item in items for n in _map(item).megatron], owner, sends)
+    if merged is None:
+        return None
+    out = {}
+    for item in items:
+        mp = _map(item)
+        for name, tensor in megatron_to_orthon({n: merged[n] for n in mp.megatron if n in merged}, model.config,
+                                               model.gpt.orthon_layout, maps=[mp]).items():
+            want = expected[name]
+            if isinstance(item, _Window):
+                want = (item.last - item.first, *want[1:])
+                name = hf_io.row_piece_name(name, item.first, item.last)
+            if tuple(tensor.shape) != tuple(want):
+                raise CheckpointError(f"tensor {name}: shape {tuple(tensor.shape)} does not match the config's {tuple(want)}")
+            out[name] = tensor
+    return out
+
+
+def _map(item) -> _Map:
+    return item.map if isinstance(item, _Window) else item
+
+
+def weight_parts(model, part_bytes: int, owner=lambda i: 0) -> list:
+    """The model (a MegatronCausalLM) in parts of about ``part_bytes`` as loaders: calling the i-th, on every
+    rank in the same order (a collective where the ranks hold parts of the model), returns on rank
+    ``owner(i)`` that part, {orthon name or expert window's row piece: CPU tensor}, elsewhere None."""
     sends = _first_holder() if model.model_parallel else True
-    by_part: list[dict] = [{} for _ in parts]  # {chunk's rank_key: {name: tensor}} of each part
-    for key, state in model.local_states().items():
-        stage = key[0]
-        for name, tensor in state.items():
-            index = part_index(global_layer_name(name, stage, model.layers_per_stage), config.num_hidden_layers)
-            by_part[index].setdefault(key, {})[name] = tensor
+    pieces = _Pieces(model)
+    expected = {k: v.shape for k, v in meta_model(model.config, model.runtime).state_dict().items()}
+    return [partial(_load, model, pieces, items, owner(i), sends, expected)
+            for i, items in enumerate(plan(model, part_bytes))]
 
-    def load(index: int) -> dict[str, torch.Tensor] | None:
-        mine = {key: {k: v.detach().cpu() for k, v in state.items()} for key, state in by_part[index].items()} if sends else {}
-        if not model.model_parallel:
-            return megatron_to_orthon(next(iter(mine.values()), {}), config, layout, maps=parts[index])
-        gathered = [None] * dist.get_world_size() if write else None
-        dist.gather_object(mine, gathered, dst=0)
-        if not write:
-            return None
-        shards: dict = {}
-        for states in gathered:  # the first holder's pieces (ranks in order)
-            for key, state in states.items():
-                shards.setdefault(key, state)
-        for key in _all_keys(model):  # the chunks holding nothing of this part
-            shards.setdefault(key, {})
-        return megatron_to_orthon(merge(shards, config, stage_sizes(model.options), layout), config, layout,
-                                  maps=parts[index])
 
-    loaders = [partial(load, index) for index in range(len(parts))]
+def save_gathered(model, directory, write: bool, max_shard_bytes: int = hf_io.DEFAULT_SHARD_BYTES) -> None:
+    """Write ``model`` (a MegatronCausalLM) as the weights directory ``directory``, a safetensors shard of
+    about ``max_shard_bytes`` at a time. A collective where the ranks hold parts of it: every rank calls it,
+    the one that ``write``s (rank 0) gathers and writes. When its writing fails, it still takes part in the
+    gathers left (no rank waits in a collective), then raises."""
+    loaders = weight_parts(model, max_shard_bytes)
     if not write:
-        if model.model_parallel:  # its part of every gather
-            for load_part in loaders:
-                load_part()
+        for load in loaders:  # its part of every gather (nothing where it holds the whole model)
+            load()
         return
-    expected = {k: v.shape for k, v in meta_model(config, model.runtime).state_dict().items()}
-    written: set[str] = set()
 
-    def checked(load_part) -> dict[str, torch.Tensor]:
-        part = load_part()
-        for name, tensor in part.items():
-            if name not in expected:
-                raise CheckpointError(f"tensor {name}: not a tensor of the model")
-            if tuple(tensor.shape) != tuple(expected[name]):
-                raise CheckpointError(f"tensor {name}: shape {tuple(tensor.shape)} does not match the config's "
-                                      f"{tuple(expected[name])}")
-        written.update(part)
-        return hf_io.to_hf(part)
-
-    def write_all(parts_to_write):
+    def write_all(parts):
         with writing_weights_dir(directory, model.runtime) as tmp:
-            hf_io.write_hf_shards(tmp, [partial(checked, load_part) for load_part in parts_to_write],
-                                  hf_io.config_with_dtype(config, next(model.parameters()).dtype))
-            missing = sorted(set(expected) - written)
-            if missing:
-                raise CheckpointError(f"missing tensors ({len(missing)}): {missing[:8]}")
+            hf_io.write_hf_shards(tmp, [lambda load=load: hf_io.to_hf(load()) for load in parts],
+                                  hf_io.config_with_dtype(model.config, next(model.parameters()).dtype))
     drain_on_error(loaders, write_all)
