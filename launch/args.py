@@ -95,9 +95,9 @@ def check_rl_fits(model_config, recipe, command: str) -> None:
     """RL and post-training: one trainer rank's training state (``check_model_fits``, over the Ray trainer
     ranks where the cluster runs), and the whole model in one process wherever a part needs it: the
     in-process engine, the tensors gathered on trainer rank 0 for the engines (the shared path; disk and
-    distributed hand the ranks' shards over a part at a time, or by delta each rank's rows), the KL reference
-    and OPD teachers where the ranks do not shard the policy (those of its architecture are placed as the
-    policy; a teacher of another is loaded whole everywhere)."""
+    distributed hand the ranks' shards over a part at a time, or by delta each rank's rows or parts), the KL
+    reference and OPD teachers where the ranks do not shard the policy (those of its architecture are placed
+    as the policy, megatron's too; a teacher of another, or beside megatron's policy, is loaded whole)."""
     cluster = recipe.rl.cluster
     check_recipe_fits(dataclasses.replace(recipe, model=model_config), command,
                       cluster.trainer_ranks if cluster.enabled else None)
@@ -111,7 +111,10 @@ def check_rl_fits(model_config, recipe, command: str) -> None:
     from orthon.pretrain.weights import load_config
 
     world = (cluster.trainer_ranks if cluster.enabled else None) or int(os.environ.get("WORLD_SIZE", "1"))
-    sharded = holds_shards(recipe.train, world)
+    megatron = recipe.megatron if recipe.backend == "megatron" else None
+    megatron_parts = megatron is not None and (megatron.tensor_parallel, megatron.pipeline_parallel,
+                                               megatron.expert_parallel) != (1, 1, 1)
+    sharded = holds_shards(recipe.train, world) or megatron_parts
     if recipe.rl.loss.kl_coef > 0 and not sharded:  # sharded, it is placed as the policy
         whole.append("the KL reference model is loaded whole")
     opd = recipe.rl.opd
@@ -119,7 +122,7 @@ def check_rl_fits(model_config, recipe, command: str) -> None:
         if other_fields(teacher.weights, model_config):  # another architecture: whole in every process
             check_weights_fit(load_config(weights_path(teacher.weights)),
                               f"{command} (the OPD teacher {teacher.name} is loaded whole)")
-        elif not sharded:
+        elif not sharded or megatron is not None:  # beside megatron's policy orthon's model, whole
             whole.append(f"the OPD teacher {teacher.name} is loaded whole")
     if whole:
         check_weights_fit(model_config, f"{command} ({'; '.join(whole)})")

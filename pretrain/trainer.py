@@ -538,8 +538,14 @@ class Trainer:
         directory or a run), placed as the policy is: under FSDP2 built on the meta device and sharded
         before it has memory, the experts spread under expert parallelism (no rank holds all of it; its
         forward is a collective, as the policy's), whole on each rank otherwise. A KL reference, a
-        distillation teacher."""
+        distillation teacher. Another backend's model: that backend's, built as the policy is (its ranks
+        holding the parts of it the policy's hold)."""
         source = init_source(source, self.recipe.model)
+        if self.foreign_model:
+            recipe = dataclasses.replace(self.recipe, train=dataclasses.replace(self.recipe.train, init_from=str(source)))
+            model = resolve(MODEL_BACKENDS[recipe.backend], "backend")(recipe)
+            model.load_weights(source)
+            return model.to(self.device).requires_grad_(False).eval()
         fsdp = self.cfg.parallel == "fsdp" and self.world > 1
         sharded_build = self._builds_sharded()
         with on_meta_device() if sharded_build else nullcontext():

@@ -109,8 +109,9 @@ def icepop_token_loss(
     Returns (token_loss [B, T], zero wherever loss_mask = 0 or IcePop drops the token, and
     metrics): masked_fraction (share of trained tokens IcePop dropped), logp_abs_diff (mean
     |logp_train - logp_rollout| over trained tokens), clip_fraction (share of trained tokens
-    whose gradient the clip removes), kept_tokens, trained_tokens, and entropy (mean over trained
-    tokens) when ``entropy`` [B, T] or ``logits`` [B, T, V] is given. Metrics are detached.
+    whose gradient the clip removes), kept_tokens, trained_tokens, entropy (mean over trained
+    tokens) when ``entropy`` [B, T] or ``logits`` [B, T, V] is given, and kl (the mean k3 estimate over
+    trained tokens) when kl_coef != 0. Metrics are detached.
     """
     if logp_train.shape != logp_rollout.shape or logp_train.shape != loss_mask.shape:
         raise ValueError(
@@ -146,7 +147,8 @@ def icepop_token_loss(
             raise ValueError("icepop_token_loss: kl_coef > 0 needs logp_ref")
         # k3 estimator of KL(pi_train || pi_ref): exp(d) - d - 1 with d = logp_ref - logp_train; >= 0.
         d = torch.where(trained, logp_ref.detach().float() - logp_train, zero)
-        token_loss = token_loss + kl_coef * torch.where(trained, torch.exp(d) - d - 1.0, zero)
+        kl = torch.where(trained, torch.exp(d) - d - 1.0, zero)
+        token_loss = token_loss + kl_coef * kl
 
     with torch.no_grad():
         t = trained.float()
@@ -160,6 +162,8 @@ def icepop_token_loss(
             "kept_tokens": keep.float().sum(),
             "trained_tokens": n_trained,
         }
+        if kl_coef != 0.0:
+            metrics["kl"] = _masked_mean(kl.detach(), t)
         if entropy is None and logits is not None:
             entropy = token_entropy(logits.detach())
         if entropy is not None:

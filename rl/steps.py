@@ -10,7 +10,8 @@ micro-batching and data parallelism leave the gradient unchanged.
 Micro-batches and their ranks follow ``rl.dp_schedule`` (orthon.rl.dp_schedule), a micro-batch holding
 at most ``train.micro_batch_size`` samples. A rank left without samples (fewer samples than ranks) runs
 one at weight 0, so that DDP's gradient all-reduce still meets every rank.
-With ``kl_coef`` > 0 the policy loss adds the per-token KL to a frozen reference model.
+With ``kl_coef`` > 0 the policy loss adds the per-token KL to a frozen reference model, whose log-probs of
+the step's samples are taken first, a forward a micro-batch.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from orthon.rl.dp_schedule import padded_cost, schedule_from_config
 from orthon.rl.logprobs import sample_log_probs
 from orthon.rl.loss import aggregate_loss, icepop_token_loss, opd_kl_penalty_advantages, opd_sampled_advantages
 
-LOSS_METRICS = ("masked_fraction", "logp_abs_diff", "clip_fraction", "entropy")  # per trained token
+LOSS_METRICS = ("masked_fraction", "logp_abs_diff", "clip_fraction", "entropy", "kl")  # per trained token
 METRICS = (*LOSS_METRICS, "opd_reverse_kl")
 
 
@@ -112,6 +113,7 @@ class PolicyStep(SampleStep):
         super().__init__(dp_schedule)
         self.cfg, self.reference, self.opd, self.teachers = loss_cfg, reference, opd, teachers or {}
         self.mismatch_max = 0.0
+        self.reference_log_probs: dict[int, torch.Tensor] = {}  # this step's, by id of the sample (``begin``)
         # Set by RLTrainer for an update whose samples were generated on the weights it starts from:
         # their rollout log-probs become this forward's (the rescore, without another forward).
         self.rescore_in_forward = False
@@ -132,6 +134,21 @@ class PolicyStep(SampleStep):
             raise ValueError("PolicyStep: OPD form kl_penalty needs the teacher models")
         super().begin(trainer, batch)
         self.mismatch_max = 0.0
+        self.reference_log_probs = self._reference_log_probs(trainer) if self.cfg.kl_coef > 0 else {}
+
+    def _reference_log_probs(self, trainer) -> dict[int, torch.Tensor]:
+        """The frozen reference's log-probs of this rank's samples, {id(sample): row}: its forward of each of
+        this rank's micro-batches (a rank without samples one, as ``loss`` runs), before the update. Apart
+        from the policy's forward, so a reference placed as the policy (FSDP2's shards, megatron's pipeline,
+        whose forward outside a step runs its own schedule on every stage) meets every rank as its forward
+        needs."""
+        out = {}
+        with torch.no_grad(), trainer.autocast():
+            for micro in self.micro_batches(None, 0, None):
+                samples = [self.sample(item) for item in micro or self.trainable[:1]]
+                for sample, row in zip(samples, sample_log_probs(self.reference, samples).log_probs):
+                    out[id(sample)] = row
+        return out
 
     def micro_loss(self, model, micro):
         samples = [s for s, _ in micro]
@@ -144,10 +161,7 @@ class PolicyStep(SampleStep):
         device = out.log_probs.device
         rollout, mask = (t.to(device) for t in response_tensors(samples, out.mask.shape[1]))
         advantages, opd_sums = self._opd_advantages(samples, advantages.to(device), out, mask)
-        reference = None
-        if self.cfg.kl_coef > 0:
-            with torch.no_grad():
-                reference = sample_log_probs(self.reference, samples).log_probs
+        reference = torch.stack([self.reference_log_probs[id(s)] for s in samples]) if self.cfg.kl_coef > 0 else None
         token_loss, metrics = icepop_token_loss(
             out.log_probs, rollout, advantages.to(device), mask, beta=self.cfg.icepop_beta, eps_low=self.cfg.eps_low,
             eps_high=self.cfg.eps_high, keep_weight=self.cfg.keep_weight, kl_coef=self.cfg.kl_coef,
@@ -155,7 +169,7 @@ class PolicyStep(SampleStep):
         # DDP averages gradients over the data-parallel ranks: multiply back by their number (the normaliser is global).
         objective = aggregate_loss(token_loss, mask, self.cfg.aggregation, denominator=self.denominator) * self.world
         n = float(mask.sum())
-        sums = {key: float(metrics[key]) * n for key in LOSS_METRICS}
+        sums = {key: float(metrics[key]) * n for key in LOSS_METRICS if key in metrics}
         sums["trained_tokens"] = n
         sums.update(opd_sums)
         self.mismatch_max = max(self.mismatch_max, float(((out.log_probs.detach() - rollout).abs() * mask).max()))

@@ -74,7 +74,7 @@ class RLTrainer:
         if self.cfg.loss.kl_coef > 0:
             step.reference = self._frozen("KL reference", policy)
         if self.cfg.opd is not None and self.cfg.opd.form == "kl_penalty":
-            step.teachers = {t.name: self._frozen(f"teacher {t.name}", t.weights) for t in self.cfg.opd.teachers}
+            step.teachers = {t.name: self._frozen(f"teacher {t.name}", t.weights, in_loss=True) for t in self.cfg.opd.teachers}
         own_engines = engine is None and rollout is None
         # Every rank generates a share of each synchronous round where each holds the whole model; else
         # rank 0 alone (see the module docstring).
@@ -128,15 +128,17 @@ class RLTrainer:
             self.shared_rollouts.stop()
         return distributed.broadcast_object(result)
 
-    def _frozen(self, what: str, weights) -> torch.nn.Module:
+    def _frozen(self, what: str, weights, in_loss: bool = False) -> torch.nn.Module:
         """A frozen model of ``weights``: placed as the policy where it has the policy's architecture (sharded
-        where the policy is: no rank loads it whole), else whole in each process (shared by the runs of one)."""
-        if other_fields(weights, self.recipe.model):
-            from orthon.rl.distill import teacher_model
+        where the policy is: no rank loads it whole), else whole in each process (shared by the runs of one).
+        ``in_loss``: its forward runs inside the policy's loss (OPD's teachers), which under another backend's
+        pipeline runs on the last stage alone: there it is orthon's model, whole in each process."""
+        from orthon.rl.distill import teacher_model
 
+        if other_fields(weights, self.recipe.model):
             model, where = teacher_model(weights).to(self.trainer.device), "whole (another architecture)"
-        elif self.trainer.foreign_model:  # orthon's model beside another framework's policy
-            model, where = self.trainer.frozen_copy(weights), "whole in each process (orthon's model)"
+        elif in_loss and self.trainer.foreign_model:
+            model, where = teacher_model(weights).to(self.trainer.device), "whole (orthon's model, in the loss)"
         else:
             model, where = self.trainer.frozen_copy(weights), "placed as the policy" + (
                 ": sharded" if self.trainer.holds_shards else "")

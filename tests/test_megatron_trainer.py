@@ -141,7 +141,7 @@ def test_rl_on_megatron_samples_and_trains_as_on_torch(tmp_path):
     the weights it hands over.
     The engine's log-probs of its samples against megatron's forward of them (logp_abs_diff, what IcePop
     guards) stay at float round-off, and every iteration samples, rewards and trains as the torch backend
-    does."""
+    does, its KL to a frozen reference (megatron's model, placed as the policy) too."""
     pre = _policy(tmp_path)
     runs = {"torch": (1, ["backend=torch"]), "megatron": (1, ["backend=megatron"]),
             # two ranks of one tensor-parallel replica: both train on every sample, each counted once
@@ -151,8 +151,11 @@ def test_rl_on_megatron_samples_and_trains_as_on_torch(tmp_path):
             # two pipeline stages: the policy loss on the second, the rescoring forward-only through both
             "megatron_pp": (2, ["backend=megatron", "megatron.pipeline_parallel=2"])}
     for name, (ranks, overrides) in runs.items():
-        orthon("rl", "-c", _rl_recipe(tmp_path, tmp_path / name), "--from", pre, *overrides, "optim.ns_dtype=fp32",
-               nproc=ranks)
+        out = orthon("rl", "-c", _rl_recipe(tmp_path, tmp_path / name), "--from", pre, *overrides, "optim.ns_dtype=fp32",
+                     "rl.loss.kl_coef=0.5", nproc=ranks)
+        # the KL reference is megatron's model too, each rank holding the policy's parts of it
+        placed = f"KL reference: {pre / 'final'}, placed as the policy" + (": sharded" if ranks > 1 else "\n")
+        assert placed in out.stdout + out.stderr, name
     ref = [r for r in _records(tmp_path / "torch") if "reward_mean" in r]
     assert len(ref) == 3 and all(r["groups_all_equal"] < 1 for r in ref)  # groups of mixed rewards: real updates
     for name in ("megatron", "megatron_tp", "megatron_ep", "megatron_pp"):
@@ -163,6 +166,8 @@ def test_rl_on_megatron_samples_and_trains_as_on_torch(tmp_path):
             assert b["trained_tokens"] == a["trained_tokens"]
             assert b["logp_abs_diff"] < 1e-5 and b["logp_mismatch_max"] < 1e-4  # engine (orthon) vs trainer (megatron)
             assert b["entropy"] == pytest.approx(a["entropy"], abs=1e-5)
+            assert b["kl"] == pytest.approx(a["kl"], rel=1e-3, abs=1e-9)  # to the reference, placed as the policy
+    assert ref[0]["kl"] == 0 and ref[-1]["kl"] > 1e-5  # the first update starts from the reference
     evals = [[r["eval_reward"] for r in _records(tmp_path / name) if "eval_reward" in r] for name in runs]
     assert all(e == evals[0] for e in evals) and len(evals[0]) == 2
 

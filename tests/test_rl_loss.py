@@ -127,8 +127,10 @@ def test_kl_coefficient_zero_adds_nothing_and_positive_adds_k3():
     assert torch.equal(plain, with_ref) and torch.equal(g_plain, g_ref)
     # k3 with logp_ref - logp_train = -1: exp(-1) + 1 - 1 = 0.367879, times 0.5
     ref = train.detach() - 1.0
-    with_kl, _ = icepop_token_loss(train, rollout, torch.tensor([1.0]), mask, kl_coef=0.5, logp_ref=ref)
+    with_kl, metrics = icepop_token_loss(train, rollout, torch.tensor([1.0]), mask, kl_coef=0.5, logp_ref=ref)
     assert torch.allclose(with_kl - plain, torch.full_like(plain, 0.5 * math.exp(-1)), atol=1e-6)
+    assert float(metrics["kl"]) == pytest.approx(math.exp(-1)) and "kl" not in icepop_token_loss(
+        train, rollout, torch.tensor([1.0]), mask)[1]  # the k3 estimate itself, logged where it is in the loss
     with pytest.raises(ValueError, match="logp_ref"):
         icepop_token_loss(train, rollout, torch.tensor([1.0]), mask, kl_coef=0.1)
 

@@ -1,6 +1,7 @@
 """RL's step plug-in: loss masks (masked tokens get no gradient and leave the normaliser), the KL to a
 frozen reference model, checked against hand computations, and the split of an update over micro-batches
 and data-parallel ranks (orthon.rl.dp_schedule) that leaves the gradient unchanged."""
+import contextlib
 import copy
 from types import SimpleNamespace
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _trainer(micro_size=64, world=1, rank=0):
     return SimpleNamespace(device=torch.device("cpu"), world=world, rank=rank, data_world=world, data_rank=rank,
-                           cfg=SimpleNamespace(micro_batch_size=micro_size))
+                           cfg=SimpleNamespace(micro_batch_size=micro_size), autocast=contextlib.nullcontext)
 
 
 def _model(seed=0):
