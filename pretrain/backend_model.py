@@ -57,8 +57,10 @@ class BackendModel(Protocol):
     def layout(self) -> dict:
         """How the ranks split the model (saved with each checkpoint)."""
 
-    def check_layout(self, saved: dict | None, path) -> None:
-        """A ConfigError where the checkpoint at ``path``, written at layout ``saved``, cannot be resumed here."""
+    def resharding(self, saved: dict | None, path):
+        """None where the checkpoint at ``path`` was written at this layout (``saved``); else
+        ``rebuild(targets, path)``, which fills this rank's tensors the checkpoint holds as other pieces
+        (orthon.pretrain.checkpoint.Checkpointer.load); a ConfigError where it cannot be resumed here."""
 
     def checkpoint_names(self) -> dict[str, str]:
         """{state-dict name: checkpoint name} where the ranks' state dicts use one name for different

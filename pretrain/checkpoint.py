@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 # DCP's own flattening (private, but the one that names the keys a checkpoint's metadata holds).
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
@@ -259,20 +259,34 @@ class Checkpointer:
         barrier()
         return [p.name for p in later]
 
-    def load(self, path: Path, model: torch.nn.Module, optimizers: list) -> dict:
+    def load(self, path: Path, model: torch.nn.Module, optimizers: list, rebuild=None) -> dict:
         """Load into an already-built (and already-sharded) model and optimizers; returns trainer state.
 
         An optimizer setting that orthon added after the checkpoint was written (a param-group key such
         as Muon's ``ns_method``) is absent from it: it keeps this run's value, and the log says so. Any
-        other key missing (a weight, an optimizer state tensor) is a CheckpointError naming it."""
+        other key missing (a weight, an optimizer state tensor) is a CheckpointError naming it.
+
+        ``rebuild(targets, path)``: the checkpoint was written at another layout of the model's ranks
+        (another backend's model parallelism); it fills in place the tensors of this rank's it does not hold
+        under their names ({flattened key: tensor}), and the param groups stay this run's."""
         model_state, optim_state = get_state_dict(model, optimizers)
         names = _checkpoint_names(model)
         state = _renamed({"model": model_state, "optim": optim_state}, names)
-        missing = missing_keys(state, path)
-        if missing:
-            self.log(f"checkpoint {path.name} predates the optimizer settings "
-                     f"{sorted({key.rsplit('.', 1)[1] for key in missing})}: they keep this run's values")
-        dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=bool(missing)))
+        if rebuild is not None:
+            state["optim"] = {"state": state["optim"]["state"]}  # this run's param groups
+            flat, mapping = flatten_state_dict(state)
+            stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            rebuild({k: v for k, v in flat.items() if k not in stored and isinstance(v, torch.Tensor)}, path)
+            held = {k: v for k, v in flat.items() if k in stored}
+            dcp.load(held, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+            state = unflatten_state_dict({**flat, **held}, mapping)
+            state["optim"]["param_groups"] = optim_state["param_groups"]
+        else:
+            missing = missing_keys(state, path)
+            if missing:
+                self.log(f"checkpoint {path.name} predates the optimizer settings "
+                         f"{sorted({key.rsplit('.', 1)[1] for key in missing})}: they keep this run's values")
+            dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=bool(missing)))
         state = _renamed(state, {v: k for k, v in names.items()})
         # Into the module itself, not a DDP wrapper: through the wrapper torch takes a None value (a module's
         # empty extra state, as megatron-core's layers have) for a missing key.

@@ -114,6 +114,11 @@ def weights_path(source) -> Path:
     return path / "final" if (path / "final").is_dir() else path
 
 
+def _layout_text(layout: dict) -> str:
+    """A model layout (another backend's ``layout()``) as a log line names it."""
+    return ", ".join(f"{key}={value}" for key, value in layout.items())
+
+
 def other_fields(source, config) -> list[str]:
     """The architecture fields in which the model of ``source`` differs from ``config`` (token ids aside)."""
     saved = load_config(weights_path(source))
@@ -248,9 +253,14 @@ class Trainer:
                          f"{self.checkpointer.root / 'abandoned'}")
         if path is None:
             return None
+        rebuild = None
         if self.foreign_model:  # its checkpoints hold each rank's part of the model as that layout cut it
-            self.model.check_layout(self.checkpointer.trainer_state(path).get("layout"), path)
-        state = self.checkpointer.load(path, self.wrapped, self.optimizer.optimizers)
+            saved = self.checkpointer.trainer_state(path).get("layout")
+            rebuild = self.model.resharding(saved, path)
+            if rebuild is not None:
+                self.log(f"{path} was written at {_layout_text(saved)}: each rank's weights and optimizer state "
+                         f"rebuilt for {_layout_text(self.model.layout())}")
+        state = self.checkpointer.load(path, self.wrapped, self.optimizer.optimizers, rebuild=rebuild)
         self.step, self.tokens = state["step"], state["tokens"]
         if "guard" in state:  # checkpoints from before skipped steps have none: nothing was skipped
             self.guard.load_state_dict(state["guard"])

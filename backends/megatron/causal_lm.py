@@ -31,6 +31,7 @@ through the hooks ``data_parallel``, ``ddp_group``, ``finish_grads``, ``clip_gra
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from types import SimpleNamespace
 
@@ -43,6 +44,7 @@ from orthon.backends.megatron import pipeline
 from orthon.backends.megatron.convert import megatron_shapes, orthon_to_megatron
 from orthon.backends.megatron.core_attention import SDPACoreAttention
 from orthon.backends.megatron.gathered_weights import save_gathered, weight_parts
+from orthon.backends.megatron.reshard import rebuild
 from orthon.backends.megatron.model import (build_chunks, load_megatron_state, rank_key, require_megatron, sizes_of,
                                             stage_sizes)
 from orthon.backends.megatron.parallel import global_expert_name, global_layer_name, stage_name
@@ -349,19 +351,21 @@ class MegatronCausalLM(nn.Module):
                              "expert_tensor_parallel")}
         return {**sizes, "transformer_engine": "on" if self.gpt.orthon_layout.te else "off"}  # the layers' names
 
-    def check_layout(self, saved: dict | None, path) -> None:
-        """A checkpoint holds each rank's part as its layout cut it (``checkpoint_names``): it resumes at that
-        layout; at another, a ConfigError names both and the way across (its weights, exported, start the
-        new one). ``saved`` None: a checkpoint from before layouts were saved (not checked)."""
+    def resharding(self, saved: dict | None, path):
+        """How the checkpoint at ``path``, written at layout ``saved``, loads here: None where this layout
+        wrote it (``saved`` None: a checkpoint from before layouts were saved), else ``reshard.rebuild`` for
+        this model (each rank's tensors rebuilt from the pieces of the other layout's ranks). Written with
+        the other layer spec (transformer-engine's or the local one), whose tensors are named otherwise: a
+        ConfigError naming the way across."""
         mine = self.layout()
         if saved is None or saved == mine:
-            return
-        differ = [key for key in saved if saved[key] != mine.get(key)]
-        theirs = " ".join(f"megatron.{key}={saved[key]}" for key in differ)
-        raise ConfigError(f"{path} was written with {theirs} (this run: {', '.join(f'{key}={mine.get(key)}' for key in differ)}); "
-                          f"a megatron checkpoint resumes at its own layout: resume with {theirs}, or carry its "
-                          f"weights across (orthon export RUN --step N --out DIR, then a run at the new layout "
-                          f"with train.init_from=DIR; the optimizer state starts afresh)")
+            return None
+        if saved.get("transformer_engine") != mine["transformer_engine"]:
+            raise ConfigError(f"{path} was written with transformer-engine's layer spec {saved.get('transformer_engine')} "
+                              f"(this run: {mine['transformer_engine']}), whose tensors are named otherwise: resume "
+                              f"where it was written, or carry its weights across (orthon export RUN --step N --out "
+                              f"DIR, then train.init_from=DIR; the optimizer state starts afresh)")
+        return functools.partial(rebuild, self)
 
     def checkpoint_names(self) -> dict[str, str]:
         """{name in this rank's state dict: name in a checkpoint} where they differ, so that the ranks' keys

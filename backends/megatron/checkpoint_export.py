@@ -31,21 +31,30 @@ from orthon.pretrain.weights import writing_weights_dir
 PREFIX = "model."  # the model's part of a checkpoint (orthon.pretrain.checkpoint saves {"model", "optim"})
 
 
-def _stored_keys(name: str, stored, carried: list[str]) -> list[str]:
-    """The checkpoint keys holding megatron's tensor ``name``: itself, its tensor-parallel pieces in rank
-    order, or its carried copy."""
-    key = f"{PREFIX}gpt.{name}"
-    if key in stored:
-        return [key]
+def stored_keys(name: str, stored, carried: list[str], prefix: str = PREFIX, suffix: str = "") -> list[str]:
+    """The checkpoint keys holding megatron's tensor ``name`` (``prefix``: the model's, or the optimizer
+    state's ``optim.state.`` with ``suffix`` its entry, ``.exp_avg``): itself, its tensor-parallel pieces in
+    rank order, or its carried copy (``carried``: the carried tensors' names, sorted, as a one-stage run
+    numbers them)."""
+    key = f"{prefix}gpt.{name}"
+    if key + suffix in stored:
+        return [key + suffix]
     pieces = []
-    while f"{key}@tp{len(pieces)}" in stored:
-        pieces.append(f"{key}@tp{len(pieces)}")
+    while f"{key}@tp{len(pieces)}{suffix}" in stored:
+        pieces.append(f"{key}@tp{len(pieces)}{suffix}")
     if pieces:
         return pieces
-    for key in (f"{PREFIX}carried.{name}", f"{PREFIX}carried.t{carried.index(name)}" if name in carried else None):
-        if key in stored:
-            return [key]
-    raise CheckpointError(f"the checkpoint lacks {name} (keys {PREFIX}gpt.{name}[@tp<r>] or {PREFIX}carried.*)")
+    for key in (f"{prefix}carried.{name}", f"{prefix}carried.t{carried.index(name)}" if name in carried else None):
+        if key is not None and key + suffix in stored:
+            return [key + suffix]
+    raise CheckpointError(f"the checkpoint lacks {name}{suffix} (keys {prefix}gpt.{name}[@tp<r>]{suffix} or "
+                          f"{prefix}carried.*{suffix})")
+
+
+def carried_names(stored, names) -> list[str]:
+    """Which of megatron's tensors ``names`` a checkpoint (``stored``: its metadata) holds beside megatron's
+    model (the DSA indexer), sorted as a one-stage run numbers them."""
+    return sorted(n for n in names if f"{PREFIX}gpt.{n}" not in stored and f"{PREFIX}gpt.{n}@tp0" not in stored)
 
 
 def export_megatron_checkpoint(path, config: ModelConfig, runtime: RuntimeOptions, directory, *,
@@ -61,14 +70,14 @@ def export_megatron_checkpoint(path, config: ModelConfig, runtime: RuntimeOption
     layout = megatron_layout(te=saved.get("transformer_engine") == "on")  # as the model was built
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     names = list(megatron_shapes(config, runtime, layout))
-    carried = sorted(n for n in names if f"{PREFIX}gpt.{n}" not in stored and f"{PREFIX}gpt.{n}@tp0" not in stored)
+    carried = carried_names(stored, names)
     parts = model_parts(config, layout)
     by_part: list[list[str]] = [[] for _ in parts]
     for name in names:
         by_part[part_index(name, config.num_hidden_layers)].append(name)
 
     def load(index: int) -> dict[str, torch.Tensor]:
-        keys = {name: _stored_keys(name, stored, carried) for name in by_part[index]}
+        keys = {name: stored_keys(name, stored, carried) for name in by_part[index]}
         state = {key: torch.empty(stored[key].size, dtype=stored[key].properties.dtype)
                  for pieces in keys.values() for key in pieces}
         dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
@@ -76,7 +85,7 @@ def export_megatron_checkpoint(path, config: ModelConfig, runtime: RuntimeOption
         return hf_io.to_hf(megatron_to_orthon(joined, config, layout, maps=parts[index]), dtype)
 
     head = "embedding.word_embeddings.weight" if config.tie_word_embeddings else "output_layer.weight"
-    head_dtype = hf_io.written_dtype(hf_io.head_name(config), stored[_stored_keys(head, stored, carried)[0]].properties.dtype,
+    head_dtype = hf_io.written_dtype(hf_io.head_name(config), stored[stored_keys(head, stored, carried)[0]].properties.dtype,
                                      dtype)
     with writing_weights_dir(directory, runtime, tokenizer) as tmp:
         hf_io.write_hf_shards(tmp, [partial(load, index) for index in range(len(parts))],
