@@ -33,23 +33,25 @@ def machine_memory() -> tuple[int, str]:
     return physical_memory(), "memory"
 
 
-def check_recipe_fits(recipe, command: str = "train", world: int | None = None) -> None:
-    """check_model_fits for a recipe's model under its parallelism (the torch backend's, or megatron's).
+def check_recipe_fits(recipe, command: str = "train", world: int | None = None, frozen: int = 0) -> None:
+    """check_model_fits for a recipe's model under its parallelism (the torch backend's, or megatron's), with
+    ``frozen`` frozen copies placed as the policy (RL's KL reference, OPD's teachers).
     megatron's ``init: orthon`` draws the whole model in every process first: it must fit too."""
     megatron = recipe.megatron if recipe.backend == "megatron" else None
-    check_model_fits(recipe.model, recipe.train, command, world, megatron=megatron)
+    check_model_fits(recipe.model, recipe.train, command, world, megatron=megatron, frozen=frozen)
     if megatron is not None and megatron.init == "orthon" and not recipe.train.init_from:
         check_weights_fit(recipe.model, f"{command} (megatron.init=orthon draws the whole model in every process "
                                         f"first)", advice="set megatron.init=megatron (each rank draws its part)")
 
 
 def check_model_fits(model_config, train=None, command: str = "train", world: int | None = None,
-                     megatron=None) -> None:
+                     megatron=None, frozen: int = 0) -> None:
     """Refuse, before anything is allocated, a model whose training state cannot fit: one rank's parameters
     (counted on the meta device; model_info.rank_parameters under ``train``'s parallelism, a TrainConfig;
     None: every rank holds the whole model) x 16 bytes against one GPU's memory or this machine's RAM
-    (shared by the processes torchrun starts here). ``world``: the ranks (default: torchrun's WORLD_SIZE;
-    Ray's trainer ranks are counted as all on this machine). ORTHON_NO_MEMORY_CHECK=1 skips the check."""
+    (shared by the processes torchrun starts here), and 4 bytes more for each of ``frozen`` fp32 copies placed
+    as the model. ``world``: the ranks (default: torchrun's WORLD_SIZE; Ray's trainer ranks are counted as
+    all on this machine). ORTHON_NO_MEMORY_CHECK=1 skips the check."""
     if os.environ.get("ORTHON_NO_MEMORY_CHECK", "0") not in ("", "0"):
         return
     import torch
@@ -60,13 +62,14 @@ def check_model_fits(model_config, train=None, command: str = "train", world: in
     n_params = sum(c["total"] for c in counts.values())
     world = world or int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    share = rank_parameters(counts, world, train, megatron) * BYTES_PER_PARAM  # one rank's part
+    share = rank_parameters(counts, world, train, megatron) * (BYTES_PER_PARAM + 4 * frozen)  # one rank's part
     need = share if torch.cuda.is_available() else share * local
     have, what = machine_memory()
     if have and need > have:
         raise ConfigError(
             f"model: {n_params / 1e9:,.2f}B parameters need about {need / 1e9:,.1f} GB to {command} "
-            f"({BYTES_PER_PARAM} bytes each: fp32 weights, gradients, optimizer state), more than this "
+            f"({BYTES_PER_PARAM} bytes each: fp32 weights, gradients, optimizer state"
+            f"{f'; 4 more for each of {frozen} frozen copies placed as it' if frozen else ''}), more than this "
             f"machine's {have / 1e9:,.1f} GB of {what}; choose a smaller model in the recipe (model.hidden_size, "
             f"model.num_hidden_layers, model.n_routed_experts, ...; configs/tiny.yaml is 8.6M parameters), "
             f"or set ORTHON_NO_MEMORY_CHECK=1")
@@ -99,8 +102,6 @@ def check_rl_fits(model_config, recipe, command: str) -> None:
     reference and OPD teachers where the ranks do not shard the policy (those of its architecture are placed
     as the policy, megatron's too; a teacher of another, or beside megatron's policy, is loaded whole)."""
     cluster = recipe.rl.cluster
-    check_recipe_fits(dataclasses.replace(recipe, model=model_config), command,
-                      cluster.trainer_ranks if cluster.enabled else None)
     whole = []
     if not cluster.enabled:
         whole.append("the in-process engine holds the whole model")
@@ -115,8 +116,12 @@ def check_rl_fits(model_config, recipe, command: str) -> None:
     megatron_parts = megatron is not None and (megatron.tensor_parallel, megatron.pipeline_parallel,
                                                megatron.expert_parallel) != (1, 1, 1)
     sharded = holds_shards(recipe.train, world) or megatron_parts
-    if recipe.rl.loss.kl_coef > 0 and not sharded:  # sharded, it is placed as the policy
-        whole.append("the KL reference model is loaded whole")
+    placed = 0  # frozen copies placed as the policy: each rank holds its share of each
+    if recipe.rl.loss.kl_coef > 0:
+        if sharded:
+            placed += 1
+        else:
+            whole.append("the KL reference model is loaded whole")
     opd = recipe.rl.opd
     for teacher in opd.teachers if opd is not None and opd.form == "kl_penalty" else ():
         if other_fields(teacher.weights, model_config):  # another architecture: whole in every process
@@ -124,6 +129,10 @@ def check_rl_fits(model_config, recipe, command: str) -> None:
                               f"{command} (the OPD teacher {teacher.name} is loaded whole)")
         elif not sharded or megatron is not None:  # beside megatron's policy orthon's model, whole
             whole.append(f"the OPD teacher {teacher.name} is loaded whole")
+        else:
+            placed += 1
+    check_recipe_fits(dataclasses.replace(recipe, model=model_config), command,
+                      cluster.trainer_ranks if cluster.enabled else None, frozen=placed)
     if whole:
         check_weights_fit(model_config, f"{command} ({'; '.join(whole)})")
 

@@ -116,6 +116,14 @@ def test_rl_refuses_a_policy_whose_whole_weights_cannot_reach_the_engines(monkey
         return replace(recipe, rl=replace(recipe.rl, opd=opd), train=replace(recipe.train, parallel=parallel))
 
     args.check_rl_fits(model, distilling([same, small]), "distil")
+    # a frozen copy placed as the policy adds its share, 4 bytes a parameter: 11.6 GB + 2.9 GB on 13 GB
+    monkeypatch.setattr(args, "machine_memory", lambda: (13e9, "memory"))
+    args.check_rl_fits(model, cluster(weight_sync="disk"), "train with RL")
+    with pytest.raises(ConfigError, match=r"about 14\.5 GB to train with RL \(16 bytes each: .*; 4 more for each "
+                                          r"of 1 frozen copies placed as it\)"):
+        args.check_rl_fits(model, replace(recipe, rl=replace(recipe.rl, loss=replace(recipe.rl.loss, kl_coef=0.1),
+                                                             cluster=replace(recipe.rl.cluster, weight_sync="disk"))),
+                           "train with RL")
     monkeypatch.setattr(args, "check_model_fits", lambda *a, **k: None)  # DDP's training state aside
     with pytest.raises(ConfigError, match=r"\(the OPD teacher same is loaded whole\)"):
         args.check_rl_fits(model, replace(distilling([same]), train=replace(recipe.train, parallel="ddp",
