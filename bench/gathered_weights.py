@@ -11,7 +11,13 @@ its level before the hand-over (VmHWM), i.e. what the hand-over itself holds at 
 parts and final/ gather an expert stack larger than a part a few experts at a time (FSDP2 splits it by
 expert rows).
 
+With ``--megatron LAYOUT`` (tensor_parallel, pipeline_parallel or expert_parallel: 2 over the two ranks)
+the same for the megatron backend's model (orthon.backends.megatron.gathered_weights): "whole" is its
+state gathered whole on rank 0 (what RL's hand-over took there before, on every rank), the delta ways keep
+that whole copy on rank 0 against each rank keeping the parts it owns (orthon.rl.shard_delta.PartDelta).
+
     python bench/gathered_weights.py [--hidden 1024] [--experts 32] [--part-mb 16] [--expert-parallel 2]
+                                     [--megatron tensor_parallel]
 """
 from __future__ import annotations
 
@@ -45,11 +51,23 @@ def _model(hidden: int, experts: int):
     return GLMForCausalLM(cfg)
 
 
-def _worker(rank, port, way, hidden, experts, part_bytes, out_dir, expert_parallel=1):
+def _megatron_model(hidden: int, experts: int, layout: str):
+    from orthon.backends.megatron.causal_lm import MegatronCausalLM
+    from orthon.pretrain.recipe import load_recipe
+
+    return MegatronCausalLM(load_recipe(ROOT / "configs" / "tiny.yaml", [
+        "backend=megatron", f"megatron.{layout}=2", f"model.hidden_size={hidden}", f"model.n_routed_experts={experts}",
+        f"model.intermediate_size={4 * hidden}"]))
+
+
+def _worker(rank, port, way, hidden, experts, part_bytes, out_dir, expert_parallel=1, megatron=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
+        if megatron is not None:
+            _measure_megatron(rank, way, hidden, experts, part_bytes, out_dir, megatron)
+            return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         from orthon.pretrain import parallel
@@ -95,6 +113,70 @@ def _worker(rank, port, way, hidden, experts, part_bytes, out_dir, expert_parall
     os._exit(0)
 
 
+def _measure_megatron(rank, way, hidden, experts, part_bytes, out_dir, layout):
+    """``_worker``'s ways for the megatron backend's model, cut by ``layout`` over the two ranks."""
+    from orthon.engine.delta import DeltaEncoder
+    from orthon.rl.shard_delta import PartDelta
+
+    from orthon.pretrain.model_info import parameter_counts
+
+    model = _megatron_model(hidden, experts, layout)
+    params = sum(c["total"] for c in parameter_counts(model.config).values())  # the whole model's
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+
+    def gathered():
+        state = {}
+        for load in model.weight_parts(1 << 62):  # one part: the whole model, on rank 0
+            state.update(load() or {})
+        return list(state.items()) if rank == 0 else None
+
+    def step():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.0001)
+
+    dist.barrier()
+    _rss_peak_reset()
+    base = _status_kb("VmRSS")
+    start = time.perf_counter()
+    held = 0
+    if way == "whole":
+        state = gathered()
+        held = sum(t.numel() * t.element_size() for _, t in state) if state else 0
+        del state
+    elif way == "parts":
+        for load in model.weight_parts(part_bytes):
+            part = load()
+            held = max(held, sum(t.numel() * t.element_size() for t in part.values()) if part else 0)
+            del part
+    elif way == "final":
+        from orthon.backends.megatron.gathered_weights import save_gathered
+
+        save_gathered(model, Path(out_dir) / "final", write=rank == 0, max_shard_bytes=part_bytes)
+        held = part_bytes
+    elif way == "delta_whole":
+        encoder = DeltaEncoder()
+        state = gathered()
+        if state is not None:
+            encoder.reset(state, 0)
+        del state
+        step()
+        state = gathered()
+        held = encoder.encode(state, 1).nbytes if state is not None else 0
+    else:
+        delta = PartDelta(model, rank, 2, part_bytes)
+        delta.reset(0)
+        step()
+        held = delta.write(Path(out_dir), 1, final=rank == 1).stat().st_size
+    seconds = time.perf_counter() - start
+    peak_mb = (_status_kb("VmHWM") - base) / 1024
+    if rank == 0:
+        Path(out_dir, "result.json").write_text(json.dumps(
+            {"way": way, "params": params, "peak_mb": peak_mb, "s": seconds,
+             "largest_held_mb": held / 2**20, "largest_tensor_mb": largest / 2**20}))
+    dist.barrier()
+
+
 def _delta_sync(model, rank: int, way: str, out_dir: str) -> int:
     """Rank 0's side of a full sync's reset and the delta after it: before, the state dict gathered whole
     on rank 0 and its copy kept there (delta_whole); now each rank's copy of its own rows and its
@@ -128,11 +210,12 @@ def _delta_sync(model, rank: int, way: str, out_dir: str) -> int:
     return rows.write(Path(out_dir), 1, final=rank == 1).stat().st_size
 
 
-def measure(way: str, hidden: int, experts: int, part_bytes: int, expert_parallel: int = 1) -> dict:
+def measure(way: str, hidden: int, experts: int, part_bytes: int, expert_parallel: int = 1, megatron=None) -> dict:
     from orthon.core.net import free_port
 
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(free_port(), way, hidden, experts, part_bytes, out, expert_parallel), nprocs=2, join=True)
+        mp.spawn(_worker, args=(free_port(), way, hidden, experts, part_bytes, out, expert_parallel, megatron),
+                 nprocs=2, join=True)
         return json.loads(Path(out, "result.json").read_text())
 
 
@@ -143,11 +226,13 @@ def main():
     parser.add_argument("--expert-parallel", type=int, default=1, choices=(1, 2),
                         help="2: the experts spread over the two ranks too (FSDP2 over expert parallelism)")
     parser.add_argument("--part-mb", type=int, default=16)
+    parser.add_argument("--megatron", choices=("tensor_parallel", "pipeline_parallel", "expert_parallel"),
+                        help="the megatron backend's model, cut by this over the two ranks")
     args = parser.parse_args()
-    print(cpu_kind())
+    print(cpu_kind() + (f"; megatron backend, {args.megatron}=2" if args.megatron else ""))
     figures = {}
     for way in WAYS:
-        figures[way] = measure(way, args.hidden, args.experts, args.part_mb << 20, args.expert_parallel)
+        figures[way] = measure(way, args.hidden, args.experts, args.part_mb << 20, args.expert_parallel, args.megatron)
         f = figures[way]
         print(f"{way}: rank 0 peak +{f['peak_mb']:7.1f} MB in {f['s']:.2f} s "
               f"({f['params'] / 1e6:.1f}M parameters, {f['params'] * 4 / 2**20:.0f} MB in fp32; the largest "
