@@ -331,7 +331,7 @@ def test_pipelined_gradients_are_averaged_in_buckets():
     over one rank the average is each gradient divided by the size given, whichever bucket holds it."""
     import torch.distributed as dist
 
-    from orthon.backends.megatron.causal_lm import _average
+    from orthon.backends.megatron.grads import average as _average
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

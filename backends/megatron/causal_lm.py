@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from types import SimpleNamespace
 
 import torch
@@ -40,7 +39,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from orthon.backends.megatron import pipeline
+from orthon.backends.megatron import grads, pipeline
+from orthon.backends.megatron.checks import check_recipe, check_world
 from orthon.backends.megatron.convert import megatron_shapes, orthon_to_megatron
 from orthon.backends.megatron.core_attention import SDPACoreAttention
 from orthon.backends.megatron.gathered_weights import save_gathered, weight_parts
@@ -57,48 +57,6 @@ from orthon.pretrain.recipe import MegatronOptions
 
 LATENT_NORM_EPS = 1e-6  # GLM-5's q_a / kv_a latent norms (orthon.pretrain.attention)
 _LATENT_NORMS = (("q_layernorm", "linear_q_up_proj"), ("kv_layernorm", "linear_kv_up_proj"))
-
-
-def check_recipe(recipe) -> None:
-    """What the Trainer cannot yet run on megatron-core, refused before anything is built."""
-    options, train = recipe.megatron, recipe.train
-    sizes = sizes_of(options)
-    if options.virtual_pipeline_parallel > 1 and sizes.pp == 1:
-        raise ConfigError(f"megatron.virtual_pipeline_parallel = {options.virtual_pipeline_parallel}: model chunks "
-                          f"interleave over pipeline stages; set megatron.pipeline_parallel > 1 too")
-    if sizes.pp > 1 and recipe.model.tie_word_embeddings:
-        raise ConfigError(f"megatron.pipeline_parallel = {sizes.pp} with model.tie_word_embeddings: the first and last "
-                          f"stages' copies of the tied embedding are not kept equal yet; set megatron.pipeline_parallel=1")
-    if recipe.data.seq_len % sizes.tp:
-        raise ConfigError(f"data.seq_len = {recipe.data.seq_len}: sequence parallelism (megatron's, with "
-                          f"megatron.tensor_parallel = {sizes.tp}) splits each sequence over the TP ranks; make it a "
-                          f"multiple of {sizes.tp}")
-    for name, value, plain in (("train.parallel", train.parallel, "ddp"), ("train.expert_parallel", train.expert_parallel, 1),
-                               ("train.context_parallel", train.context_parallel, 1)):
-        if value != plain:
-            raise ConfigError(f"{name} = {value}: the megatron backend runs data parallel (DDP) with megatron's own tensor "
-                              f"and expert parallelism (megatron.tensor_parallel, megatron.expert_parallel); set "
-                              f"{name}={plain}")
-    if recipe.runtime.sparse_attention:
-        raise ConfigError("runtime.sparse_attention: the megatron backend runs dense MLA (pretraining's attention); "
-                          "DSA (mid-training) runs on the torch backend")
-    if recipe.data.document_mask:
-        raise ConfigError("data.document_mask: megatron-core's local attention is plainly causal; packed documents "
-                          "need transformer-engine's (not wired yet); set data.document_mask=false")
-
-
-def _check_world(sizes) -> None:
-    """megatron's groups must tile the ranks: TP x PP divides the world, and so does EP x the experts' TP x PP."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    pp = ("megatron.pipeline_parallel", sizes.pp)
-    for factors in ((("megatron.tensor_parallel", sizes.tp), pp),
-                    (("megatron.expert_parallel", sizes.ep), ("the experts' tensor parallelism", sizes.expert_tp), pp)):
-        named = [f for f in factors if f[1] > 1] or factors[:1]  # the sizes that split the model
-        size = math.prod(n for _, n in named)
-        if world % size:
-            what = f"{' x '.join(name for name, _ in named)} = {' x '.join(str(n) for _, n in named)}"
-            raise ConfigError(f"{what} does not divide the {world} rank{'s' if world > 1 else ''} (start it under "
-                              f"orthon launch torchrun with a multiple of {size} processes)")
 
 
 class _RouterView:
@@ -139,7 +97,7 @@ class MegatronCausalLM(nn.Module):
         self.config: ModelConfig = recipe.model
         self.runtime = dataclasses.replace(recipe.runtime)
         self.options: MegatronOptions = dataclasses.replace(recipe.megatron, params_dtype="fp32")
-        _check_world(sizes_of(self.options))
+        check_world(sizes_of(self.options))
         # this rank's model chunks: one, or one per virtual pipeline stage (megatron.virtual_pipeline_parallel)
         self.chunks = build_chunks(self.config, self.options, recompute=self.runtime.activation_checkpointing)
         self.gpt = self.chunks[0]
@@ -280,69 +238,18 @@ class MegatronCausalLM(nn.Module):
             raise ConfigError(f"megatron.expert_parallel = {self.expert_parallel}: {type(step).__name__} does not run "
                               f"every forward on every rank; set megatron.expert_parallel=1")
 
-    def _parts(self):
+    def parameter_parts(self):
         """(chunk, name in it, parameter, is an expert's, split over its tensor-parallel group) of every parameter."""
-        tp = {"dense": self.tensor_parallel, "expert": sizes_of(self.options).expert_tp}
-        for c, chunk in enumerate(self.chunks):
-            for name, p in chunk.named_parameters():
-                expert = ".mlp.experts." in name
-                yield c, name, p, expert, bool(getattr(p, "tensor_model_parallel", False)) and tp["expert" if expert else "dense"] > 1
+        return grads.parameter_parts(self)
 
-    @torch.no_grad()
     def finish_grads(self) -> None:
-        """After the step's backward (DDP has averaged over the data-parallel group what it holds):
-        - sequence parallelism: a norm's or router's gradient covers this rank's tokens only; summed over TP;
-        - expert parallelism: DDP leaves the experts alone (megatron marks them allreduce False); their
-          gradients already hold the tokens every rank of their expert-parallel group sent them, and the
-          ranks holding the same experts (the expert data-parallel group) add theirs, as data parallelism's
-          average (each rank's loss is scaled for that average over the data-parallel replicas)."""
-        from megatron.core import parallel_state
+        """After the step's backward: what DDP leaves to megatron's parallelism (``grads.finish_grads``)."""
+        grads.finish_grads(self)
 
-        replicas = parallel_state.get_data_parallel_world_size()
-        if self.pipelined and replicas > 1:  # not wrapped in DDP (the schedule runs the micro-batches)
-            grads = [p.grad for p in self.parameters() if p.grad is not None and getattr(p, "allreduce", True)]
-            _average(grads, parallel_state.get_data_parallel_group(), replicas)
-        if self.tensor_parallel > 1:
-            group = parallel_state.get_tensor_model_parallel_group()
-            for p in self.parameters():
-                if p.grad is not None and getattr(p, "sequence_parallel", False):
-                    dist.all_reduce(p.grad, group=group)
-        if self.expert_parallel > 1:
-            group = parallel_state.get_expert_data_parallel_group()
-            for p in self.parameters():
-                if p.grad is not None and getattr(p, "allreduce", True) is False:
-                    if dist.get_world_size(group) > 1:
-                        dist.all_reduce(p.grad, group=group)
-                    p.grad.div_(replicas)
-
-    @torch.no_grad()
     def clip_grads(self, max_norm: float) -> float:
-        """torch's clip_grad_norm_ over the whole model's gradients, each element counted once: a split
-        tensor's squares added over its tensor-parallel group, a copy counted on that group's first rank,
-        the experts' over the expert tensor-and-expert-parallel group, the stages' over the pipeline group;
-        returns the norm. Every rank calls it."""
-        params = [p for p in self.parameters() if p.grad is not None]
-        if not self.model_parallel:
-            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        from megatron.core import parallel_state
-
-        first = {False: parallel_state.get_tensor_model_parallel_rank() == 0,
-                 True: parallel_state.get_expert_tensor_parallel_rank() == 0}
-        squares = {False: torch.zeros((), device=params[0].grad.device), True: torch.zeros((), device=params[0].grad.device)}
-        for _, _, p, expert, split in self._parts():
-            if p.grad is not None and (split or first[expert]):
-                squares[expert] += p.grad.detach().float().pow(2).sum()
-        dist.all_reduce(squares[False], group=parallel_state.get_tensor_model_parallel_group())
-        dist.all_reduce(squares[True], group=parallel_state.get_expert_tensor_and_model_parallel_group())
-        total = squares[False] + squares[True]
-        if self.pipelined:  # each stage's own layers
-            dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
-        norm = total.sqrt()
-        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        if coefficient < 1:
-            for p in params:
-                p.grad.mul_(coefficient.to(p.grad.dtype))
-        return float(norm)
+        """The whole model's gradients clipped to ``max_norm``, each element counted once; the norm
+        (``grads.clip_grads``). Every rank calls it."""
+        return grads.clip_grads(self, max_norm)
 
     def layout(self) -> dict[str, int]:
         """megatron's sizes this model is cut by (saved with each checkpoint)."""
@@ -383,7 +290,7 @@ class MegatronCausalLM(nn.Module):
         tp_rank = {False: parallel_state.get_tensor_model_parallel_rank(), True: parallel_state.get_expert_tensor_parallel_rank()}
         names = {f"{self._chunk_prefix(c)}.{name}": self.global_name(name, c)  # buffers too (the routers' biases)
                  for c, chunk in enumerate(self.chunks) for name in chunk.state_dict()}
-        for c, name, _, expert, split in self._parts():
+        for c, name, _, expert, split in self.parameter_parts():
             full = (global_expert_name(name, ep_rank, per_rank, self.gpt.orthon_layout) if expert else None) or name
             names[f"{self._chunk_prefix(c)}.{name}"] = self.global_name(full, c) + (f"@tp{tp_rank[expert]}" if split else "")
         renamed = {name: f"gpt.{full}" for name, full in names.items() if f"gpt.{full}" != name}
@@ -589,26 +496,6 @@ class _NamedParameters:
 
     def named_parameters(self):
         return iter(self.pairs)
-
-
-@torch.no_grad()
-def _average(grads: list[torch.Tensor], group, size: int, bucket: int = 1 << 26) -> None:
-    """The gradients averaged over ``group`` (``size`` ranks), in buckets of about ``bucket`` elements
-    (one all-reduce a bucket rather than one a tensor)."""
-    start = 0
-    while start < len(grads):
-        end, elements = start, 0
-        while end < len(grads) and (end == start or elements + grads[end].numel() <= bucket):
-            elements += grads[end].numel()
-            end += 1
-        flat = torch.cat([g.reshape(-1) for g in grads[start:end]])
-        dist.all_reduce(flat, group=group)
-        flat.div_(size)
-        offset = 0
-        for g in grads[start:end]:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-        start = end
 
 
 def _set_latent_eps(attention, eps: float) -> None:
