@@ -19,9 +19,14 @@ plug-in owns the loss:
   (each rank of a context-parallel group then computes its part of the same sequences).
 - ``runs_expert_parallel``: True for a step whose every forward runs on every rank of the expert
   exchange (each MoE layer's all-to-all waits for all of them).
+- ``input_shape(micro)``: (rows, positions) of the model input the loss's forward of ``micro`` takes.
+- ``takes_empty_micro_batches``: True for a step whose ``loss`` takes an empty micro-batch (a weight-0
+  forward).
 
 A pipeline schedule (megatron's) runs ``loss`` on every stage: it must call the model once a micro-batch,
-before anything the earlier stages must not do (their call ends the loss there).
+before anything the earlier stages must not do (their call ends the loss there). Its interleaved form
+exchanges one shape: every micro-batch is padded to the step's largest ``input_shape``, and a step with
+fewer micro-batches than stages gets empty ones where it ``takes_empty_micro_batches``.
 
 NextTokenStep is pretraining's; mid-training adds the indexer KL (orthon.midtrain.steps) and RL the
 policy loss (orthon.rl.steps).
@@ -46,6 +51,7 @@ class TrainStep:
     update_moe_bias = True
     runs_context_parallel = False
     runs_expert_parallel = False
+    takes_empty_micro_batches = False
 
     def micro_batches(self, batch, size: int, device) -> list:
         n = batch.input_ids.shape[0]
@@ -54,6 +60,10 @@ class TrainStep:
     def sequence_lengths(self, micro) -> list[int]:
         rows, length = micro.input_ids.shape
         return [length] * rows
+
+    def input_shape(self, micro) -> tuple[int, int]:
+        rows, length = micro.input_ids.shape
+        return rows, length
 
     def loss(self, model, micro) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError

@@ -45,6 +45,7 @@ class SampleStep(TrainStep):
     ``micro_loss``."""
 
     update_moe_bias = False  # post-training leaves the routers' balancing biases as pretraining left them
+    takes_empty_micro_batches = True  # ``loss`` runs one sample at weight 0
 
     @property
     def runs_expert_parallel(self) -> bool:
@@ -91,6 +92,10 @@ class SampleStep(TrainStep):
 
     def sequence_lengths(self, micro) -> list[int]:
         return [len(self.sample(item).tokens) - 1 for item in micro]  # inputs: every token but the last
+
+    def input_shape(self, micro) -> tuple[int, int]:
+        samples = [self.sample(item) for item in micro or self.trainable[:1]]  # as ``loss`` runs it
+        return len(samples), max(len(s.tokens) for s in samples)  # sample_log_probs' right-padded batch
 
     def loss(self, model, micro):
         if not micro:  # a rank without samples this step: one at weight 0 (see the module docstring)

@@ -110,13 +110,13 @@ def test_what_the_trainer_cannot_drive_on_megatron_is_refused_by_name(tmp_path, 
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def _policy(tmp_path):
+def _policy(tmp_path, layers: int = MODEL["num_hidden_layers"]):
     """A random policy with a tokenizer, as `orthon rl --from` takes it (dense MLA: pretraining's runtime)."""
     pre = tmp_path / "pre"
     tok = train_tiny_tokenizer(tmp_path / "tok", vocab_size=512)
     torch.manual_seed(0)
-    save_weights(GLMForCausalLM(ModelConfig(**{**MODEL, "vocab_size": 512}), runtime=RuntimeOptions(sparse_attention=False)),
-                 pre / "final")
+    config = ModelConfig(**{**MODEL, "vocab_size": 512, "num_hidden_layers": layers})
+    save_weights(GLMForCausalLM(config, runtime=RuntimeOptions(sparse_attention=False)), pre / "final")
     (pre / "config.yaml").write_text(yaml.safe_dump({"data": {"tokenizer": str(tok)}}))
     return pre
 
@@ -171,6 +171,30 @@ def test_rl_on_megatron_samples_and_trains_as_on_torch(tmp_path):
     assert ref[0]["kl"] == 0 and ref[-1]["kl"] > 1e-5  # the first update starts from the reference
     evals = [[r["eval_reward"] for r in _records(tmp_path / name) if "eval_reward" in r] for name in runs]
     assert all(e == evals[0] for e in evals) and len(evals[0]) == 2
+
+
+def test_rl_on_megatron_runs_the_interleaved_pipeline(tmp_path):
+    """RL's micro-batches, sized by their samples, through megatron's interleaved schedule (two pipeline ranks of
+    two model chunks each, four layers): each padded to the step's largest shape (the schedule exchanges one),
+    a step of fewer micro-batches than stages given an empty one (a weight-0 forward). Every iteration
+    samples, rewards and trains as one megatron process does."""
+    pre = _policy(tmp_path, layers=4)
+    # (ranks, samples a micro-batch): 12 samples an update as 5 + 5 + 2 (rows padded to 5), or as one
+    # micro-batch (an empty one added for the second stage)
+    runs = {"one": (1, 4), "vp": (2, 5), "vp_single": (2, 12)}
+    for name, (ranks, size) in runs.items():
+        layout = ["megatron.pipeline_parallel=2", "megatron.virtual_pipeline_parallel=2"] if ranks > 1 else []
+        orthon("rl", "-c", _rl_recipe(tmp_path, tmp_path / name), "--from", pre, "backend=megatron",
+               "optim.ns_dtype=fp32", f"train.micro_batch_size={size}", *layout, nproc=ranks)
+    ref, got, single = ([r for r in _records(tmp_path / name) if "reward_mean" in r] for name in runs)
+    assert len(ref) == len(got) == len(single) == 3 and all(r["groups_all_equal"] < 1 for r in ref)
+    assert {r["micro_batches"] for r in got} == {3} and {r["micro_batches"] for r in single} == {1}
+    for a, b, c in zip(ref, got, single):
+        for other in (b, c):
+            assert other["trained_ids"] == a["trained_ids"] and other["reward_mean"] == a["reward_mean"]
+            assert other["trained_tokens"] == a["trained_tokens"]
+            assert other["entropy"] == pytest.approx(a["entropy"], abs=1e-5)
+            assert other["logp_abs_diff"] == pytest.approx(a["logp_abs_diff"], abs=1e-6)
 
 
 @pytest.mark.slow  # about 60 s: runs of 1, 2 and three of 4 ranks on 2 cores
@@ -376,4 +400,4 @@ def test_megatron_interleaved_pipeline_trains_resumes_and_exports(tmp_path):
         **sections, "batch": {"start_batch_tokens": 64, "end_batch_tokens": 64}}), "backend=megatron", *layout,
         nproc=2, check=False)
     assert out.returncode != 0 and "megatron's interleaved schedule runs at least 2 micro-batches (the pipeline " \
-                                   "stages) of one shape; this step has 1" in out.stderr, out.stderr[-2000:]
+                                   "stages); this step has 1" in out.stderr, out.stderr[-2000:]

@@ -116,6 +116,7 @@ class MegatronCausalLM(nn.Module):
         if self.pipelined:
             pipeline.configure(self.gpt.config, interleaved=len(self.chunks) > 1)
         self._in_schedule, self._forwards, self._chunk = False, 0, 0  # _chunk: the chunk a forward runs
+        self._common_shape: tuple[int, int] | None = None  # (rows, positions) every forward of the interleaved schedule runs at
         self._stage_max_logit: torch.Tensor | None = None
         # orthon's core attention modules of the local spec (they keep the largest attention logit; TE's
         # exposes none), found once: under pipeline parallelism they are read every micro-batch
@@ -335,7 +336,10 @@ class MegatronCausalLM(nn.Module):
         """(input_ids, labels, position_ids) at the shape the forward runs at (``_padded_shape``): padding on
         the right and below (the forward takes it off the logits again), positions counting on."""
         B, T = input_ids.shape
-        rows, length = self._padded_shape(B, T)
+        rows, length = self._common_shape or self._padded_shape(B, T)
+        if B > rows or T > length:
+            raise ValueError(f"megatron.virtual_pipeline_parallel: a forward of {B} x {T} in a step whose "
+                             f"micro-batches run at {rows} x {length} (the step plug-in's input_shape is too small)")
         if (rows, length) != (B, T):
             input_ids = F.pad(input_ids, (0, length - T, 0, rows - B))
             labels = None if labels is None else F.pad(labels, (0, length - T, 0, rows - B), value=IGNORE_INDEX)
@@ -380,30 +384,37 @@ class MegatronCausalLM(nn.Module):
         try:
             sums = pipeline.run(self.chunks, micros, once, use, shape, forward_only)
         finally:
-            self._in_schedule, self._chunk = False, 0
+            self._in_schedule, self._chunk, self._common_shape = False, 0, None
         self._stage_max_logit = best[0]
         return sums
 
     def train_micro_batches(self, step, micros: list) -> list[dict]:
         """A training step's micro-batches through megatron's pipeline schedule (1F1B): forwards and backwards,
         the step plug-in's loss run on every stage (before the last it ends at the model's call, see
-        ``pipeline.StageOutput``). Returns each micro-batch's metric sums, on every stage."""
-        return self._schedule(micros, lambda micro: step.loss(self, micro), self._interleaved_shape(micros))
+        ``pipeline.StageOutput``). Returns each micro-batch's metric sums, on every stage. The interleaved
+        schedule runs at least PP micro-batches: a step with fewer gets empty ones where its loss takes them
+        (a weight-0 forward)."""
+        pp = sizes_of(self.options).pp
+        if len(self.chunks) > 1 and len(micros) < pp and step.takes_empty_micro_batches:
+            micros = micros + [[] for _ in range(pp - len(micros))]
+        return self._schedule(micros, lambda micro: step.loss(self, micro),
+                              self._interleaved_shape([step.input_shape(m) for m in micros]))
 
-    def _interleaved_shape(self, micros: list) -> tuple[int, int]:
+    def _interleaved_shape(self, shapes: list[tuple[int, int]]) -> tuple[int, int]:
         """(positions, rows) every micro-batch runs at under megatron's interleaved schedule, which runs at least
-        PP of them and sizes its exchange by one shape; (1, 1) without it (each sent with its own)."""
+        PP of them and sizes its exchange by one shape: the largest of the micro-batches' input ``shapes``
+        (rows, positions), each padded to it (``_padded``); (1, 1) without it (each sent with its own)."""
+        self._common_shape = None
         if len(self.chunks) == 1:
             return 1, 1
         pp, vp = sizes_of(self.options).pp, len(self.chunks)
-        shapes = {tuple(m.input_ids.shape) for m in micros if hasattr(m, "input_ids")}
-        if len(shapes) != 1 or not all(hasattr(m, "input_ids") for m in micros) or len(micros) < pp:
+        if len(shapes) < pp:
             raise ConfigError(f"megatron.virtual_pipeline_parallel = {vp}: megatron's interleaved schedule runs at "
-                              f"least {pp} micro-batches (the pipeline stages) of one shape; this step has "
-                              f"{len(micros)} on each data-parallel replica, of shapes {sorted(shapes) or 'unknown'} "
-                              f"(RL's and SFT's are sized by their samples). Pretrain with a batch of at least {pp} "
-                              f"micro-batches on each replica, or set megatron.virtual_pipeline_parallel=1")
-        rows, length = self._padded_shape(*shapes.pop())
+                              f"least {pp} micro-batches (the pipeline stages); this step has {len(shapes)} on each "
+                              f"data-parallel replica. Train with a batch of at least {pp} micro-batches on each "
+                              f"replica, or set megatron.virtual_pipeline_parallel=1")
+        self._common_shape = self._padded_shape(max(r for r, _ in shapes), max(t for _, t in shapes))
+        rows, length = self._common_shape
         return length, rows
 
     @torch.no_grad()
@@ -423,7 +434,7 @@ class MegatronCausalLM(nn.Module):
         # megatron's interleaved schedule runs micro-batches in groups of PP: the same one PP times there
         pp = sizes_of(self.options).pp if len(self.chunks) > 1 else 1
         copies = [SimpleNamespace(input_ids=input_ids)] * pp
-        self._schedule(copies, last_stage, self._interleaved_shape(copies), forward_only=True)
+        self._schedule(copies, last_stage, self._interleaved_shape([tuple(input_ids.shape)] * pp), forward_only=True)
         loss = logits = None
         if kwargs.get("labels") is not None:
             loss = pipeline.from_last_stage(outputs[0].loss.float() if outputs else None, (), input_ids.device)

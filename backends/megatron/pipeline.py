@@ -14,9 +14,9 @@ megatron sizes each micro-batch's exchange per micro-batch (``variable_seq_lengt
 may differ in shape (RL's are sized by their samples), and takes the objective as the plug-in returns it
 (``calculate_per_token_loss``: no division by the number of micro-batches; the plug-in already divides by
 the step's normaliser). With several model chunks a rank (``megatron.virtual_pipeline_parallel``) the
-schedule is megatron's interleaved 1F1B: micro-batches of one shape (``configure``), at least PP of them,
-in groups of PP (or one group, where PP does not divide them: more micro-batches in flight, no bubble
-megatron refuses).
+schedule is megatron's interleaved 1F1B: micro-batches of one shape (``configure``; the model pads each to
+the step's largest), at least PP of them, in groups of PP (or one group, where PP does not divide them:
+more micro-batches in flight, no bubble megatron refuses).
 
 Without CUDA the schedule runs on the CPU over gloo (``compat.point_cuda_device_at_cpu``: megatron makes
 a counter on "cuda" and synchronises CUDA around its shape exchange)."""
