@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         return INTERRUPTED
     except StopRequested as stop:
         _say_stopped(module, args, name, str(stop))
+        _shutdown()  # every rank stops after the same step, so they meet in the teardown
         return stop.exit_code
     except ConfigError as exc:
         print(f"orthon {name}: config error: {exc}", file=sys.stderr)
@@ -136,11 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     except OrthonError as exc:
         print(f"orthon {name}: {exc}", file=sys.stderr)
         return 2
+    _shutdown()
+    return code
+
+
+def _shutdown() -> None:
+    """The process group torn down before the interpreter's exit (``orthon.core.distributed.shutdown``:
+    without it gloo's threads can abort the exit, and a run that stopped cleanly dies of SIGABRT)."""
     if "torch.distributed" in sys.modules:  # only a command that may have started a process group
         from orthon.core.distributed import shutdown
 
         shutdown()
-    return code
 
 
 if __name__ == "__main__":
