@@ -149,6 +149,11 @@ class MegatronCausalLM(nn.Module):
                 elif name.endswith(".weight"):
                     tensor.fill_(1.0)
 
+    @property
+    def carried_by_key(self) -> dict[str, str]:
+        """{buffer name in ``carried``: megatron's name} of the tensors carried beside megatron's model."""
+        return {key: name for name, key in self._carried_names.items()}
+
     def global_name(self, name: str, chunk: int = 0) -> str:
         """The whole model's name of tensor ``name`` of model chunk ``chunk`` (megatron numbers a stage's layers
         from 0)."""

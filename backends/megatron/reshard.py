@@ -52,7 +52,7 @@ def rebuild(model, targets: dict[str, torch.Tensor], path) -> None:
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     layout = model.gpt.orthon_layout
     carried = carried_names(stored, megatron_shapes(model.config, model.runtime, layout))
-    carried_keys = {key: name for name, key in model._carried_names.items()}
+    carried_keys = model.carried_by_key
     sizes = sizes_of(model.options)
     plans = []  # (target, whole-model name, piece, stored keys)
     for key, target in targets.items():
