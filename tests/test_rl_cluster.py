@@ -210,6 +210,8 @@ def test_megatron_trainer_ranks_hand_the_engines_their_parts(tmp_path, layout, p
     pytest.importorskip("megatron.core")
     from dataclasses import replace
 
+    from megatron_support import megatron_on_cpu
+
     from orthon.data.tokenizer import load_tokenizer
     from orthon.rl.cluster import run
     from orthon.rl.trainer import RLTrainer
@@ -230,7 +232,8 @@ def test_megatron_trainer_ranks_hand_the_engines_their_parts(tmp_path, layout, p
         RLTrainer(recipe(name, debug, cluster={"enabled": False}, **kw), load_tokenizer(_tokenizer(pre))).fit()
 
     in_process("rollouts", "rollout_only", reward={"name": "test_rl_parallel.first_letter_reward"})
-    in_process("one", "train_only", megatron={})
+    with megatron_on_cpu():  # megatron's process group and CPU patches in this process, torn down after
+        in_process("one", "train_only", megatron={})
     cluster = {"engines": 1, "router": False, "check_weights": True, "trainer_ranks": 2, "delta": delta,
                "weight_sync": path, "part_bytes": 50_000}
     result = run(recipe("two", "train_only", megatron={layout: 2}, cluster=cluster), _tokenizer(pre),
