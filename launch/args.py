@@ -108,14 +108,13 @@ def check_rl_fits(model_config, recipe, command: str) -> None:
     elif cluster.gathers_whole:
         whole.append(f"weight_sync {cluster.weight_sync} gathers the whole model on trainer rank 0; disk or "
                      f"distributed hand it over a part at a time")
+    from orthon.backends.megatron.model import sizes_of
     from orthon.pretrain.trainer import holds_shards, other_fields, weights_path
     from orthon.pretrain.weights import load_config
 
     world = (cluster.trainer_ranks if cluster.enabled else None) or int(os.environ.get("WORLD_SIZE", "1"))
     megatron = recipe.megatron if recipe.backend == "megatron" else None
-    megatron_parts = megatron is not None and (megatron.tensor_parallel, megatron.pipeline_parallel,
-                                               megatron.expert_parallel) != (1, 1, 1)
-    sharded = holds_shards(recipe.train, world) or megatron_parts
+    sharded = holds_shards(recipe.train, world) or (megatron is not None and sizes_of(megatron).splits_model)
     placed = 0  # frozen copies placed as the policy: each rank holds its share of each
     if recipe.rl.loss.kl_coef > 0:
         if sharded:

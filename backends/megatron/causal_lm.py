@@ -220,8 +220,7 @@ class MegatronCausalLM(nn.Module):
     @property
     def model_parallel(self) -> bool:
         """The ranks hold parts of the model (tensor, expert or pipeline parallelism)."""
-        sizes = sizes_of(self.options)
-        return (sizes.tp, sizes.ep, sizes.pp) != (1, 1, 1)
+        return sizes_of(self.options).splits_model
 
     def data_parallel(self) -> tuple[int, int]:
         """(rank, size) of this process among the data-parallel replicas: a TP group's ranks read the same

@@ -49,6 +49,11 @@ class ParallelSizes:
     def expert_tp(self) -> int:
         return self.tp if self.etp is None else self.etp
 
+    @property
+    def splits_model(self) -> bool:
+        """The ranks hold parts of the model (tensor, pipeline or expert parallelism)."""
+        return (self.tp, self.pp, self.ep) != (1, 1, 1)
+
 
 def check_parallel(config: ModelConfig, sizes: ParallelSizes, layout: MegatronLayout = MegatronLayout()) -> None:
     """A ConfigError naming the sizes that conflict when the layout does not divide the model."""
