@@ -59,7 +59,7 @@ class BackendModel(Protocol):
 
     def resharding(self, saved: dict | None, path):
         """None where the checkpoint at ``path`` was written at this layout (``saved``); else
-        ``rebuild(targets, path)``, which fills this rank's tensors the checkpoint holds as other pieces
+        ``rebuild(targets, path, stored)``, which fills this rank's tensors the checkpoint holds as other pieces
         (orthon.pretrain.checkpoint.Checkpointer.load); a ConfigError where it cannot be resumed here."""
 
     def checkpoint_names(self) -> dict[str, str]:

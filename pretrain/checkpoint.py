@@ -266,9 +266,10 @@ class Checkpointer:
         as Muon's ``ns_method``) is absent from it: it keeps this run's value, and the log says so. Any
         other key missing (a weight, an optimizer state tensor) is a CheckpointError naming it.
 
-        ``rebuild(targets, path)``: the checkpoint was written at another layout of the model's ranks
+        ``rebuild(targets, path, stored)``: the checkpoint was written at another layout of the model's ranks
         (another backend's model parallelism); it fills in place the tensors of this rank's it does not hold
-        under their names ({flattened key: tensor}), and the param groups stay this run's."""
+        under their names ({flattened key: tensor}; ``stored``: its metadata's tensors), and the param
+        groups stay this run's."""
         model_state, optim_state = get_state_dict(model, optimizers)
         names = _checkpoint_names(model)
         state = _renamed({"model": model_state, "optim": optim_state}, names)
@@ -276,7 +277,7 @@ class Checkpointer:
             state["optim"] = {"state": state["optim"]["state"]}  # this run's param groups
             flat, mapping = flatten_state_dict(state)
             stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-            rebuild({k: v for k, v in flat.items() if k not in stored and isinstance(v, torch.Tensor)}, path)
+            rebuild({k: v for k, v in flat.items() if k not in stored and isinstance(v, torch.Tensor)}, path, stored)
             held = {k: v for k, v in flat.items() if k in stored}
             dcp.load(held, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
             state = unflatten_state_dict({**flat, **held}, mapping)

@@ -46,10 +46,10 @@ def _parse(key: str) -> tuple[str, str, str]:
     return PREFIX, key.removeprefix(PREFIX), ""
 
 
-def rebuild(model, targets: dict[str, torch.Tensor], path) -> None:
+def rebuild(model, targets: dict[str, torch.Tensor], path, stored) -> None:
     """Fill ``targets`` ({flattened checkpoint key of this rank's, as the new layout names it: its tensor}) in
-    place from the pieces the checkpoint at ``path`` holds of each; ``model``: the MegatronCausalLM."""
-    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    place from the pieces the checkpoint at ``path`` holds of each (``stored``: its metadata's
+    ``state_dict_metadata``); ``model``: the MegatronCausalLM."""
     layout = model.gpt.orthon_layout
     carried = carried_names(stored, megatron_shapes(model.config, model.runtime, layout))
     carried_keys = model.carried_by_key
