@@ -27,6 +27,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,23 +43,73 @@ ROOT = Path(__file__).resolve().parents[1]
 WAYS = ("whole", "parts", "final", "delta_whole", "delta_rows")
 
 
-def _model(hidden: int, experts: int):
+@dataclass
+class _Handover:
+    """How one backend's ranks hand the weights over: ``whole()`` the state gathered on rank 0 ([(name, tensor)],
+    None elsewhere), ``parts()`` the streamed parts' loaders, ``final(directory)`` the weights directory a
+    shard at a time, ``rank_delta()`` each rank's delta of what it keeps (``reset`` / ``write``)."""
+
+    whole: Callable
+    parts: Callable
+    final: Callable
+    rank_delta: Callable
+
+
+def _fsdp(rank: int, hidden: int, experts: int, part_bytes: int, expert_parallel: int):
+    """The torch backend's model under FSDP2 (over expert parallelism with ``expert_parallel`` 2): (model,
+    hand-over, its parameters, its largest tensor's bytes)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from orthon.pretrain import parallel
+    from orthon.pretrain.expert_parallel import shard_experts
+    from orthon.pretrain.gathered_weights import gathered_parts, save_gathered
     from orthon.pretrain.model import GLMForCausalLM
     from orthon.pretrain.recipe import load_recipe
+    from orthon.rl.shard_delta import ShardDelta
 
     cfg = load_recipe(ROOT / "configs" / "tiny.yaml").model.replace(hidden_size=hidden, n_routed_experts=experts,
                                                                      intermediate_size=4 * hidden)
     torch.manual_seed(0)
-    return GLMForCausalLM(cfg)
+    model = GLMForCausalLM(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())  # an expert stack
+    mesh = shard_experts(model, expert_parallel, torch.device("cpu")) if expert_parallel > 1 else None
+    parallel.wrap(model, "fsdp", mesh)
+
+    def whole():  # what final/ and the RL hand-over took before: the full state dict on rank 0
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return list(state.items()) if rank == 0 else None
+
+    return model, _Handover(
+        whole, lambda: gathered_parts(model, rank, part_bytes, split_experts=True),
+        lambda directory: save_gathered(model, directory, rank, max_shard_bytes=part_bytes),
+        lambda: ShardDelta(model, rank)), params, largest
 
 
-def _megatron_model(hidden: int, experts: int, layout: str):
+def _megatron(rank: int, hidden: int, experts: int, part_bytes: int, layout: str):
+    """The megatron backend's model cut by ``layout`` over the two ranks: as ``_fsdp``."""
     from orthon.backends.megatron.causal_lm import MegatronCausalLM
+    from orthon.backends.megatron.gathered_weights import save_gathered
+    from orthon.pretrain.model_info import parameter_counts
     from orthon.pretrain.recipe import load_recipe
+    from orthon.rl.shard_delta import PartDelta
 
-    return MegatronCausalLM(load_recipe(ROOT / "configs" / "tiny.yaml", [
+    model = MegatronCausalLM(load_recipe(ROOT / "configs" / "tiny.yaml", [
         "backend=megatron", f"megatron.{layout}=2", f"model.hidden_size={hidden}", f"model.n_routed_experts={experts}",
         f"model.intermediate_size={4 * hidden}"]))
+    params = sum(c["total"] for c in parameter_counts(model.config).values())  # the whole model's
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+
+    def whole():  # the whole model as one part, on rank 0
+        state = {}
+        for load in model.weight_parts(1 << 62):
+            state.update(load() or {})
+        return list(state.items()) if rank == 0 else None
+
+    return model, _Handover(
+        whole, lambda: model.weight_parts(part_bytes),
+        lambda directory: save_gathered(model, directory, write=rank == 0, max_shard_bytes=part_bytes),
+        lambda: PartDelta(model, rank, 2, part_bytes)), params, largest
 
 
 def _worker(rank, port, way, hidden, experts, part_bytes, out_dir, expert_parallel=1, megatron=None):
@@ -65,40 +117,27 @@ def _worker(rank, port, way, hidden, experts, part_bytes, out_dir, expert_parall
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        if megatron is not None:
-            _measure_megatron(rank, way, hidden, experts, part_bytes, out_dir, megatron)
-            return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        from orthon.pretrain import parallel
-        from orthon.pretrain.gathered_weights import gathered_parts, save_gathered
-
-        model = _model(hidden, experts)
-        params = sum(p.numel() for p in model.parameters())
-        largest = max(p.numel() * p.element_size() for p in model.parameters())  # an expert stack
-        from orthon.pretrain.expert_parallel import shard_experts
-
-        mesh = shard_experts(model, expert_parallel, torch.device("cpu")) if expert_parallel > 1 else None
-        parallel.wrap(model, "fsdp", mesh)
+        model, handover, params, largest = (_fsdp(rank, hidden, experts, part_bytes, expert_parallel) if megatron is None
+                                            else _megatron(rank, hidden, experts, part_bytes, megatron))
         dist.barrier()
         _rss_peak_reset()
         base = _status_kb("VmRSS")
         start = time.perf_counter()
-        if way == "whole":  # what final/ and the RL hand-over took before: the full state dict on rank 0
-            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            held = sum(t.numel() * t.element_size() for t in state.values())
+        if way == "whole":
+            state = handover.whole()
+            held = sum(t.numel() * t.element_size() for _, t in state) if state else 0
             del state
         elif way == "parts":  # the distributed hand-over's gathers (the broadcast itself sends from them)
             held = 0
-            for load in gathered_parts(model, rank, part_bytes, split_experts=True):
+            for load in handover.parts():
                 part = load()
                 held = max(held, sum(t.numel() * t.element_size() for t in part.values()) if part else 0)
                 del part
         elif way == "final":  # final/ (and the disk hand-over): the weights directory, a safetensors shard at a time
-            save_gathered(model, Path(out_dir) / "final", rank, max_shard_bytes=part_bytes)
+            handover.final(Path(out_dir) / "final")
             held = part_bytes
         else:  # a delta sync after a full one, every parameter changed (as an optimizer step changes them)
-            held = _delta_sync(model, rank, way, out_dir)
+            held = _delta_sync(model, handover, rank, way, out_dir)
         seconds = time.perf_counter() - start
         peak_mb = (_status_kb("VmHWM") - base) / 1024
         if rank == 0:
@@ -113,82 +152,12 @@ def _worker(rank, port, way, hidden, experts, part_bytes, out_dir, expert_parall
     os._exit(0)
 
 
-def _measure_megatron(rank, way, hidden, experts, part_bytes, out_dir, layout):
-    """``_worker``'s ways for the megatron backend's model, cut by ``layout`` over the two ranks."""
+def _delta_sync(model, handover: _Handover, rank: int, way: str, out_dir: str) -> int:
+    """Rank 0's side of a full sync's reset and the delta after it: before, the state gathered whole on rank
+    0 and its copy kept there (delta_whole); now each rank's copy of what it keeps and its payload
+    (delta_rows: orthon.rl.shard_delta's ShardDelta, or PartDelta on megatron). Returns the bytes of rank 0's
+    payload."""
     from orthon.engine.delta import DeltaEncoder
-    from orthon.rl.shard_delta import PartDelta
-
-    from orthon.pretrain.model_info import parameter_counts
-
-    model = _megatron_model(hidden, experts, layout)
-    params = sum(c["total"] for c in parameter_counts(model.config).values())  # the whole model's
-    largest = max(p.numel() * p.element_size() for p in model.parameters())
-
-    def gathered():
-        state = {}
-        for load in model.weight_parts(1 << 62):  # one part: the whole model, on rank 0
-            state.update(load() or {})
-        return list(state.items()) if rank == 0 else None
-
-    def step():
-        with torch.no_grad():
-            for p in model.parameters():
-                p.mul_(1.0001)
-
-    dist.barrier()
-    _rss_peak_reset()
-    base = _status_kb("VmRSS")
-    start = time.perf_counter()
-    held = 0
-    if way == "whole":
-        state = gathered()
-        held = sum(t.numel() * t.element_size() for _, t in state) if state else 0
-        del state
-    elif way == "parts":
-        for load in model.weight_parts(part_bytes):
-            part = load()
-            held = max(held, sum(t.numel() * t.element_size() for t in part.values()) if part else 0)
-            del part
-    elif way == "final":
-        from orthon.backends.megatron.gathered_weights import save_gathered
-
-        save_gathered(model, Path(out_dir) / "final", write=rank == 0, max_shard_bytes=part_bytes)
-        held = part_bytes
-    elif way == "delta_whole":
-        encoder = DeltaEncoder()
-        state = gathered()
-        if state is not None:
-            encoder.reset(state, 0)
-        del state
-        step()
-        state = gathered()
-        held = encoder.encode(state, 1).nbytes if state is not None else 0
-    else:
-        delta = PartDelta(model, rank, 2, part_bytes)
-        delta.reset(0)
-        step()
-        held = delta.write(Path(out_dir), 1, final=rank == 1).stat().st_size
-    seconds = time.perf_counter() - start
-    peak_mb = (_status_kb("VmHWM") - base) / 1024
-    if rank == 0:
-        Path(out_dir, "result.json").write_text(json.dumps(
-            {"way": way, "params": params, "peak_mb": peak_mb, "s": seconds,
-             "largest_held_mb": held / 2**20, "largest_tensor_mb": largest / 2**20}))
-    dist.barrier()
-
-
-def _delta_sync(model, rank: int, way: str, out_dir: str) -> int:
-    """Rank 0's side of a full sync's reset and the delta after it: before, the state dict gathered whole
-    on rank 0 and its copy kept there (delta_whole); now each rank's copy of its own rows and its
-    payload (delta_rows, orthon.rl.shard_delta). Returns the bytes of rank 0's payload."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from orthon.engine.delta import DeltaEncoder
-    from orthon.rl.shard_delta import ShardDelta
-
-    def gathered():
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return list(state.items()) if rank == 0 else None
 
     def step():
         with torch.no_grad():
@@ -197,17 +166,17 @@ def _delta_sync(model, rank: int, way: str, out_dir: str) -> int:
 
     if way == "delta_whole":
         encoder = DeltaEncoder()
-        state = gathered()
+        state = handover.whole()
         if state is not None:
             encoder.reset(state, 0)
         del state  # the encoder keeps its own copy
         step()
-        state = gathered()
+        state = handover.whole()
         return encoder.encode(state, 1).nbytes if state is not None else 0
-    rows = ShardDelta(model, rank)
-    rows.reset(0)
+    delta = handover.rank_delta()
+    delta.reset(0)
     step()
-    return rows.write(Path(out_dir), 1, final=rank == 1).stat().st_size
+    return delta.write(Path(out_dir), 1, final=rank == 1).stat().st_size
 
 
 def measure(way: str, hidden: int, experts: int, part_bytes: int, expert_parallel: int = 1, megatron=None) -> dict:
