@@ -21,8 +21,11 @@ Elsewhere (fp32 on Intel CPUs with AVX-512 and no AMX, or without the kernels' l
 product is computed by torch's GEMMs as n/256 row panels (at most 8), each panel's rows times the columns
 from its diagonal block on, the blocks below the diagonal blocks mirrored (a C kernel): (k+1)/2k of the
 FLOPs with k panels; at n = 512 (2 panels) that gained at one thread and lost at two, so smaller blocks
-keep full products. On an AMX Xeon block-triangle products measured slower than one full bf16 GEMM: AMX
-CPUs and GPUs keep the full products. ``ORTHON_SYMMETRIC_KERNELS=0`` turns the kernels off.
+keep full products. On an AMX Xeon block-triangle products measured slower than one full bf16 GEMM, and a
+hand-written AMX kernel of the upper 32 x 32 blocks (2 x 2 tiles, several blockings) took 0.65-0.95 of
+oneDNN's full product's time at n = 1024 and more below: its tile products wait on tile loads from L2
+and L3, whose traffic halving the FLOPs does not halve (docs/results/history.md). AMX CPUs and GPUs keep
+the full products. ``ORTHON_SYMMETRIC_KERNELS=0`` turns the kernels off.
 """
 from __future__ import annotations
 
