@@ -32,6 +32,11 @@ class BackendModel(Protocol):
         {name: CPU tensor} (a routed-expert stack larger than a part as row pieces of whole experts,
         ``hf_io.row_piece_name``), None elsewhere."""
 
+    def stage_parts(self, part_bytes: int):
+        """Where the model runs in pipeline stages, this rank's stage's parts (``stage``, ``stages``,
+        ``loaders``, ``leader``): the stage's ranks call its loaders together, each part gathered within the
+        stage to its leader, which receives {name: CPU tensor}; None without stages."""
+
     def build_optimizer(self, recipe):
         """The optimizer (orthon's HybridOptimizer) over the model's parameters."""
 

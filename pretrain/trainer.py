@@ -609,6 +609,12 @@ class Trainer:
             return self.model.weight_parts(part_bytes)
         return gathered_parts(self.model, self.rank, part_bytes, split_experts=True)
 
+    def stage_parts(self, part_bytes: int):
+        """Where the model runs in pipeline stages (another backend's: megatron's), this rank's stage's
+        parts, each gathered within the stage to its leader, side by side with the other stages; None
+        where it does not."""
+        return self.model.stage_parts(part_bytes) if self.foreign_model else None
+
     def write_weights(self, directory) -> None:
         """The model as a weights directory (``orthon.pretrain.weights``), written by rank 0. Where the
         ranks hold shards, a collective that gathers one safetensors shard at a time

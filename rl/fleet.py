@@ -170,21 +170,25 @@ class EngineFleet:
         """The weights (the model, a state dict gathered from FSDP2's shards, or what ``form`` asked for)
         to every engine; an engine that could not take them is restarted with them. A streamed sync that
         failed raises IncompleteSync (after the engines are resumed) for the trainer's full copy."""
+        from orthon.rl.stage_sync import StageParts
         from orthon.rl.weight_sync import IncompleteSync, ShardDeltas, WeightParts
 
         with self._lock:
-            streamed = isinstance(model, (WeightParts, ShardDeltas))
+            streamed = isinstance(model, (WeightParts, ShardDeltas, StageParts))
             # Parts are used up as they are sent: a restart then waits for the next sync.
             self.version, self.model = version, None if streamed else model
             if isinstance(model, WeightParts):
                 self.counters["streamed_parts"] += len(model.loaders)
-            elif streamed:
+            elif isinstance(model, ShardDeltas):
                 self.counters["delta_payloads"] += len(model.paths)
             try:
                 dead = self.sync_path.push(model, version, [self.client_factory(u) for u in self.urls])
             except IncompleteSync:
                 self.counters["failed_syncs"] += 1
                 raise
+            if isinstance(model, StageParts):  # each stage over its own group
+                self.counters["streamed_parts"] += model.sent
+                self.counters["stage_groups"] = model.stages
             for url in dead:
                 self.counters["failed_syncs"] += 1
                 self.replace(self.urls.index(url), url)

@@ -25,6 +25,7 @@ import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -36,6 +37,7 @@ from orthon.core.files import atomic_write_text
 from orthon.core.interrupts import stop_signals_recorded
 from orthon.core.metrics import MetricsLogger, moving_average, plot_curves, read_metrics
 from orthon.core.step_loop import stop_if_signalled
+from orthon.engine.client import HTTPEngine
 from orthon.engine.in_process import InProcessEngine
 from orthon.pretrain.trainer import Trainer, other_fields
 from orthon.pretrain.weights import load_weights
@@ -46,6 +48,7 @@ from orthon.rl.rollout_manager import RolloutManager, rollout_state
 from orthon.rl.sample import Sample, branches, sample_to_dict
 from orthon.rl.steps import METRICS, PolicyStep
 from orthon.rl.shard_delta import PartDelta, ShardDelta
+from orthon.rl.stage_sync import StageParts, StageSender, run_stages
 from orthon.rl.weight_sync import IncompleteSync, ShardDeltas, SyncForm, WeightParts
 
 
@@ -100,6 +103,7 @@ class RLTrainer:
         self.weight_sync = weight_sync or self._update_engine
         self.sync_form = sync_form
         self._deltas: ShardDelta | PartDelta | None = None  # this rank's, where the ranks hold shards and sync by delta
+        self._stage_sender: StageSender | None = None  # a pipeline stage's leader's group with the engines
         self.weight_version = 0  # of the weights the engines hold; every sync adds one
         self.iteration = 0
 
@@ -238,19 +242,29 @@ class RLTrainer:
         self.weight_sync(weights, self.weight_version)
 
     def _stream_parts(self, part_bytes: int):
-        """The weights to the engines part by part as the ranks gather them; None once sent, else (the
-        sync failed part way) the SyncForm of the directory for a full copy."""
-        loaders = self.trainer.weight_parts(part_bytes)
+        """The weights to the engines part by part as the ranks gather them (a model in pipeline stages:
+        each stage's over its own group, orthon.rl.stage_sync); None once sent, else (the sync failed part
+        way) the SyncForm of the directory for a full copy."""
+        stage = self.trainer.stage_parts(part_bytes)
+        if stage is not None:
+            if self._stage_sender is None and stage.leader:
+                self._stage_sender = StageSender(stage.stage)
+            cluster = self.recipe.rl.cluster
+            run = partial(run_stages, stage, self._stage_sender, self.weight_version,
+                          lambda url: HTTPEngine(url, timeout_s=cluster.request_timeout_s), cluster.check_weights)
+            sync, idle = StageParts(run, stage.stages), lambda: run(None)
+        else:
+            loaders = self.trainer.weight_parts(part_bytes)
+            sync, idle = WeightParts(loaders), lambda: [load() for load in loaders]
         retry = None
         if self.rank == 0:
             try:
-                self.weight_sync(WeightParts(loaders), self.weight_version)
+                self.weight_sync(sync, self.weight_version)
             except IncompleteSync as exc:
                 self.log(str(exc))
                 retry = SyncForm(directory=exc.directory)
         else:
-            for load in loaders:
-                load()
+            idle()
         return self._from_rank_zero(lambda: retry)
 
     def _shard_delta(self) -> ShardDelta | PartDelta:

@@ -17,7 +17,8 @@ parallelism), what ``form`` asks for so that no process holds the whole model: o
 delta the version's directory the ranks wrote, a safetensors shard at a time; on the distributed path
 without delta ``WeightParts``, loaders the ranks call together, each gathering a part that is broadcast
 before the next is gathered (slime's bucket by bucket; an expert stack larger than a part a few experts
-at a time), the engines paused in between so no request runs on a mix of versions; with delta, on
+at a time), the engines paused in between so no request runs on a mix of versions (a model in pipeline
+stages: ``StageParts``, each stage's parts over a group of its own, orthon.rl.stage_sync); with delta, on
 either path, ``ShardDeltas``: each rank's delta of the rows it holds, against its own copy of them
 (orthon.rl.shard_delta), handed to the engines in rank order, paused, the last payload final. A
 streamed sync that fails part way raises ``IncompleteSync`` naming the directory the ranks then write
@@ -33,14 +34,14 @@ from pathlib import Path
 import torch
 
 from orthon.core.errors import CheckpointError, EngineUnavailable
-from orthon.core.net import free_port
 from orthon.engine.delta import DELTA_TENSOR_NAME, DeltaEncoder
 from orthon.engine.tensor_bytes import tensor_hashes
 from orthon.engine.weight_transfer import (SharedBuckets, TensorMeta, broadcast_bytes, broadcast_tensors,
-                                           open_update_group, prune_versions, version_dir, write_delta,
-                                           write_versioned)
+                                           prune_versions, version_dir, write_delta, write_versioned)
 from orthon.pretrain.gathered_weights import drain_on_error
 from orthon.pretrain.hf_io import experts_to_hf, load_hf_state
+from orthon.rl.engine_group import EngineGroup, together
+from orthon.rl.stage_sync import StageParts
 
 
 @dataclass(frozen=True)
@@ -108,8 +109,7 @@ class WeightSync:
         self.cfg = cluster
         self.root = Path(run_dir) / "weights"
         self.encoder = None  # the delta encoder, once a full copy gave every engine the same bytes
-        self.group = None  # the distributed path's process group
-        self._members: tuple[str, ...] = ()
+        self.group = EngineGroup()  # the distributed path's process group
         self._shared = None
         self.shard_base: int | None = None  # the version every engine holds that the ranks' deltas start from
 
@@ -165,6 +165,8 @@ class WeightSync:
         from disk, so none is left holding something else; the caller replaces the dead ones."""
         if isinstance(model, WeightParts):
             return self._stream(model, version, clients)
+        if isinstance(model, StageParts):
+            return self._stream_stages(model, version, clients)
         if isinstance(model, ShardDeltas):
             return self._push_shard_deltas(model, version, clients)
         try:
@@ -192,19 +194,44 @@ class WeightSync:
         want = {}
 
         def send(loaders):
-            self._group(clients)
+            group = self.group.formed(clients)
             for i, load in enumerate(loaders):
                 named = _named(load())
                 if self.cfg.check_weights:
                     want.update(tensor_hashes(named))
                 metas = [TensorMeta.of(name, t) for name, t in named]
                 last = i == len(loaders) - 1  # the prefix cache is flushed once, with the last part
-                self._together(clients, lambda c: c.update_weights_from_distributed(metas, version, flush_cache=last),
-                               lambda: broadcast_tensors(self.group, named))
+                together(clients, lambda c: c.update_weights_from_distributed(metas, version, flush_cache=last),
+                         lambda: broadcast_tensors(group, named))
 
         self._while_paused(clients, version, parts.loaders, send)
         if self.cfg.check_weights:
             self.check(want, clients)
+        return []
+
+    def _stream_stages(self, parts: StageParts, version: int, clients) -> list[str]:
+        """Each pipeline stage's parts over its own group (orthon.rl.stage_sync), the engines paused from
+        before the first to after the last; IncompleteSync when anything fails on any rank."""
+        failure = None
+        try:
+            _each(clients, lambda c: c.pause("in_place"))
+        except Exception as exc:
+            failure = exc
+        try:
+            # Every rank waits in run(): it runs even when pausing failed, then sending nothing.
+            sent, errors, want = parts.run(None if failure else [c.url for c in clients])
+            if failure is not None:
+                raise failure
+            if errors:
+                raise RuntimeError("; ".join(errors))
+            _each(clients, lambda c: c.flush())  # once every stage is in (the parts flush nothing)
+            if self.cfg.check_weights:
+                self.check(want, clients)
+        except Exception as exc:
+            raise IncompleteSync(self._directory(version), f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            _each(clients, _resume)
+        parts.sent = sent
         return []
 
     def _push_shard_deltas(self, deltas: ShardDeltas, version: int, clients) -> list[str]:
@@ -242,14 +269,14 @@ class WeightSync:
         try:
             drain_on_error(loaders, paused)
         except Exception as exc:
-            self._close_group()
+            self.group.close()
             raise IncompleteSync(self._directory(version), f"{type(exc).__name__}: {exc}") from exc
         finally:
             _each(clients, _resume)
 
     def _recover(self, model, version: int, clients) -> list[str]:
         """Full copies from disk to every engine that answers; the URLs of those that do not."""
-        self._close_group()
+        self.group.close()
         dead = []
         for client in clients:
             try:
@@ -280,42 +307,15 @@ class WeightSync:
             self._broadcast_delta(path.read_bytes(), version, clients)
 
     def _broadcast_delta(self, data: bytes, version: int, clients) -> None:
-        self._group(clients)
-        self._together(clients, lambda c: c.update_weights_from_distributed([], version, delta=True),
-                       lambda: broadcast_bytes(self.group, data))
-
-    def _close_group(self) -> None:
-        """After a failure (a member may be gone): the next broadcast forms the group again."""
-        if self.group is not None:
-            self.group.close()
-            self.group, self._members = None, ()
-
-    def _group(self, clients) -> None:
-        """The trainer (rank 0) and the engines (1..N) in one group; formed again when an engine changed."""
-        members = tuple(c.url for c in clients)
-        if self.group is not None and members == self._members:
-            return
-        if self.group is not None:
-            self.group.close()
-        port, world = free_port(), len(clients) + 1
-        self._together(clients, lambda c: c.init_weights_update_group("127.0.0.1", port, members.index(c.url) + 1, world),
-                       lambda: setattr(self, "group", open_update_group("127.0.0.1", port, 0, world)))
-        self._members = members
-
-    @staticmethod
-    def _together(clients, remote, local) -> None:
-        """``remote(client)`` on every engine while this process runs ``local()`` (a collective)."""
-        with ThreadPoolExecutor(len(clients)) as pool:
-            calls = [pool.submit(remote, c) for c in clients]
-            local()
-            for call in calls:
-                call.result()
+        group = self.group.formed(clients)
+        together(clients, lambda c: c.update_weights_from_distributed([], version, delta=True),
+                 lambda: broadcast_bytes(group, data))
 
     def _broadcast(self, named, version: int, clients) -> None:
-        self._group(clients)
+        group = self.group.formed(clients)
         metas = [TensorMeta.of(name, t) for name, t in named]
-        self._together(clients, lambda c: c.update_weights_from_distributed(metas, version),
-                       lambda: broadcast_tensors(self.group, named))
+        together(clients, lambda c: c.update_weights_from_distributed(metas, version),
+                 lambda: broadcast_tensors(group, named))
 
     def _share(self, named, version: int, clients) -> None:
         if self._shared is None:

@@ -583,6 +583,19 @@ def test_shared_memory_and_broadcast_updates(mutable, weights, tmp_path):
     assert [r.tokens for r in client.generate(PROMPTS, GREEDY)] == [r.tokens for r in _reference(weights[0])]
 
 
+def _second_fails(loaders: list) -> tuple[list, list]:
+    """``loaders`` whose second raises "out of memory", and the list of the indices called, in order."""
+    calls = []
+
+    def failing(i, load):
+        calls.append(i)
+        if i == 1:
+            raise RuntimeError("out of memory")
+        return load()
+
+    return calls, [lambda i=i, load=load: failing(i, load) for i, load in enumerate(loaders)]
+
+
 def test_weights_streamed_in_parts_and_a_failed_stream_asks_for_a_full_copy(mutable, weights, tmp_path):
     """The trainer's streamed sync (orthon.rl.weight_sync, distributed without delta): parts of the model
     (gathered_parts, one process: plain tensors) broadcast one after another leave the engine with the
@@ -606,15 +619,7 @@ def test_weights_streamed_in_parts_and_a_failed_stream_asks_for_a_full_copy(muta
     assert client.weight_hashes() == tensor_hashes(_named(other)) and client.health()["weight_version"] == 40
     assert [r.tokens for r in client.generate(PROMPTS, GREEDY)] == [r.tokens for r in _reference(weights[1])]
 
-    calls = []
-
-    def failing(i, load):
-        calls.append(i)
-        if i == 1:
-            raise RuntimeError("out of memory")
-        return load()
-
-    loaders = [lambda i=i, load=load: failing(i, load) for i, load in enumerate(gathered_parts(base, 0, 30_000))]
+    calls, loaders = _second_fails(gathered_parts(base, 0, 30_000))
     with pytest.raises(IncompleteSync, match="out of memory") as failed:
         sync.push(WeightParts(loaders), 41, [client])
     assert calls == list(range(len(loaders)))  # every part still gathered once, in order
@@ -623,6 +628,45 @@ def test_weights_streamed_in_parts_and_a_failed_stream_asks_for_a_full_copy(muta
     assert sync.push(save_weights(base, failed.value.directory), 41, [client]) == []
     assert client.weight_hashes() == tensor_hashes(_named(base))
     assert [r.tokens for r in client.generate(PROMPTS, GREEDY)] == [r.tokens for r in _reference(weights[0])]
+
+
+def test_a_pipeline_stage_streams_over_its_own_group_and_a_failure_asks_for_a_full_copy(mutable, weights, tmp_path):
+    """The pipelined trainer's distributed sync (orthon.rl.stage_sync), one stage in one process: its leader
+    forms a weight-update group of its own with the engine and broadcasts the stage's parts over it; the
+    engine, paused throughout, ends on the new weights at the new version, resumed, and the parts are
+    counted. A part that fails mid-stream still lets every later loader run (the stage's other ranks wait
+    in their gathers), resumes the engine and raises IncompleteSync naming the version's directory."""
+    from types import SimpleNamespace
+
+    from orthon.engine.tensor_bytes import tensor_hashes
+    from orthon.pretrain.gathered_weights import gathered_parts
+    from orthon.rl.config import ClusterConfig
+    from orthon.rl.stage_sync import StageParts, StageSender, run_stages
+    from orthon.rl.weight_sync import IncompleteSync, WeightSync
+
+    base, other = load_weights(weights[0]), load_weights(weights[1])
+    client = HTTPEngine(mutable.url)
+    sync = WeightSync(ClusterConfig(weight_sync="distributed", delta=False, check_weights=True, part_bytes=30_000),
+                      tmp_path)
+    sender = StageSender(0)
+
+    def stage_sync(loaders, version):
+        stage = SimpleNamespace(stage=0, loaders=loaders, leader=True)
+        return StageParts(lambda urls: run_stages(stage, sender, version, HTTPEngine, True, urls), stages=1)
+
+    parts = stage_sync(gathered_parts(other, 0, 30_000), 50)
+    assert sync.push(parts, 50, [client]) == []  # check_weights: raises on any difference
+    assert parts.sent >= 4 and sender.group.name == "orthon_pipeline_stage_0" and sender.group.group is not None
+    assert client.weight_hashes() == tensor_hashes(_named(other)) and client.health()["weight_version"] == 50
+    assert [r.tokens for r in client.generate(PROMPTS, GREEDY)] == [r.tokens for r in _reference(weights[1])]
+
+    calls, loaders = _second_fails(gathered_parts(base, 0, 30_000))
+    with pytest.raises(IncompleteSync, match=r"rank 0 \(pipeline stage 0\): RuntimeError: out of memory") as failed:
+        sync.push(stage_sync(loaders, 51), 51, [client])
+    assert calls == list(range(len(loaders)))  # every part still gathered once, in order
+    assert failed.value.directory == tmp_path / "weights" / "v00000051"
+    assert sender.group.group is None  # closed after the failure: formed again at the next sync
+    assert client.generate(PROMPTS[:1], GREEDY)[0].tokens  # resumed (a paused engine would not answer)
 
 
 def test_each_ranks_delta_of_its_rows_and_a_failed_one_asks_for_a_full_copy(mutable, weights, tmp_path):

@@ -3,7 +3,8 @@ tensor-, expert- or pipeline-parallel pieces: the parts, each gathered to its ow
 model exactly (the megatron model starts from the weights orthon's draws from the same seed), each is at
 most the size asked for (a larger megatron tensor alone; an expert stack larger than that as windows of whole experts), and a part goes
 to the rank ``owner`` names, nothing to the others. ``final/`` written in shards of that size is the same
-model."""
+model. With pipeline stages, each stage's parts gathered within the stage are that stage's tensors, and
+the stages' together the whole model."""
 import os
 from datetime import timedelta
 
@@ -31,8 +32,10 @@ def worker(rank, port, out_dir, recipe_path, layout):
         model = MegatronCausalLM(load_recipe(recipe_path, [f"megatron.{layout}=2"]))
         parts = [load() for load in model.weight_parts(PART_BYTES)]
         owned = [load() is not None for load in model.weight_parts(PART_BYTES, owner=lambda i: i % 2)]
+        stage = model.stage_parts(PART_BYTES)
+        staged = stage and (stage.stage, stage.stages, stage.leader, [load() for load in stage.loaders])
         model.save_weights(os.path.join(out_dir, "final"), write=rank == 0)
-        torch.save({"parts": parts, "owned": owned}, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save({"parts": parts, "owned": owned, "staged": staged}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -65,5 +68,38 @@ def test_the_parts_are_orthons_model_a_part_at_a_time(tmp_path, layout):
     # owner i mod 2: each rank gets the parts it owns, and only those
     assert got[0]["owned"] == [i % 2 == 0 for i in range(len(parts))]
     assert got[1]["owned"] == [i % 2 == 1 for i in range(len(parts))]
+    # pipeline stages (here one rank each): each stage's leader gets exactly its stage's tensors
+    if layout != "pipeline_parallel":
+        assert got[0]["staged"] is None and got[1]["staged"] is None
+    else:
+        stages = [got[r]["staged"] for r in range(2)]
+        assert [s[:3] for s in stages] == [(0, 2, True), (1, 2, True)]
+        names = [experts_to_hf({k: v for p in s[3] for k, v in p.items()}) for s in stages]
+        assert "model.embed_tokens.weight" in names[0] and "lm_head.weight" in names[1]
+        assert {k.split(".")[2] for k in names[0] if k.startswith("model.layers.")} == {"0"}
+        assert {k.split(".")[2] for k in names[1] if k.startswith("model.layers.")} == {"1"}
+        assert not names[0].keys() & names[1].keys()
+        assert all(torch.equal({**names[0], **names[1]}[k], reference[k]) for k in reference)
+        assert len(names[0]) + len(names[1]) == len(reference)
     final = load_weights(tmp_path / "final").state_dict()
     assert all(torch.equal(final[k], want[k]) for k in want)
+
+
+def test_a_map_belongs_to_the_pipeline_rank_holding_its_layer():
+    """The embedding on the first pipeline rank, the final norm and head on the last, a layer on its stage's
+    rank; with a virtual pipeline stage s (of layers_per_stage layers each) lies on rank s mod PP."""
+    from types import SimpleNamespace
+
+    from orthon.backends.megatron.convert import _Map
+    from orthon.backends.megatron.gathered_weights import pipeline_rank_of
+
+    def rank(name, pp, per_stage):
+        model = SimpleNamespace(options=SimpleNamespace(pipeline_parallel=pp), layers_per_stage=per_stage)
+        return pipeline_rank_of(_Map(("x",), (name,)), model)
+
+    layer = "decoder.layers.{}.mlp.linear_fc1.weight"
+    assert rank("embedding.word_embeddings.weight", 2, 2) == 0
+    assert rank("decoder.final_layernorm.weight", 2, 2) == rank("output_layer.weight", 2, 2) == 1
+    assert [rank(layer.format(i), 2, 2) for i in range(4)] == [0, 0, 1, 1]  # PP 2: two layers a stage
+    assert [rank(layer.format(i), 2, 1) for i in range(4)] == [0, 1, 0, 1]  # PP 2 x VP 2: one layer a stage
+    assert [rank(layer.format(i), 4, 1) for i in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]

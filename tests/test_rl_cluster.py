@@ -197,14 +197,15 @@ def test_trainer_ranks_train_what_one_process_does(tmp_path, parallel, experts, 
 
 
 @pytest.mark.parametrize("layout,path,delta", [
-    ("tensor_parallel", "distributed", False), ("pipeline_parallel", "distributed", True),
-    pytest.param("expert_parallel", "disk", False, marks=pytest.mark.slow),
+    ("tensor_parallel", "distributed", False), ("pipeline_parallel", "distributed", False),
+    ("pipeline_parallel", "distributed", True), pytest.param("expert_parallel", "disk", False, marks=pytest.mark.slow),
     pytest.param("tensor_parallel", "disk", True, marks=pytest.mark.slow)])
 def test_megatron_trainer_ranks_hand_the_engines_their_parts(tmp_path, layout, path, delta):
     """Two trainer ranks on Ray holding megatron's tensor-, pipeline- or expert-parallel parts of the policy
     train on saved rollouts to the weights megatron reaches on them in one process, and no process gathers
     the whole model to hand it over: the engines get each version part by part as the ranks gather it
-    (distributed; the 64 kB expert stacks a window of whole experts at a time), the directory the ranks
+    (distributed; the 64 kB expert stacks a window of whole experts at a time; with pipeline stages each
+    stage's leader gathers its stage's parts and broadcasts them over a group of its own), the directory the ranks
     wrote a shard at a time (disk), or with delta each rank's delta of the parts it keeps (two payloads a
     version); every sync leaves the engine holding the trainer's bytes (check_weights raises otherwise)."""
     pytest.importorskip("megatron.core")
@@ -245,6 +246,8 @@ def test_megatron_trainer_ranks_hand_the_engines_their_parts(tmp_path, layout, p
     parts, payloads = result["fleet"].get("streamed_parts", 0), result["fleet"].get("delta_payloads", 0)
     assert parts % 3 == 0 and (parts >= 3 * 5) == (path == "distributed" and not delta), result["fleet"]
     assert payloads == (2 * 2 if delta else 0), result["fleet"]
+    pipelined = layout == "pipeline_parallel" and path == "distributed" and not delta
+    assert result["fleet"].get("stage_groups", 0) == (2 if pipelined else 0), result["fleet"]
     versions = sorted(p.name for p in (tmp_path / "two" / "weights").glob("v*"))
     assert versions == ({"distributed": [], "disk": ["v00000001", "v00000002"]}[path] if not delta else ["v00000000"])
 

@@ -46,13 +46,26 @@ class _Window:
     last: int
 
 
-def plan(model, part_bytes: int) -> list[list]:
-    """The model's tensor maps (and expert windows) in parts of at most ``part_bytes`` (a larger map alone)."""
+def pipeline_rank_of(mp: _Map, model) -> int:
+    """The pipeline rank holding the tensors of map ``mp``: the embedding the first, the final norm and head
+    the last, a decoder layer the rank of its stage (with a virtual pipeline, stage s on rank s mod PP)."""
+    pp = model.options.pipeline_parallel
+    layer = layer_of(mp.megatron[0])
+    if layer is None:
+        return 0 if mp.megatron[0].startswith("embedding.") else pp - 1
+    return layer // model.layers_per_stage % pp
+
+
+def plan(model, part_bytes: int, pipeline_rank: int | None = None) -> list[list]:
+    """The model's tensor maps (and expert windows) in parts of at most ``part_bytes`` (a larger map alone);
+    ``pipeline_rank``: only those that rank holds."""
     config, layout = model.config, model.gpt.orthon_layout
     shapes = megatron_shapes(config, model.runtime, layout)
     itemsize = next(model.parameters()).element_size()
     sizes = {}
     for mp in (mp for part in model_parts(config, layout) for mp in part):
+        if pipeline_rank is not None and pipeline_rank_of(mp, model) != pipeline_rank:
+            continue
         nbytes = sum(shapes[n].numel() for n in mp.megatron) * itemsize
         if mp.kind != "experts" or nbytes <= part_bytes:
             sizes[mp] = nbytes
@@ -99,14 +112,15 @@ class _Pieces:
         return out
 
 
-def _merged(model, pieces: _Pieces, names: list[str], owner: int, sends: bool) -> dict | None:
-    """megatron's whole tensors ``names`` on rank ``owner`` (None elsewhere): the ranks' pieces gathered there."""
+def _merged(model, pieces: _Pieces, names: list[str], owner: int, sends: bool, group=None) -> dict | None:
+    """megatron's whole tensors ``names`` on rank ``owner`` (None elsewhere): the pieces of the ranks of
+    ``group`` (default: all) gathered there."""
     if not model.model_parallel:  # every rank holds the whole model: the owner reads its own
         return {name: tensor for state in pieces.of(names).values() for name, tensor in state.items()} \
             if _rank() == owner else None
     mine = pieces.of(names) if sends else {}
-    gathered = [None] * dist.get_world_size() if _rank() == owner else None
-    dist.gather_object(mine, gathered, dst=owner)
+    gathered = [None] * dist.get_world_size(group) if _rank() == owner else None
+    dist.gather_object(mine, gathered, dst=owner, group=group)
     if gathered is None:
         return None
     sizes = stage_sizes(model.options)
@@ -117,9 +131,9 @@ def _merged(model, pieces: _Pieces, names: list[str], owner: int, sends: bool) -
     return merge(shards, model.config, sizes, model.gpt.orthon_layout)
 
 
-def _load(model, pieces: _Pieces, items: list, owner: int, sends: bool, expected: dict) -> dict | None:
+def _load(model, pieces: _Pieces, items: list, owner: int, sends: bool, expected: dict, group=None) -> dict | None:
     """One part in orthon's names on rank ``owner`` (expert windows as row pieces of their stacks)."""
-    merged = _merged(model, pieces, [n for item in items for n in _map(item).megatron], owner, sends)
+    merged = _merged(model, pieces, [n for item in items for n in _map(item).megatron], owner, sends, group)
     if merged is None:
         return None
     out = {}
@@ -150,6 +164,43 @@ def weight_parts(model, part_bytes: int, owner=lambda i: 0) -> list:
     expected = {k: v.shape for k, v in meta_model(model.config, model.runtime).state_dict().items()}
     return [partial(_load, model, pieces, items, owner(i), sends, expected)
             for i, items in enumerate(plan(model, part_bytes))]
+
+
+@dataclass
+class StageLoaders:
+    """This rank's pipeline ``stage``'s parts as loaders (called by the stage's ranks together, each part
+    gathered within the stage to its ``leader``, its lowest rank) and whether this rank leads it."""
+
+    stage: int
+    stages: int
+    loaders: list
+    leader: bool
+
+
+def stage_parts(model, part_bytes: int) -> StageLoaders | None:
+    """With pipeline stages (None without), this rank's stage's parts of about ``part_bytes``: the stages
+    gather side by side, each over a process group of its own ranks (formed once, every rank together)."""
+    from megatron.core import parallel_state
+
+    if model.options.pipeline_parallel == 1 or not dist.is_initialized():
+        return None
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    if getattr(model, "_stage_groups", None) is None:  # new_group is a collective of every rank, in one order
+        model._stage_groups = [(ranks, dist.new_group(ranks)) for ranks in _stage_ranks(stage)]
+    ranks, group = model._stage_groups[stage]
+    sends = _first_holder()
+    pieces = _Pieces(model)
+    expected = {k: v.shape for k, v in meta_model(model.config, model.runtime).state_dict().items()}
+    loaders = [partial(_load, model, pieces, items, ranks[0], sends, expected, group)
+               for items in plan(model, part_bytes, stage)]
+    return StageLoaders(stage, len(model._stage_groups), loaders, _rank() == ranks[0])
+
+
+def _stage_ranks(stage: int) -> list[list[int]]:
+    """The ranks of each pipeline stage, in stage order (every rank says its own)."""
+    stages: list = [None] * dist.get_world_size()
+    dist.all_gather_object(stages, stage)
+    return [[r for r, s in enumerate(stages) if s == k] for k in range(max(stages) + 1)]
 
 
 def save_gathered(model, directory, write: bool, max_shard_bytes: int = hf_io.DEFAULT_SHARD_BYTES) -> None:
