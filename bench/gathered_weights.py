@@ -101,9 +101,7 @@ def _megatron(rank: int, hidden: int, experts: int, part_bytes: int, layout: str
     largest = max(p.numel() * p.element_size() for p in model.parameters())
 
     def whole():  # the whole model as one part, on rank 0
-        state = {}
-        for load in model.weight_parts(1 << 62):
-            state.update(load() or {})
+        state = model.whole_state()
         return list(state.items()) if rank == 0 else None
 
     return model, _Handover(

@@ -32,6 +32,10 @@ class BackendModel(Protocol):
         {name: CPU tensor} (a routed-expert stack larger than a part as row pieces of whole experts,
         ``hf_io.row_piece_name``), None elsewhere."""
 
+    def whole_state(self, owner: int = 0) -> dict | None:
+        """The whole model in orthon's names on rank ``owner``, None elsewhere (a collective where the ranks
+        hold parts of it)."""
+
     def stage_parts(self, part_bytes: int):
         """Where the model runs in pipeline stages, this rank's stage's parts (``stage``, ``stages``,
         ``loaders``, ``leader``): the stage's ranks call its loaders together, each part gathered within the

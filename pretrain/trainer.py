@@ -591,11 +591,7 @@ class Trainer:
         (``self.model``'s own). Another backend's model: its state in orthon's names (on every rank where
         each holds the whole model)."""
         if self.foreign_model:  # another framework's names: orthon's, as every reader of this expects
-            keep = 0 if self.holds_shards else self.rank
-            state: dict = {}
-            for load in self.model.weight_parts(1 << 62, owner=lambda i: keep):
-                state.update(load() or {})
-            return state
+            return self.model.whole_state(0 if self.holds_shards else self.rank) or {}
         if not self.holds_shards:
             return None
         return get_model_state_dict(self.wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -43,7 +43,7 @@ from orthon.backends.megatron import grads, pipeline
 from orthon.backends.megatron.checks import check_recipe, check_world
 from orthon.backends.megatron.convert import megatron_shapes, orthon_to_megatron
 from orthon.backends.megatron.core_attention import SDPACoreAttention
-from orthon.backends.megatron.gathered_weights import save_gathered, stage_parts, weight_parts
+from orthon.backends.megatron.gathered_weights import save_gathered, stage_parts, weight_parts, whole_state
 from orthon.backends.megatron.reshard import rebuild
 from orthon.backends.megatron.model import (build_chunks, load_megatron_state, rank_key, require_megatron, sizes_of,
                                             stage_sizes)
@@ -193,6 +193,11 @@ class MegatronCausalLM(nn.Module):
         ranks hold parts of it: every rank calls each in turn); the i-th returns its part on rank
         ``owner(i)``, None elsewhere (``gathered_weights.weight_parts``)."""
         return weight_parts(self, part_bytes, owner)
+
+    def whole_state(self, owner: int = 0) -> dict | None:
+        """The whole model in orthon's names on rank ``owner``, None elsewhere (a collective where the ranks
+        hold parts of it)."""
+        return whole_state(self, owner)
 
     def stage_parts(self, part_bytes: int):
         """With pipeline stages, this rank's stage's parts, gathered within the stage to its leader

@@ -166,6 +166,16 @@ def weight_parts(model, part_bytes: int, owner=lambda i: 0) -> list:
             for i, items in enumerate(plan(model, part_bytes))]
 
 
+def whole_state(model, owner: int = 0) -> dict | None:
+    """The whole model in orthon's names on rank ``owner`` (None elsewhere), gathered as one part: for an
+    in-process engine or a test, never for what must scale (``weight_parts``)."""
+    (load,) = weight_parts(model, WHOLE, owner=lambda i: owner)
+    return load()
+
+
+WHOLE = 1 << 62  # a part size no model reaches: the whole model in one part
+
+
 @dataclass
 class StageLoaders:
     """This rank's pipeline ``stage``'s parts as loaders (called by the stage's ranks together, each part
