@@ -15,6 +15,9 @@ With ``--megatron LAYOUT`` (tensor_parallel, pipeline_parallel or expert_paralle
 the same for the megatron backend's model (orthon.backends.megatron.gathered_weights): "whole" is its
 state gathered whole on rank 0 (what RL's hand-over took there before, on every rank), the delta ways keep
 that whole copy on rank 0 against each rank keeping the parts it owns (orthon.rl.shard_delta.PartDelta).
+With ``pipeline_parallel`` also "stage_parts": each pipeline stage's parts gathered within the stage to its
+leader, side by side (what RL's distributed sync does there, orthon.rl.stage_sync), against every part
+gathered to rank 0 ("parts"): the bytes rank 0 receives and the time until every rank is done.
 
     python bench/gathered_weights.py [--hidden 1024] [--experts 32] [--part-mb 16] [--expert-parallel 2]
                                      [--megatron tensor_parallel]
@@ -41,6 +44,7 @@ from long_context import _rss_peak_reset, _status_kb  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WAYS = ("whole", "parts", "final", "delta_whole", "delta_rows")
+STAGE_WAY = "stage_parts"  # megatron's pipeline stages only
 
 
 @dataclass
@@ -53,6 +57,7 @@ class _Handover:
     parts: Callable
     final: Callable
     rank_delta: Callable
+    stage_parts: Callable | None = None  # pipeline stages: this rank's stage's loaders (gathered to its leader)
 
 
 def _fsdp(rank: int, hidden: int, experts: int, part_bytes: int, expert_parallel: int):
@@ -107,7 +112,7 @@ def _megatron(rank: int, hidden: int, experts: int, part_bytes: int, layout: str
     return model, _Handover(
         whole, lambda: model.weight_parts(part_bytes),
         lambda directory: save_gathered(model, directory, write=rank == 0, max_shard_bytes=part_bytes),
-        lambda: PartDelta(model, rank, 2, part_bytes)), params, largest
+        lambda: PartDelta(model, rank, 2, part_bytes), lambda: model.stage_parts(part_bytes).loaders), params, largest
 
 
 def _worker(rank, port, way, hidden, experts, part_bytes, out_dir, expert_parallel=1, megatron=None):
@@ -125,23 +130,25 @@ def _worker(rank, port, way, hidden, experts, part_bytes, out_dir, expert_parall
             state = handover.whole()
             held = sum(t.numel() * t.element_size() for _, t in state) if state else 0
             del state
-        elif way == "parts":  # the distributed hand-over's gathers (the broadcast itself sends from them)
-            held = 0
-            for load in handover.parts():
+        elif way in ("parts", STAGE_WAY):  # the distributed hand-over's gathers (its broadcasts send from them)
+            held = received = 0
+            for load in handover.parts() if way == "parts" else handover.stage_parts():
                 part = load()
-                held = max(held, sum(t.numel() * t.element_size() for t in part.values()) if part else 0)
+                size = sum(t.numel() * t.element_size() for t in part.values()) if part else 0
+                held, received = max(held, size), received + size
                 del part
         elif way == "final":  # final/ (and the disk hand-over): the weights directory, a safetensors shard at a time
             handover.final(Path(out_dir) / "final")
             held = part_bytes
         else:  # a delta sync after a full one, every parameter changed (as an optimizer step changes them)
             held = _delta_sync(model, handover, rank, way, out_dir)
-        seconds = time.perf_counter() - start
         peak_mb = (_status_kb("VmHWM") - base) / 1024
+        dist.barrier()  # the time until every rank is done (the stages gather side by side)
+        seconds = time.perf_counter() - start
         if rank == 0:
             Path(out_dir, "result.json").write_text(json.dumps(
                 {"way": way, "params": params, "peak_mb": peak_mb, "s": seconds, "largest_held_mb": held / 2**20,
-                 "largest_tensor_mb": largest / 2**20}))
+                 "largest_tensor_mb": largest / 2**20} | ({"received_mb": received / 2**20} if "parts" in way else {})))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -198,7 +205,7 @@ def main():
     args = parser.parse_args()
     print(cpu_kind() + (f"; megatron backend, {args.megatron}=2" if args.megatron else ""))
     figures = {}
-    for way in WAYS:
+    for way in WAYS + ((STAGE_WAY,) if args.megatron == "pipeline_parallel" else ()):
         figures[way] = measure(way, args.hidden, args.experts, args.part_mb << 20, args.expert_parallel, args.megatron)
         f = figures[way]
         print(f"{way}: rank 0 peak +{f['peak_mb']:7.1f} MB in {f['s']:.2f} s "
@@ -207,6 +214,12 @@ def main():
     whole = figures["whole"]["peak_mb"]
     ratios = {f"{way}_memory": figures[way]["peak_mb"] / whole for way in ("parts", "final")}
     ratios["delta_rows_memory"] = figures["delta_rows"]["peak_mb"] / figures["delta_whole"]["peak_mb"]
+    if STAGE_WAY in figures:
+        stage, parts = figures[STAGE_WAY], figures["parts"]
+        print(f"{STAGE_WAY}: rank 0 received {stage['received_mb']:.0f} MB against {parts['received_mb']:.0f} MB, "
+              f"every rank done in {stage['s']:.2f} s against {parts['s']:.2f} s")
+        ratios |= {"stage_parts_received": stage["received_mb"] / parts["received_mb"],
+                   "stage_parts_time": stage["s"] / parts["s"]}
     report("gathered_weights", figures, ratios)
 
 
