@@ -9,6 +9,38 @@ import urllib.error
 import urllib.request
 
 
+NETWORKS = ("auto", "local", "node")
+
+
+def service_host(network: str) -> str:
+    """The address a service this process starts listens on and is reached at: 127.0.0.1 where every
+    process of the run is on one machine ("local"); this node's address, as Ray knows it, where they span
+    several ("node"); "auto": node where this process belongs to a Ray cluster of several live nodes."""
+    if network not in NETWORKS:
+        raise ValueError(f"network: expected one of {', '.join(NETWORKS)}, got {network!r}")
+    if network == "local" or network == "auto" and not _in_multi_node_ray():
+        return "127.0.0.1"
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def _in_multi_node_ray() -> bool:
+    try:
+        import ray
+    except ImportError:
+        return False
+    return ray.is_initialized() and sum(1 for node in ray.nodes() if node.get("Alive")) > 1
+
+
+def interface_towards(address: str) -> str:
+    """This machine's address on the route to ``address`` (no packet is sent: a UDP socket's connect only
+    picks the route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((address, 9))
+        return s.getsockname()[0]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` now (the OS picks it)."""
     with socket.socket() as s:

@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 
 from orthon.core.errors import CheckpointError, ConfigError
 from orthon.core.files import atomic_write_bytes, fsync_file
+from orthon.core.net import interface_towards
 from orthon.engine.tensor_bytes import dtype_name, named_list, parse_dtype, tensor_hashes  # noqa: F401 (re-exported)
 from orthon.pretrain.hf_io import SINGLE_NAME, experts_to_hf
 from orthon.pretrain.model import GLMForCausalLM
@@ -192,10 +193,11 @@ def open_update_group(master_address: str, master_port: int, rank: int, world_si
         else:
             options = dist.ProcessGroupGloo._Options()
             options._timeout = timeout
-            # Over loopback, bind to it (the default device resolves the hostname, which a sandbox may
-            # not route); otherwise gloo's default (GLOO_SOCKET_IFNAME or the hostname's interface).
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
-                                if _is_loopback(master_address) else dist.ProcessGroupGloo.create_default_device()]
+            # Each member on its own interface towards the master: loopback over loopback; across machines
+            # the address that routes there (gloo's default device resolves the hostname, which may name
+            # loopback, as on a machine whose /etc/hosts maps it to 127.0.0.1, or not route at all).
+            here = "127.0.0.1" if _is_loopback(master_address) else interface_towards(master_address)
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=here)]
             group = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
             device = torch.device("cpu")
         return UpdateGroup(group, store, rank, timeout, device)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from orthon.core.errors import ConfigError
+from orthon.core.net import NETWORKS
 
 
 def _positive(obj, *names: str) -> None:
@@ -177,8 +178,16 @@ class ClusterConfig:
     health_failures: int = 2  # consecutive failed polls before an engine is restarted
     request_timeout_s: float = 120.0  # one generate call; then the engine counts as unavailable
     startup_timeout_s: float = 180.0
+    # Where the run's services listen and its weight-update groups meet: "local" on 127.0.0.1 (every actor
+    # on one machine); "node" on each node's address as Ray knows it (engines reachable from the trainer's
+    # node, the router from the rollout manager's, each update group at its broadcasting rank's node);
+    # "auto": node when the Ray cluster has more than one node. Disk weight sync needs run_dir on a
+    # filesystem every node shares.
+    network: Literal["auto", "local", "node"] = "auto"
 
     def __post_init__(self):
+        if self.network not in NETWORKS:
+            raise ConfigError(f"network: expected one of {', '.join(NETWORKS)}, got {self.network!r}")
         _positive(self, "engines", "engine_threads", "trainer_ranks", "trainer_threads", "engine_max_batch_size",
                   "part_bytes", "health_interval_s", "health_failures", "request_timeout_s", "startup_timeout_s")
         for name in ("reward_workers", "engine_prefix_cache_tokens"):

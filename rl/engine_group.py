@@ -21,10 +21,11 @@ def together(clients, remote, local) -> None:
 
 
 class EngineGroup:
-    """The update group named ``name`` of this process and the engines it was last formed with."""
+    """The update group named ``name`` of this process and the engines it was last formed with, meeting at
+    ``address`` (this process's: 127.0.0.1 on one machine, its node's address across several)."""
 
-    def __init__(self, name: str = DEFAULT_GROUP):
-        self.name = name
+    def __init__(self, name: str = DEFAULT_GROUP, address: str = "127.0.0.1"):
+        self.name, self.address = name, address
         self.group = None
         self.members: tuple[str, ...] = ()
 
@@ -34,11 +35,11 @@ class EngineGroup:
         if self.group is not None and members == self.members:
             return self.group
         self.close()
-        port, world = free_port(), len(clients) + 1
+        port, world = free_port(self.address), len(clients) + 1
         opened = []
-        together(clients, lambda c: c.init_weights_update_group("127.0.0.1", port, members.index(c.url) + 1, world,
+        together(clients, lambda c: c.init_weights_update_group(self.address, port, members.index(c.url) + 1, world,
                                                                 group_name=self.name),
-                 lambda: opened.append(open_update_group("127.0.0.1", port, 0, world)))
+                 lambda: opened.append(open_update_group(self.address, port, 0, world)))
         self.group, self.members = opened[0], members
         return self.group
 

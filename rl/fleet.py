@@ -24,7 +24,7 @@ import threading
 from collections import Counter
 from pathlib import Path
 
-from orthon.core.net import free_port, wait_until_healthy
+from orthon.core.net import free_port, service_host, wait_until_healthy
 
 
 def _die_with_parent() -> None:
@@ -44,9 +44,10 @@ class EngineServer:
     """Supervises one ``orthon serve`` process (wrapped in ``ray.remote`` by the fleet)."""
 
     def __init__(self, weights_dir: str, log_dir: str, threads: int = 1, max_batch_size: int = 64,
-                 host: str = "127.0.0.1", startup_timeout_s: float = 180.0, prefix_cache_tokens: int = 65536):
+                 network: str = "local", startup_timeout_s: float = 180.0, prefix_cache_tokens: int = 65536):
         self.weights_dir, self.log_dir, self.threads = weights_dir, Path(log_dir), threads
-        self.max_batch_size, self.host, self.startup_timeout_s = max_batch_size, host, startup_timeout_s
+        # Its address as this node has it (resolved here, on the engine's node): ClusterConfig.network.
+        self.max_batch_size, self.host, self.startup_timeout_s = max_batch_size, service_host(network), startup_timeout_s
         self.prefix_cache_tokens = prefix_cache_tokens
         self.proc: subprocess.Popen | None = None
         self.start()
@@ -131,7 +132,7 @@ class EngineFleet:
 
         server = ray.remote(num_cpus=self.cfg.engine_threads)(EngineServer)
         args = (self.weights_dir, str(self.run_dir / "engines"), self.cfg.engine_threads,
-                self.cfg.engine_max_batch_size, "127.0.0.1", self.cfg.startup_timeout_s,
+                self.cfg.engine_max_batch_size, self.cfg.network, self.cfg.startup_timeout_s,
                 self.cfg.engine_prefix_cache_tokens)
         self._server = lambda i: (server.options(scheduling_strategy=self.placement(i)) if self.placement else server).remote(*args)
         self.actors = [self._server(i) for i in range(self.cfg.engines)]
@@ -139,7 +140,8 @@ class EngineFleet:
         if self.cfg.router:
             from orthon.engine.router import Router
 
-            self.router = Router.start(self.urls, free_port(), policy="manual")
+            host = service_host(self.cfg.network)  # the rollout manager may run on another node
+            self.router = Router.start(self.urls, free_port(host), policy="manual", host=host)
         self._monitor = threading.Thread(target=self._watch, name="engine-monitor", daemon=True)
         self._monitor.start()
         self.log(f"engines: {', '.join(self.urls)}" + (f" behind the router at {self.router.url}" if self.router else ""))

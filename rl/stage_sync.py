@@ -35,8 +35,8 @@ class StageParts:
 class StageSender:
     """A stage leader's side: its stage's group with the engines, kept while they stay the same."""
 
-    def __init__(self, stage: int):
-        self.group = EngineGroup(f"orthon_pipeline_stage_{stage}")
+    def __init__(self, stage: int, address: str = "127.0.0.1"):
+        self.group = EngineGroup(f"orthon_pipeline_stage_{stage}", address)
 
     def send(self, loaders: list, clients, version: int, check: bool) -> dict[str, str]:
         """Each part, as the stage's ranks gather it, broadcast to the engines (every loader is called even

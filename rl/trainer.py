@@ -36,6 +36,7 @@ from orthon.core.errors import DataError
 from orthon.core.files import atomic_write_text
 from orthon.core.interrupts import stop_signals_recorded
 from orthon.core.metrics import MetricsLogger, moving_average, plot_curves, read_metrics
+from orthon.core.net import service_host
 from orthon.core.step_loop import stop_if_signalled
 from orthon.engine.client import HTTPEngine
 from orthon.engine.in_process import InProcessEngine
@@ -248,7 +249,7 @@ class RLTrainer:
         stage = self.trainer.stage_parts(part_bytes)
         if stage is not None:
             if self._stage_sender is None and stage.leader:
-                self._stage_sender = StageSender(stage.stage)
+                self._stage_sender = StageSender(stage.stage, service_host(self.recipe.rl.cluster.network))
             cluster = self.recipe.rl.cluster
             run = partial(run_stages, stage, self._stage_sender, self.weight_version,
                           lambda url: HTTPEngine(url, timeout_s=cluster.request_timeout_s), cluster.check_weights)

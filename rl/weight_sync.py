@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from orthon.core.errors import CheckpointError, EngineUnavailable
+from orthon.core.net import service_host
 from orthon.engine.delta import DELTA_TENSOR_NAME, DeltaEncoder
 from orthon.engine.tensor_bytes import tensor_hashes
 from orthon.engine.weight_transfer import (SharedBuckets, TensorMeta, broadcast_bytes, broadcast_tensors,
@@ -109,7 +110,7 @@ class WeightSync:
         self.cfg = cluster
         self.root = Path(run_dir) / "weights"
         self.encoder = None  # the delta encoder, once a full copy gave every engine the same bytes
-        self.group = EngineGroup()  # the distributed path's process group
+        self.group = EngineGroup(address=service_host(cluster.network))  # the distributed path's process group
         self._shared = None
         self.shard_base: int | None = None  # the version every engine holds that the ranks' deltas start from
 

@@ -138,6 +138,28 @@ def test_every_sync_path_leaves_the_engines_with_the_trainers_bytes(tmp_path, pa
     assert result["iterations"] == 2
 
 
+def test_a_cluster_on_its_nodes_addresses(tmp_path):
+    """``rl.cluster.network: node`` (what a Ray cluster of several machines takes, here on one): the engines
+    listen on the node's address, the router too, the weight-update group meets there and each member's
+    gloo device is its interface towards it; training runs and every sync leaves the engines holding the
+    trainer's bytes; nothing listens on 127.0.0.1."""
+    import ray
+
+    from orthon.rl.cluster import run
+
+    node = ray.util.get_node_ip_address()
+    if node.startswith("127."):
+        pytest.skip("this machine's Ray node address is loopback")
+    pre = _pretrain_dir(tmp_path)
+    lines = []
+    recipe = _recipe(tmp_path, pre, 2, mode="sync", cluster={"weight_sync": "distributed", "delta": False,
+                                                             "check_weights": True, "network": "node"})
+    result = run(recipe, _tokenizer(pre), log=lines.append)  # check_weights raises on any difference
+    assert result["iterations"] == 2
+    engines = next(str(line) for line in lines if str(line).startswith("engines: "))
+    assert engines.count(f"http://{node}:") == 3 and "127.0.0.1" not in engines  # two engines and the router
+
+
 @pytest.mark.parametrize("parallel,experts,path,delta", [
     ("fsdp", 2, "distributed", False), pytest.param("fsdp", 1, "distributed", False, marks=pytest.mark.slow),
     pytest.param("fsdp", 2, "disk", False, marks=pytest.mark.slow),
