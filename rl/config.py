@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from orthon.core.errors import ConfigError
-from orthon.core.net import NETWORKS
 
 
 def _positive(obj, *names: str) -> None:
@@ -186,8 +185,6 @@ class ClusterConfig:
     network: Literal["auto", "local", "node"] = "auto"
 
     def __post_init__(self):
-        if self.network not in NETWORKS:
-            raise ConfigError(f"network: expected one of {', '.join(NETWORKS)}, got {self.network!r}")
         _positive(self, "engines", "engine_threads", "trainer_ranks", "trainer_threads", "engine_max_batch_size",
                   "part_bytes", "health_interval_s", "health_failures", "request_timeout_s", "startup_timeout_s")
         for name in ("reward_workers", "engine_prefix_cache_tokens"):
