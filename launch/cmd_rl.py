@@ -72,4 +72,6 @@ def run(args, name):
         if trainer.rank != 0:  # under torchrun: rank 0 says it
             return 0
     print(f"done: {summary_line(result)}; {run_dir / 'reward.png'}")
+    if result.get("fleet"):  # on Ray: how the engines fared and how the weights reached them
+        print("fleet: " + ", ".join(f"{name} {count}" for name, count in sorted(result["fleet"].items())))
     return 0
