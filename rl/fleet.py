@@ -172,8 +172,7 @@ class EngineFleet:
         """The weights (the model, a state dict gathered from FSDP2's shards, or what ``form`` asked for)
         to every engine; an engine that could not take them is restarted with them. A streamed sync that
         failed raises IncompleteSync (after the engines are resumed) for the trainer's full copy."""
-        from orthon.rl.stage_sync import StageParts
-        from orthon.rl.weight_sync import IncompleteSync, ShardDeltas, WeightParts
+        from orthon.rl.weight_sync import IncompleteSync, ShardDeltas, StageParts, WeightParts
 
         with self._lock:
             streamed = isinstance(model, (WeightParts, ShardDeltas, StageParts))

@@ -10,26 +10,12 @@ them. A failure on any rank fails the whole sync: rank 0 raises it (orthon.rl.we
 IncompleteSync, after which the ranks write the version's directory for a full copy)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 from orthon.core import distributed
 from orthon.engine.tensor_bytes import tensor_hashes
 from orthon.engine.weight_transfer import TensorMeta, broadcast_tensors
 from orthon.pretrain.gathered_weights import drain_on_error
-from orthon.pretrain.hf_io import experts_to_hf
 from orthon.rl.engine_group import EngineGroup, together
-
-
-@dataclass
-class StageParts:
-    """What rank 0 hands the fleet: ``run(urls)``, which every rank calls at once (``run_stages``), returns
-    (parts sent, the failures, the hashes of what was sent when checking); ``stages`` and ``sent`` (set once
-    sent) for the counters."""
-
-    run: Callable
-    stages: int
-    sent: int = 0
+from orthon.rl.weight_sync import _named
 
 
 class StageSender:
@@ -48,7 +34,7 @@ class StageSender:
         def each(loaders):
             group = self.group.formed(clients)
             for load in loaders:
-                named = list(experts_to_hf({n: t.detach() for n, t in load().items()}).items())  # engines' names
+                named = _named(load())
                 if check:
                     hashes.update(tensor_hashes(named))
                 metas = [TensorMeta.of(n, t) for n, t in named]

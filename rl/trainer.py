@@ -49,8 +49,8 @@ from orthon.rl.rollout_manager import RolloutManager, rollout_state
 from orthon.rl.sample import Sample, branches, sample_to_dict
 from orthon.rl.steps import METRICS, PolicyStep
 from orthon.rl.shard_delta import PartDelta, ShardDelta
-from orthon.rl.stage_sync import StageParts, StageSender, run_stages
-from orthon.rl.weight_sync import IncompleteSync, ShardDeltas, SyncForm, WeightParts
+from orthon.rl.stage_sync import StageSender, run_stages
+from orthon.rl.weight_sync import IncompleteSync, ShardDeltas, StageParts, SyncForm, WeightParts
 
 
 class RLTrainer:

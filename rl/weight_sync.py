@@ -26,7 +26,7 @@ for a full copy (the parts are gone; the engines may hold a mix of two versions 
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +42,6 @@ from orthon.engine.weight_transfer import (SharedBuckets, TensorMeta, broadcast_
 from orthon.pretrain.gathered_weights import drain_on_error
 from orthon.pretrain.hf_io import experts_to_hf, load_hf_state
 from orthon.rl.engine_group import EngineGroup, together
-from orthon.rl.stage_sync import StageParts
 
 
 @dataclass(frozen=True)
@@ -61,6 +60,17 @@ class WeightParts:
     on rank 0 while the other ranks call theirs: {name: tensor} of one part."""
 
     loaders: list
+
+
+@dataclass
+class StageParts:
+    """A pipelined trainer's version, each stage's parts over its own group: ``run(urls)``, which every rank
+    calls at once (orthon.rl.stage_sync.run_stages), returns (parts sent, the failures, the hashes of what
+    was sent when checking); ``stages`` and ``sent`` (set once sent) for the counters."""
+
+    run: Callable
+    stages: int
+    sent: int = 0
 
 
 @dataclass

@@ -641,8 +641,8 @@ def test_a_pipeline_stage_streams_over_its_own_group_and_a_failure_asks_for_a_fu
     from orthon.engine.tensor_bytes import tensor_hashes
     from orthon.pretrain.gathered_weights import gathered_parts
     from orthon.rl.config import ClusterConfig
-    from orthon.rl.stage_sync import StageParts, StageSender, run_stages
-    from orthon.rl.weight_sync import IncompleteSync, WeightSync
+    from orthon.rl.stage_sync import StageSender, run_stages
+    from orthon.rl.weight_sync import IncompleteSync, StageParts, WeightSync
 
     base, other = load_weights(weights[0]), load_weights(weights[1])
     client = HTTPEngine(mutable.url)

@@ -155,15 +155,16 @@ def _map(item) -> _Map:
     return item.map if isinstance(item, _Window) else item
 
 
-def weight_parts(model, part_bytes: int, owner=lambda i: 0) -> list:
+def weight_parts(model, part_bytes: int, owner=lambda i: 0, pipeline_rank: int | None = None, group=None) -> list:
     """The model (a MegatronCausalLM) in parts of about ``part_bytes`` as loaders: calling the i-th, on every
     rank in the same order (a collective where the ranks hold parts of the model), returns on rank
-    ``owner(i)`` that part, {orthon name or expert window's row piece: CPU tensor}, elsewhere None."""
+    ``owner(i)`` that part, {orthon name or expert window's row piece: CPU tensor}, elsewhere None.
+    ``pipeline_rank``: only the parts that pipeline rank holds, gathered over ``group`` (its ranks)."""
     sends = _first_holder() if model.model_parallel else True
     pieces = _Pieces(model)
     expected = {k: v.shape for k, v in meta_model(model.config, model.runtime).state_dict().items()}
-    return [partial(_load, model, pieces, items, owner(i), sends, expected)
-            for i, items in enumerate(plan(model, part_bytes))]
+    return [partial(_load, model, pieces, items, owner(i), sends, expected, group)
+            for i, items in enumerate(plan(model, part_bytes, pipeline_rank))]
 
 
 def whole_state(model, owner: int = 0) -> dict | None:
@@ -198,11 +199,7 @@ def stage_parts(model, part_bytes: int) -> StageLoaders | None:
     if getattr(model, "_stage_groups", None) is None:  # new_group is a collective of every rank, in one order
         model._stage_groups = [(ranks, dist.new_group(ranks)) for ranks in _stage_ranks(stage)]
     ranks, group = model._stage_groups[stage]
-    sends = _first_holder()
-    pieces = _Pieces(model)
-    expected = {k: v.shape for k, v in meta_model(model.config, model.runtime).state_dict().items()}
-    loaders = [partial(_load, model, pieces, items, ranks[0], sends, expected, group)
-               for items in plan(model, part_bytes, stage)]
+    loaders = weight_parts(model, part_bytes, owner=lambda i: ranks[0], pipeline_rank=stage, group=group)
     return StageLoaders(stage, len(model._stage_groups), loaders, _rank() == ranks[0])
 
 
