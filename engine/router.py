@@ -36,32 +36,44 @@ def _normal(url: str) -> str:
 
 
 class Router:
-    def __init__(self, process: subprocess.Popen, url: str, log_path: Path, timeout_s: float):
+    def __init__(self, process: subprocess.Popen, url: str, log_path: Path, timeout_s: float, log_start: int = 0):
         self.process, self.url, self.log_path, self.timeout_s = process, url, Path(log_path), timeout_s
+        self.log_start = log_start  # where this process's output begins in the log (a retried start appends)
 
     @classmethod
     def start(cls, worker_urls, port: int, policy: str = "manual", host: str = "127.0.0.1", timeout_s: float = 120.0,
-              log_path=None) -> "Router":
-        """Launch sglang-router on ``host:port`` over ``worker_urls``; returns once all are healthy there."""
+              log_path=None, attempts: int = 3) -> "Router":
+        """Launch sglang-router on ``host:port`` over ``worker_urls``; returns once all are healthy there. Its
+        metrics port is one free when chosen, which another process may take before the router binds it (a
+        run's Ray workers, gloo stores): such a start is retried on a new one, ``attempts`` times in all."""
         if policy not in POLICIES:
             raise ConfigError(f"router policy: expected one of {', '.join(POLICIES)}, got {policy!r}")
         try:
             import sglang_router  # noqa: F401  (only to say what is missing)
         except ImportError:
             raise ConfigError("sglang-router is not installed (pip install 'orthon[rl]')") from None
-        workers = [_normal(u) for u in worker_urls]
         if log_path is None:
             handle, log_path = tempfile.mkstemp(prefix="sglang-router-", suffix=".log")
             os.close(handle)
+        for attempt in range(attempts):
+            try:
+                return cls._launch([_normal(u) for u in worker_urls], port, policy, host, timeout_s, Path(log_path))
+            except EngineUnavailable as exc:
+                if "address already in use" not in str(exc).lower() or attempt == attempts - 1:
+                    raise
+
+    @classmethod
+    def _launch(cls, workers: list[str], port: int, policy: str, host: str, timeout_s: float, log_path: Path) -> "Router":
         command = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
                    "--policy", policy, "--log-level", "warn", "--prometheus-host", "127.0.0.1",
                    "--prometheus-port", str(free_port()), "--worker-startup-timeout-secs", str(max(1, int(timeout_s))),
                    "--request-timeout-secs", "600", "--shutdown-grace-period-secs", "5"]
         if workers:
             command += ["--worker-urls", *workers]
+        start = log_path.stat().st_size if log_path.exists() else 0
         with open(log_path, "ab") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        router = cls(process, f"http://{host}:{port}", Path(log_path), timeout_s)
+        router = cls(process, f"http://{host}:{port}", log_path, timeout_s, log_start=start)
         try:
             router._wait(lambda: set(workers) <= set(router.workers(healthy_only=True)), timeout_s,
                          f"the router did not list {workers} as healthy")
@@ -130,7 +142,7 @@ class Router:
 
     def _tail(self, chars: int = 2000) -> str:
         try:
-            return self.log_path.read_text(errors="replace")[-chars:]
+            return self.log_path.read_bytes()[self.log_start:].decode(errors="replace")[-chars:]
         except OSError:
             return ""
 

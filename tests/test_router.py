@@ -103,3 +103,33 @@ def test_a_router_whose_worker_never_answers_times_out(tmp_path):
         Router.start([], free_port(), policy="fastest")
     with pytest.raises(TimeoutError, match=r"did not list \['http://127.0.0.1:\d+'\] as healthy within 3 s"):
         Router.start([f"http://127.0.0.1:{free_port()}"], free_port(), timeout_s=3, log_path=tmp_path / "r.log")
+
+
+def test_a_router_whose_metrics_port_was_taken_starts_on_another(tmp_path, monkeypatch):
+    """The metrics port is free when chosen, but another process may bind it before the router does: the
+    router exits ("Address already in use"), and the start is retried on a new port, the running router's
+    log tail holding only its own output; a port taken at every attempt fails after ``attempts`` starts."""
+    import socket
+
+    import orthon.engine.router as router_module
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1], free_port()])
+    monkeypatch.setattr(router_module, "free_port", lambda host="127.0.0.1": next(ports))
+    log = tmp_path / "r.log"
+    try:
+        started = Router.start([], free_port(), timeout_s=60, log_path=log)
+        try:
+            assert started.workers() == []
+            assert "already in use" in log.read_text().lower()  # the first start's output, before the retry
+            assert "already in use" not in started._tail().lower()  # the running router's own output
+        finally:
+            started.stop()
+        ports = iter([taken.getsockname()[1]] * 3)
+        with pytest.raises(router_module.EngineUnavailable, match="(?i)address already in use"):
+            Router.start([], free_port(), timeout_s=60, log_path=tmp_path / "r2.log", attempts=3)
+        assert next(ports, None) is None  # three starts, each on the taken port
+    finally:
+        taken.close()
